@@ -1,0 +1,1 @@
+"""Pure numpy/scipy/numba kernels: nothing here imports pyspark."""

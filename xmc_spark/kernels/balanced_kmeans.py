@@ -1,0 +1,80 @@
+"""Balanced spherical k-means split of one tree node (Parabel / PECOS style).
+
+For two children: alternate (a) centroids = normalized sums of each half and (b) sort the
+labels by v^T (mu+ - mu-) and give the top half to child 0, until the halves stop changing.
+For B > 2 children, (b) becomes a greedy balanced assignment of labels to the centroids.
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from numba import njit
+
+
+def _centroids(Z: sp.csr_matrix, assign: np.ndarray, k: int) -> np.ndarray:
+    """Normalized centroid per cluster, dense (k x d): one node's d-vector per child."""
+    m = Z.shape[0]
+    A = sp.csr_matrix((np.ones(m, dtype=np.float32), (assign, np.arange(m))), shape=(k, m))
+    C = np.asarray((A @ Z).todense(), dtype=np.float64)
+    n = np.linalg.norm(C, axis=1, keepdims=True)
+    n[n == 0] = 1.0
+    return C / n
+
+
+@njit(cache=True)
+def _greedy_balanced(scores, caps):
+    """Assign rows to columns by descending score, each column taking at most caps[j] rows."""
+    m, k = scores.shape
+    flat = np.argsort(-scores.ravel(), kind="mergesort")
+    assign = -np.ones(m, dtype=np.int64)
+    load = np.zeros(k, dtype=np.int64)
+    left = m
+    for f in flat:
+        i = f // k
+        j = f % k
+        if assign[i] >= 0 or load[j] >= caps[j]:
+            continue
+        assign[i] = j
+        load[j] += 1
+        left -= 1
+        if left == 0:
+            break
+    return assign
+
+
+def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, seed: int = 0) -> np.ndarray:
+    """Split the rows of Z (label embeddings of one node) into ``nr_splits`` balanced parts.
+
+    Returns an int array of child positions in [0, nr_splits); part sizes differ by at most 1
+    (child j gets ceil or floor of m / B, the larger parts first). Deterministic for a seed.
+    """
+    Z = sp.csr_matrix(Z, dtype=np.float32)
+    m = Z.shape[0]
+    k = min(nr_splits, m)
+    if m <= 1 or k <= 1:
+        return np.zeros(m, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    base, extra = divmod(m, k)
+    caps = np.full(k, base, dtype=np.int64)
+    caps[:extra] += 1
+    # init: k distinct random labels as centroids
+    init = rng.choice(m, size=k, replace=False)
+    C = np.asarray(Z[init].todense(), dtype=np.float64)
+    n = np.linalg.norm(C, axis=1, keepdims=True)
+    n[n == 0] = 1.0
+    C /= n
+    assign = None
+    for _ in range(max_iter):
+        S = np.asarray(Z @ C.T, dtype=np.float64)                 # m x k similarities
+        if k == 2:
+            diff = S[:, 0] - S[:, 1]
+            order = np.argsort(-diff, kind="mergesort")
+            new = np.ones(m, dtype=np.int64)
+            new[order[: caps[0]]] = 0
+        else:
+            new = _greedy_balanced(S, caps)
+        if assign is not None and np.array_equal(new, assign):
+            break
+        assign = new
+        C = _centroids(Z, assign, k)
+    return assign

@@ -1,0 +1,152 @@
+"""Beam search down a label tree, scoring only the children of the nodes in each beam.
+
+Scores combine as in PECOS's default ``l3-hinge`` post-processor: a node's score is its
+parent's score times exp(-max(0, 1 - w^T x)^3). A pass-through node (the only child of its
+parent, used to pad shallow leaves) keeps its parent's score. At the label layer, a label
+reached through several leaves (overlapping clusters) gets the average of its scores.
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from numba import njit
+
+POST_PROCESSORS = {"l3-hinge": 0, "l2-hinge": 1, "sigmoid": 2}
+
+
+@njit(cache=True)
+def _transform(v, post):
+    if post == 2:
+        return 1.0 / (1.0 + np.exp(-v))
+    h = 1.0 - v
+    if h < 0.0:
+        h = 0.0
+    if post == 1:
+        return np.exp(-h * h)
+    return np.exp(-h * h * h)
+
+
+@njit(cache=True)
+def _beam_layer(xptr, xidx, xval, n_cols, prev_nodes, prev_scores, child_ptr, wptr, widx, wval,
+                passthrough, out_k, slot_label, post):
+    n = prev_nodes.shape[0]
+    b = prev_nodes.shape[1]
+    out_nodes = -np.ones((n, out_k), dtype=np.int64)
+    out_scores = np.zeros((n, out_k), dtype=np.float64)
+    dense = np.zeros(n_cols, dtype=np.float64)
+    max_cand = 0
+    for i in range(n):
+        c = 0
+        for j in range(b):
+            p = prev_nodes[i, j]
+            if p >= 0:
+                c += child_ptr[p + 1] - child_ptr[p]
+        if c > max_cand:
+            max_cand = c
+    cand = np.empty(max_cand, dtype=np.int64)
+    cscore = np.empty(max_cand, dtype=np.float64)
+    final = slot_label.shape[0] > 0
+    for i in range(n):
+        for p in range(xptr[i], xptr[i + 1]):
+            dense[xidx[p]] = xval[p]
+        c = 0
+        for j in range(b):
+            p = prev_nodes[i, j]
+            if p < 0:
+                continue
+            ps = prev_scores[i, j]
+            for node in range(child_ptr[p], child_ptr[p + 1]):
+                if passthrough[node]:
+                    s = ps
+                else:
+                    v = 0.0
+                    for q in range(wptr[node], wptr[node + 1]):
+                        v += wval[q] * dense[widx[q]]
+                    s = ps * _transform(v, post)
+                cand[c] = slot_label[node] if final else node
+                cscore[c] = s
+                c += 1
+        for p in range(xptr[i], xptr[i + 1]):
+            dense[xidx[p]] = 0.0
+        if c == 0:
+            continue
+        if final:  # average the scores of a label reached through several leaves
+            order = np.argsort(cand[:c], kind="mergesort")
+            ulab = np.empty(c, dtype=np.int64)
+            usc = np.empty(c, dtype=np.float64)
+            u = -1
+            cnt = 0
+            for t in range(c):
+                lab = cand[order[t]]
+                if u < 0 or lab != ulab[u]:
+                    if u >= 0:
+                        usc[u] /= cnt
+                    u += 1
+                    ulab[u] = lab
+                    usc[u] = 0.0
+                    cnt = 0
+                usc[u] += cscore[order[t]]
+                cnt += 1
+            usc[u] /= cnt
+            c = u + 1
+            cand[:c] = ulab[:c]
+            cscore[:c] = usc[:c]
+        # stable top-k by score, ties broken by smaller id
+        keys = np.empty(c, dtype=np.float64)
+        for t in range(c):
+            keys[t] = -cscore[t]
+        order = np.argsort(keys, kind="mergesort")
+        m = min(out_k, c)
+        for t in range(m):
+            out_nodes[i, t] = cand[order[t]]
+            out_scores[i, t] = cscore[order[t]]
+    return out_nodes, out_scores
+
+
+def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int = 10, topk: int = 5,
+                post_processor: str = "l3-hinge"):
+    """Top-k labels and scores for each row of X (bias column already appended).
+
+    ``layers`` is a list of (child_ptr, W csc (n_cols x K_t), passthrough bool[K_t]) from the
+    root down; the last layer's nodes are label slots mapped to labels by ``slot_label``.
+    Returns (labels int64 n x topk, -1 padded; scores float64 n x topk).
+    """
+    X = sp.csr_matrix(X)
+    n = X.shape[0]
+    post = POST_PROCESSORS[post_processor]
+    nodes = np.zeros((n, 1), dtype=np.int64)
+    scores = np.ones((n, 1), dtype=np.float64)
+    xptr, xidx, xval = X.indptr.astype(np.int64), X.indices.astype(np.int64), X.data.astype(np.float64)
+    empty = np.zeros(0, dtype=np.int64)
+    for t, (child_ptr, W, passthrough) in enumerate(layers):
+        last = t == len(layers) - 1
+        W = sp.csc_matrix(W)
+        nodes, scores = _beam_layer(
+            xptr, xidx, xval, X.shape[1], nodes, scores, np.asarray(child_ptr, dtype=np.int64),
+            W.indptr.astype(np.int64), W.indices.astype(np.int64), W.data.astype(np.float64),
+            np.asarray(passthrough, dtype=np.bool_), topk if last else beam_size,
+            np.asarray(slot_label, dtype=np.int64) if last else empty, post)
+    return nodes, scores
+
+
+def exhaustive_scores(X: sp.csr_matrix, layers, slot_label: np.ndarray, n_labels: int,
+                      post_processor: str = "l3-hinge") -> np.ndarray:
+    """Dense (n x n_labels) path scores of every label: the reference beam search approximates.
+
+    For tests on tiny trees only (memory n x labels).
+    """
+    X = sp.csr_matrix(X)
+    post = POST_PROCESSORS[post_processor]
+    f = np.vectorize(lambda v: _transform(v, post))
+    S = np.ones((X.shape[0], 1))
+    for child_ptr, W, passthrough in layers:
+        parent = np.repeat(np.arange(len(child_ptr) - 1), np.diff(child_ptr))
+        raw = np.asarray((X @ sp.csc_matrix(W)).todense())
+        T = np.where(np.asarray(passthrough)[None, :], 1.0, f(raw))
+        S = S[:, parent] * T
+    out = np.zeros((X.shape[0], n_labels))
+    cnt = np.zeros(n_labels)
+    np.add.at(cnt, slot_label, 1)
+    for k, lab in enumerate(slot_label):
+        out[:, lab] += S[:, k]
+    return out / np.maximum(cnt, 1)[None, :]

@@ -1,0 +1,162 @@
+"""Label-tree bookkeeping in heap numbering, shared by the numpy reference and Spark stages.
+
+Nodes are numbered as a B-ary heap: the root is 0 and the children of node n are
+n*B + 1 .. n*B + B, so a node id alone gives its depth and every ancestor. A tree is the
+list of label slots: (label, leaf node). A label normally has one slot; overlapping
+clusters give it several.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import numpy as np
+import scipy.sparse as sp
+
+from .balanced_kmeans import balanced_split
+
+
+def node_depth(ids, B: int) -> np.ndarray:
+    ids = np.asarray(ids, dtype=np.int64).copy()
+    d = np.zeros(ids.shape, dtype=np.int64)
+    while np.any(ids > 0):
+        m = ids > 0
+        ids[m] = (ids[m] - 1) // B
+        d[m] += 1
+    return d
+
+
+def ancestor_at(ids, depths, target: int, B: int) -> np.ndarray:
+    """Ancestor at depth ``target`` of each node (nodes shallower than target keep their id)."""
+    ids = np.asarray(ids, dtype=np.int64).copy()
+    depths = np.asarray(depths, dtype=np.int64)
+    for _ in range(int(depths.max(initial=0)) - target):
+        m = depths > target
+        depths = np.where(m, depths - 1, depths)
+        ids[m] = (ids[m] - 1) // B
+    return ids
+
+
+def split_seed(seed: int, node: int) -> int:
+    """Deterministic per-node seed, the same in every executor."""
+    return int((int(seed) * 1000003 + int(node) * 7919 + 17) % (2 ** 31 - 1))
+
+
+def split_node(Z: sp.csr_matrix, node: int, nr_splits: int, max_iter: int, seed: int) -> np.ndarray:
+    """Child node ids for the rows of Z (the embeddings of one node's labels, sorted by label)."""
+    pos = balanced_split(Z, nr_splits=nr_splits, max_iter=max_iter, seed=split_seed(seed, node))
+    return node * nr_splits + 1 + pos
+
+
+def build_tree(Z: sp.csr_matrix, max_leaf_size: int = 100, nr_splits: int = 2, max_iter: int = 20,
+               seed: int = 0) -> np.ndarray:
+    """Numpy reference of the level-by-level tree: the leaf node id of every label."""
+    Z = sp.csr_matrix(Z)
+    L = Z.shape[0]
+    node = np.zeros(L, dtype=np.int64)
+    while True:
+        ids, counts = np.unique(node, return_counts=True)
+        big = ids[counts > max_leaf_size]
+        if len(big) == 0:
+            return node
+        for n in big:
+            labels = np.flatnonzero(node == n)
+            node[labels] = split_node(Z[labels], int(n), nr_splits, max_iter, seed)
+
+
+class TreeIndex:
+    """Lookups over the slots (label, leaf) of a tree, small enough to broadcast (O(labels))."""
+
+    def __init__(self, slot_label, slot_leaf, n_labels: int, nr_splits: int):
+        slot_label = np.asarray(slot_label, dtype=np.int64)
+        slot_leaf = np.asarray(slot_leaf, dtype=np.int64)
+        order = np.lexsort((slot_label, slot_leaf))     # slots sorted by (leaf, label)
+        self.slot_label = slot_label[order]
+        self.slot_leaf = slot_leaf[order]
+        self.B = int(nr_splits)
+        self.n_labels = int(n_labels)
+        self.slot_depth = node_depth(self.slot_leaf, self.B)
+        self.depth = int(self.slot_depth.max(initial=0))
+        # label -> slots (CSR)
+        by_label = np.argsort(self.slot_label, kind="mergesort")
+        self.label_ptr = np.zeros(self.n_labels + 1, dtype=np.int64)
+        np.add.at(self.label_ptr, self.slot_label + 1, 1)
+        self.label_ptr = np.cumsum(self.label_ptr)
+        self.label_slots = by_label
+        self.leaves, self.leaf_start = np.unique(self.slot_leaf, return_index=True)
+        self.leaf_end = np.append(self.leaf_start[1:], len(self.slot_leaf))
+        # internal nodes: every proper ancestor of a leaf
+        internal = []
+        for t in range(self.depth):
+            m = self.slot_depth > t
+            internal.append(np.unique(ancestor_at(self.slot_leaf[m], self.slot_depth[m], t, self.B)))
+        self.internal = np.unique(np.concatenate(internal)) if internal else np.zeros(0, np.int64)
+        self.nodes = np.union1d(self.internal, self.leaves)
+
+    def to_arrays(self) -> Dict[str, np.ndarray]:
+        return {"slot_label": self.slot_label, "slot_leaf": self.slot_leaf}
+
+    def slots_of_labels(self, labels: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(index into ``labels`` of each slot, slot id) for every slot of every label."""
+        labels = np.asarray(labels, dtype=np.int64)
+        cnt = self.label_ptr[labels + 1] - self.label_ptr[labels]
+        src = np.repeat(np.arange(len(labels)), cnt)
+        start = np.repeat(self.label_ptr[labels], cnt)
+        off = np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        return src, self.label_slots[start + off]
+
+    def groups_of_samples(self, offsets: np.ndarray, labels: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Training groups of each sample: every node whose classifiers see the sample.
+
+        A sample reaches the root and, teacher-forced, every ancestor of the leaves of its
+        labels, and those leaves. Returns unique (sample row, group node) pairs. Samples with
+        no label are negatives at the root only.
+        """
+        offsets = np.asarray(offsets, dtype=np.int64)
+        n = len(offsets) - 1
+        rows = np.repeat(np.arange(n), np.diff(offsets))
+        src, slots = self.slots_of_labels(np.asarray(labels, dtype=np.int64))
+        rows = rows[src]
+        leaf, dep = self.slot_leaf[slots], self.slot_depth[slots]
+        pr = [np.arange(n)]
+        pg = [np.zeros(n, dtype=np.int64)]
+        for t in range(1, self.depth + 1):
+            m = dep >= t
+            pr.append(rows[m])
+            pg.append(ancestor_at(leaf[m], dep[m], t, self.B))
+        r = np.concatenate(pr)
+        g = np.concatenate(pg)
+        key = np.unique(r * (2 ** 40) + g) if len(r) else np.zeros(0, np.int64)
+        return key // (2 ** 40), key % (2 ** 40)
+
+    def node_problem(self, group: int, offsets: np.ndarray, labels: np.ndarray):
+        """(child ids or slot ids, Y n x K) for the classifiers trained at node ``group``.
+
+        At an internal node the children are its child nodes that hold labels; at a leaf
+        they are its slots (one classifier per label in the leaf).
+        """
+        offsets = np.asarray(offsets, dtype=np.int64)
+        n = len(offsets) - 1
+        rows = np.repeat(np.arange(n), np.diff(offsets))
+        src, slots = self.slots_of_labels(np.asarray(labels, dtype=np.int64))
+        rows = rows[src]
+        k = np.searchsorted(self.leaves, group)
+        if k < len(self.leaves) and self.leaves[k] == group:
+            s0, s1 = self.leaf_start[k], self.leaf_end[k]
+            m = (slots >= s0) & (slots < s1)
+            children = np.arange(s0, s1)
+            col = slots[m] - s0
+            rows = rows[m]
+        else:
+            gd = int(node_depth([group], self.B)[0])
+            leaf, dep = self.slot_leaf[slots], self.slot_depth[slots]
+            m = dep > gd
+            anc_child = ancestor_at(leaf[m], dep[m], gd + 1, self.B)
+            parent = (anc_child - 1) // self.B
+            keep = parent == group
+            rows, anc_child = rows[m][keep], anc_child[keep]
+            lo, hi = np.searchsorted(self.nodes, [group * self.B + 1, group * self.B + self.B + 1])
+            children = self.nodes[lo:hi]
+            col = np.searchsorted(children, anc_child)
+        Y = sp.csr_matrix((np.ones(len(rows), dtype=np.float32), (rows, col)), shape=(n, len(children)))
+        Y.data[:] = 1.0
+        return children, Y

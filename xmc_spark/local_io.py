@@ -1,0 +1,40 @@
+"""Single-process readers for the XC text format (tests, benchmarks and the reference path).
+
+The Spark ingest stage (``stages/ingest.py``) is the production reader; this one exists so
+kernels can be checked against it and benchmarks can feed PECOS the very same matrices.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+import scipy.sparse as sp
+
+from .kernels.sparse import l2_normalize_rows
+
+
+def read_xc(path: str, normalize: bool = True) -> Tuple[sp.csr_matrix, sp.csr_matrix]:
+    """(X n x d float32, Y n x L) from an XC-repository text file."""
+    with open(path) as f:
+        header = f.readline().split()
+        n, d, L = (int(v) for v in header)
+        lab_ptr, lab_idx, ft_ptr, ft_idx, ft_val = [0], [], [0], [], []
+        for line in f:
+            toks = line.split()
+            if toks and ":" not in toks[0]:
+                lab_idx.extend(int(v) for v in toks[0].split(",") if v)
+                toks = toks[1:]
+            for t in toks:
+                a, b = t.split(":")
+                ft_idx.append(int(a))
+                ft_val.append(float(b))
+            lab_ptr.append(len(lab_idx))
+            ft_ptr.append(len(ft_idx))
+    X = sp.csr_matrix((np.asarray(ft_val, np.float32), np.asarray(ft_idx, np.int32), np.asarray(ft_ptr)),
+                      shape=(len(ft_ptr) - 1, d))
+    X.sum_duplicates()
+    Y = sp.csr_matrix((np.ones(len(lab_idx), np.float32), np.asarray(lab_idx, np.int32), np.asarray(lab_ptr)),
+                      shape=(len(lab_ptr) - 1, L))
+    Y.sum_duplicates()
+    Y.data[:] = 1.0
+    return (l2_normalize_rows(X) if normalize else X), Y

@@ -1,0 +1,256 @@
+"""The tree model: save/load without Spark, numpy prediction, and a numpy reference trainer.
+
+A saved model is a folder: ``param.json`` (class name, sizes, params), ``tree.npz`` (the label
+slots) and ``weights_nodes.npz`` / ``weights_slots.npz`` (sparse classifier weights, one column
+per tree node or label slot). ``XMCModel.train_local`` runs the same kernels as the Spark
+stages on one machine; the Spark pipeline must produce the same model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+import scipy.sparse as sp
+
+from .kernels.beam_search import beam_search
+from .kernels.label_embedding import pifa
+from .kernels.sparse import append_bias
+from .kernels.squared_hinge import train_node
+from .kernels.tree import TreeIndex, ancestor_at, build_tree, node_depth
+from .params import PredictParams, TrainParams, TreeParams
+
+FORMAT_VERSION = 1
+
+
+class ModelFormatError(ValueError):
+    pass
+
+
+@dataclass
+class KeyedColumns:
+    """Sparse columns keyed by an id: column j of ``W`` belongs to ``keys[j]``."""
+
+    keys: np.ndarray
+    W: sp.csc_matrix
+
+    @classmethod
+    def from_dict(cls, cols: Dict[int, tuple], n_rows: int) -> "KeyedColumns":
+        keys = np.array(sorted(cols), dtype=np.int64)
+        ptr = [0]
+        idx, val = [], []
+        for k in keys:
+            i, v = cols[int(k)]
+            idx.append(np.asarray(i, np.int32))
+            val.append(np.asarray(v, np.float32))
+            ptr.append(ptr[-1] + len(i))
+        W = sp.csc_matrix((np.concatenate(val) if val else np.zeros(0, np.float32),
+                           np.concatenate(idx) if idx else np.zeros(0, np.int32), np.array(ptr)),
+                          shape=(n_rows, len(keys)))
+        return cls(keys, W)
+
+    def select(self, keys: np.ndarray) -> sp.csc_matrix:
+        """Columns for ``keys`` in that order; a key with no stored column gets an empty one."""
+        keys = np.asarray(keys, dtype=np.int64)
+        if len(self.keys) == 0:
+            return sp.csc_matrix((self.W.shape[0], len(keys)), dtype=np.float32)
+        pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
+        found = self.keys[pos] == keys
+        W = self.W[:, pos].tocsc()
+        if not found.all():
+            W = (W @ sp.diags(found.astype(np.float32))).tocsc()
+            W.eliminate_zeros()
+        return W
+
+    def save(self, path: Path) -> None:
+        W = self.W.tocsc()
+        np.savez(path, keys=self.keys, indptr=W.indptr, indices=W.indices, data=W.data,
+                 shape=np.array(W.shape))
+
+    @classmethod
+    def load(cls, path: Path) -> "KeyedColumns":
+        z = np.load(path)
+        W = sp.csc_matrix((z["data"], z["indices"], z["indptr"]), shape=tuple(z["shape"]))
+        return cls(z["keys"], W)
+
+
+class XMCModel:
+    """Label tree + per-node classifiers; prediction by beam search."""
+
+    def __init__(self, index: TreeIndex, node_w: KeyedColumns, slot_w: KeyedColumns, n_features: int,
+                 bias: float = 1.0, normalize: bool = True, pred_params: Optional[PredictParams] = None,
+                 meta: Optional[dict] = None):
+        self.index = index
+        self.node_w = node_w
+        self.slot_w = slot_w
+        self.n_features = int(n_features)
+        self.n_labels = index.n_labels
+        self.bias = float(bias)
+        self.normalize = bool(normalize)
+        self.pred_params = pred_params or PredictParams()
+        self.meta = dict(meta or {})
+        self._layers = None
+
+    # ---- structure -------------------------------------------------------------------
+    @property
+    def n_cols(self) -> int:
+        return self.n_features + (1 if self.bias > 0 else 0)
+
+    def layers(self):
+        """[(child_ptr, W csc, passthrough)] from the root down, the label-slot layer last.
+
+        Leaves shallower than the deepest one are padded with pass-through nodes, so every
+        layer is one sparse block and beam search stays vectorized.
+        """
+        if self._layers is not None:
+            return self._layers, self._slot_order
+        ix = self.index
+        B = ix.B
+        leaves = ix.leaves
+        ldep = node_depth(leaves, B)
+        D = ix.depth
+        prev_ids = np.zeros(1, dtype=np.int64)
+        eff_leaf = leaves.copy()           # leaf id padded down to depth D
+        layers = []
+        for t in range(1, D + 1):
+            deep = ldep >= t
+            real = np.unique(ancestor_at(leaves[deep], ldep[deep], t, B))
+            pad = eff_leaf[~deep] * B + 1  # pass-through child of a shallow leaf
+            eff_leaf[~deep] = pad
+            ids = np.concatenate([real, pad])
+            through = np.concatenate([np.zeros(len(real), bool), np.ones(len(pad), bool)])
+            ppos = _positions(prev_ids, (ids - 1) // B)
+            order = np.lexsort((ids, ppos))
+            ids, through, ppos = ids[order], through[order], ppos[order]
+            child_ptr = np.concatenate([[0], np.cumsum(np.bincount(ppos, minlength=len(prev_ids)))])
+            W = self.node_w.select(ids)
+            if through.any():
+                W = (W @ sp.diags((~through).astype(np.float32))).tocsc()
+                W.eliminate_zeros()
+            layers.append((child_ptr, W, through))
+            prev_ids = ids
+        # label slots under the (padded) leaves
+        leaf_of_slot = eff_leaf[np.searchsorted(leaves, ix.slot_leaf)]
+        ppos = _positions(prev_ids, leaf_of_slot)
+        order = np.lexsort((ix.slot_label, ppos))
+        child_ptr = np.concatenate([[0], np.cumsum(np.bincount(ppos, minlength=len(prev_ids)))])
+        W = self.slot_w.select(order)
+        layers.append((child_ptr, W, np.zeros(len(order), bool)))
+        self._layers = layers
+        self._slot_order = order
+        return layers, order
+
+    # ---- prediction ------------------------------------------------------------------
+    def predict(self, X: sp.csr_matrix, beam_size: Optional[int] = None, topk: Optional[int] = None):
+        """(labels n x topk, scores n x topk) for already-ingested (normalized) rows X."""
+        X = sp.csr_matrix(X, dtype=np.float32)
+        if X.shape[1] > self.n_features:
+            raise ValueError(f"input has {X.shape[1]} features; the model was trained on {self.n_features}")
+        if X.shape[1] < self.n_features:
+            X = sp.csr_matrix((X.data, X.indices, X.indptr), shape=(X.shape[0], self.n_features))
+        layers, order = self.layers()
+        Xb = append_bias(X, self.bias)
+        return beam_search(Xb, layers, self.index.slot_label[order],
+                           beam_size=beam_size or self.pred_params.beam_size,
+                           topk=topk or self.pred_params.topk,
+                           post_processor=self.pred_params.post_processor)
+
+    def label_depth(self) -> np.ndarray:
+        """Depth of each label's deepest leaf (for expected depth@k)."""
+        d = np.zeros(self.n_labels, dtype=np.int64)
+        np.maximum.at(d, self.index.slot_label, self.index.slot_depth)
+        return d
+
+    # ---- persistence -----------------------------------------------------------------
+    def save(self, folder: str) -> None:
+        """Write the model folder atomically (a temp folder renamed into place)."""
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-model-", dir=folder.parent))
+        param = {
+            "model": type(self).__name__, "format_version": FORMAT_VERSION,
+            "n_features": self.n_features, "n_labels": self.n_labels, "bias": self.bias,
+            "normalize": self.normalize, "nr_splits": self.index.B,
+            "pred_params": self.pred_params.to_dict(), "meta": self.meta,
+        }
+        (tmp / "param.json").write_text(json.dumps(param, indent=2))
+        np.savez(tmp / "tree.npz", **self.index.to_arrays())
+        self.node_w.save(tmp / "weights_nodes.npz")
+        self.slot_w.save(tmp / "weights_slots.npz")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+
+    @classmethod
+    def load(cls, folder: str) -> "XMCModel":
+        folder = Path(folder)
+        pfile = folder / "param.json"
+        if not pfile.is_file():
+            raise ModelFormatError(f"{folder} is not an xmc-spark model folder (no param.json)")
+        param = json.loads(pfile.read_text())
+        if param.get("model") != cls.__name__:
+            raise ModelFormatError(f"{pfile}: model class is {param.get('model')!r}, expected {cls.__name__!r}")
+        t = np.load(folder / "tree.npz")
+        index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
+        return cls(index, KeyedColumns.load(folder / "weights_nodes.npz"),
+                   KeyedColumns.load(folder / "weights_slots.npz"), param["n_features"], bias=param["bias"],
+                   normalize=param["normalize"], pred_params=PredictParams.from_dict(param["pred_params"]),
+                   meta=param.get("meta"))
+
+    # ---- numpy reference trainer -----------------------------------------------------
+    @classmethod
+    def train_local(cls, X: sp.csr_matrix, Y: sp.csr_matrix, tree: Optional[TreeParams] = None,
+                    train: Optional[TrainParams] = None, weights=None, normalize_y: bool = True,
+                    pred_params: Optional[PredictParams] = None) -> "XMCModel":
+        """Single-process reference of the whole training pipeline (PIFA, tree, classifiers)."""
+        tree = tree or TreeParams()
+        train = train or TrainParams()
+        X = sp.csr_matrix(X, dtype=np.float32)
+        Y = sp.csr_matrix(Y)
+        Z = pifa(X, Y, normalize_y=normalize_y)
+        leaf = build_tree(Z, tree.max_leaf_size, tree.nr_splits, tree.max_iter, tree.seed)
+        index = TreeIndex(np.arange(Y.shape[1]), leaf, Y.shape[1], tree.nr_splits)
+        node_cols, slot_cols = train_all_groups(index, append_bias(X, train.bias), Y, train, weights)
+        n_cols = X.shape[1] + (1 if train.bias > 0 else 0)
+        return cls(index, KeyedColumns.from_dict(node_cols, n_cols), KeyedColumns.from_dict(slot_cols, n_cols),
+                   X.shape[1], bias=train.bias, pred_params=pred_params)
+
+
+def _positions(sorted_or_not_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
+    order = np.argsort(sorted_or_not_ids, kind="mergesort")
+    pos = np.searchsorted(sorted_or_not_ids[order], query)
+    return order[pos]
+
+
+def train_group(index: TreeIndex, group: int, Xb: sp.csr_matrix, offsets, labels, train: TrainParams,
+                weights=None):
+    """Train the classifiers of one node on the samples that reach it (rows in sample-id order).
+
+    Returns (is_leaf, child keys, W csc): node ids at an internal node, slot ids at a leaf.
+    """
+    children, Yg = index.node_problem(group, offsets, labels)
+    W = train_node(Xb, Yg, C=train.C, weights=weights, threshold=train.threshold, eps=train.eps,
+                   max_iter=train.max_iter, seed=train.seed + int(group))
+    is_leaf = bool(np.isin(group, index.leaves))
+    return is_leaf, children, W
+
+
+def train_all_groups(index: TreeIndex, Xb: sp.csr_matrix, Y: sp.csr_matrix, train: TrainParams, weights=None):
+    """Numpy reference of the node-training stage: every group, samples in row order."""
+    Y = sp.csr_matrix(Y)
+    rows, groups = index.groups_of_samples(Y.indptr, Y.indices)
+    node_cols, slot_cols = {}, {}
+    for g in np.unique(groups):
+        r = np.sort(rows[groups == g])
+        Yg = Y[r]
+        w = None if weights is None else np.asarray(weights)[r]
+        is_leaf, children, W = train_group(index, int(g), Xb[r], Yg.indptr, Yg.indices, train, w)
+        target = slot_cols if is_leaf else node_cols
+        for j, c in enumerate(children):
+            target[int(c)] = (W.indices[W.indptr[j]:W.indptr[j + 1]], W.data[W.indptr[j]:W.indptr[j + 1]])
+    return node_cols, slot_cols

@@ -1,0 +1,277 @@
+"""Parameter dataclasses: every default is set once here and round-trips through JSON/YAML.
+
+Each stage has its own section; ``PipelineParams`` nests them. ``set_dotted`` applies a
+``section.key=value`` override with the type of the field it replaces, and any unknown key
+or ill-typed value raises :class:`ConfigError` naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration key that does not exist or a value of the wrong type."""
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin is typing.Union and type(None) in args:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(value, inner, key)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"config key '{key}' expects a boolean, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
+    if origin in (dict, Dict):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
+        return {str(k): v for k, v in value.items()}
+    if origin in (list, List):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(v, args[0], key) for v in value] if args else list(value)
+    return value
+
+
+@dataclass
+class BaseParams:
+    """Dataclass params with ``from_dict``/``to_dict`` and dotted overrides."""
+
+    @classmethod
+    def from_dict(cls, d: Optional[Dict[str, Any]] = None, prefix: str = ""):
+        d = dict(d or {})
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d:
+                continue
+            val = d.pop(f.name)
+            typ = hints[f.name]
+            key = f"{prefix}{f.name}"
+            if isinstance(typ, type) and issubclass(typ, BaseParams):
+                if not isinstance(val, dict):
+                    raise ConfigError(f"config key '{key}' expects a section (mapping), got {val!r}")
+                kwargs[f.name] = typ.from_dict(val, prefix=key + ".")
+            else:
+                kwargs[f.name] = _coerce(val, typ, key)
+        if d:
+            unknown = ", ".join(f"'{prefix}{k}'" for k in sorted(d))
+            valid = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ConfigError(f"unknown config key(s) {unknown}; valid keys here: {valid}")
+        obj = cls(**kwargs)
+        obj.validate(prefix)
+        return obj
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if isinstance(v, BaseParams) else v
+        return out
+
+    def validate(self, prefix: str = "") -> None:
+        """Range checks; subclasses extend."""
+
+    def set_dotted(self, key: str, value: Any):
+        """Return a copy with ``a.b.c=value`` applied (type-checked)."""
+        d = self.to_dict()
+        parts = key.split(".")
+        node = d
+        for p in parts[:-1]:
+            if p not in node or not isinstance(node[p], dict):
+                raise ConfigError(f"unknown config key '{key}'")
+            node = node[p]
+        if parts[-1] not in node:
+            raise ConfigError(f"unknown config key '{key}'")
+        if isinstance(node[parts[-1]], dict) and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        node[parts[-1]] = value
+        return type(self).from_dict(d)
+
+    def flat(self, prefix: str = "") -> Dict[str, Any]:
+        out = {}
+        for k, v in self.to_dict().items():
+            if isinstance(v, dict):
+                for k2, v2 in _flatten(v, f"{prefix}{k}.").items():
+                    out[k2] = v2
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+
+def _flatten(d: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}' {msg}")
+
+
+@dataclass
+class SparkParams(BaseParams):
+    """Spark resources: kept apart from the algorithm params."""
+
+    master: str = "local[*]"
+    app_name: str = "xmc-spark"
+    delta_from_maven: bool = True   # add Delta's jars through spark.jars.packages
+    log_level: str = "WARN"
+    conf: Dict[str, Any] = field(default_factory=lambda: {
+        "spark.sql.shuffle.partitions": "8",
+        "spark.default.parallelism": "4",
+        "spark.driver.memory": "6g",
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "4096",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.adaptive.enabled": "true",
+    })
+
+
+@dataclass
+class IngestParams(BaseParams):
+    normalize: bool = True            # L2-normalize each sample's feature vector
+    svmlight_one_based: bool = True   # svmlight feature ids start at 1 (libsvm convention)
+    num_features: int = 0             # 0: from the header (XC) or the data (others)
+    num_labels: int = 0
+
+    def validate(self, prefix=""):
+        _check(self.num_features >= 0, prefix + "num_features", "must be >= 0")
+        _check(self.num_labels >= 0, prefix + "num_labels", "must be >= 0")
+
+
+@dataclass
+class EmbeddingParams(BaseParams):
+    method: str = "pifa"
+    normalize_y: bool = True          # as PECOS: rows of Y L2-normalized before Y^T X
+
+    def validate(self, prefix=""):
+        _check(self.method in ("pifa",), prefix + "method", f"must be 'pifa', got {self.method!r}")
+
+
+@dataclass
+class TreeParams(BaseParams):
+    max_leaf_size: int = 100
+    nr_splits: int = 2
+    max_iter: int = 20
+    seed: int = 0
+
+    def validate(self, prefix=""):
+        _check(self.max_leaf_size >= 1, prefix + "max_leaf_size", "must be >= 1")
+        _check(self.nr_splits >= 2, prefix + "nr_splits", "must be >= 2")
+        _check(self.max_iter >= 1, prefix + "max_iter", "must be >= 1")
+
+
+@dataclass
+class TrainParams(BaseParams):
+    C: float = 1.0
+    threshold: float = 0.1
+    bias: float = 1.0
+    max_iter: int = 100
+    eps: float = 0.1
+    seed: int = 0
+
+    def validate(self, prefix=""):
+        _check(self.C > 0, prefix + "C", "must be > 0")
+        _check(self.threshold >= 0, prefix + "threshold", "must be >= 0")
+        _check(self.bias >= 0, prefix + "bias", "must be >= 0")
+        _check(self.max_iter >= 1, prefix + "max_iter", "must be >= 1")
+        _check(self.eps > 0, prefix + "eps", "must be > 0")
+
+
+@dataclass
+class PredictParams(BaseParams):
+    beam_size: int = 10
+    topk: int = 5
+    post_processor: str = "l3-hinge"
+
+    def validate(self, prefix=""):
+        _check(self.beam_size >= 1, prefix + "beam_size", "must be >= 1")
+        _check(self.topk >= 1, prefix + "topk", "must be >= 1")
+        _check(self.post_processor in ("l3-hinge", "l2-hinge", "sigmoid"), prefix + "post_processor",
+               "must be one of l3-hinge, l2-hinge, sigmoid")
+
+
+@dataclass
+class EvalParams(BaseParams):
+    ks: List[int] = field(default_factory=lambda: [1, 3, 5])
+    propensity_a: float = 0.55
+    propensity_b: float = 1.5
+
+
+@dataclass
+class MlflowParams(BaseParams):
+    enabled: bool = True
+    tracking_uri: str = "sqlite:///mlruns/mlflow.db"
+    artifact_location: str = "mlruns/artifacts"
+    experiment: str = "xmc-spark"
+    run_name: str = ""
+    log_model: bool = True
+
+
+@dataclass
+class PipelineParams(BaseParams):
+    spark: SparkParams = field(default_factory=SparkParams)
+    ingest: IngestParams = field(default_factory=IngestParams)
+    embedding: EmbeddingParams = field(default_factory=EmbeddingParams)
+    tree: TreeParams = field(default_factory=TreeParams)
+    train: TrainParams = field(default_factory=TrainParams)
+    predict: PredictParams = field(default_factory=PredictParams)
+    eval: EvalParams = field(default_factory=EvalParams)
+    mlflow: MlflowParams = field(default_factory=MlflowParams)
