@@ -94,6 +94,7 @@ class XMCModel:
         self.normalize = bool(normalize)
         self.pred_params = pred_params or PredictParams()
         self.meta = dict(meta or {})
+        self.label_counts: Optional[np.ndarray] = None   # training label frequencies (propensities)
         self._layers = None
 
     # ---- structure -------------------------------------------------------------------
@@ -179,7 +180,8 @@ class XMCModel:
             "pred_params": self.pred_params.to_dict(), "meta": self.meta,
         }
         (tmp / "param.json").write_text(json.dumps(param, indent=2))
-        np.savez(tmp / "tree.npz", **self.index.to_arrays())
+        extra = {} if self.label_counts is None else {"label_counts": np.asarray(self.label_counts)}
+        np.savez(tmp / "tree.npz", **self.index.to_arrays(), **extra)
         self.node_w.save(tmp / "weights_nodes.npz")
         self.slot_w.save(tmp / "weights_slots.npz")
         if folder.exists():
@@ -197,10 +199,13 @@ class XMCModel:
             raise ModelFormatError(f"{pfile}: model class is {param.get('model')!r}, expected {cls.__name__!r}")
         t = np.load(folder / "tree.npz")
         index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
-        return cls(index, KeyedColumns.load(folder / "weights_nodes.npz"),
-                   KeyedColumns.load(folder / "weights_slots.npz"), param["n_features"], bias=param["bias"],
-                   normalize=param["normalize"], pred_params=PredictParams.from_dict(param["pred_params"]),
-                   meta=param.get("meta"))
+        model = cls(index, KeyedColumns.load(folder / "weights_nodes.npz"),
+                    KeyedColumns.load(folder / "weights_slots.npz"), param["n_features"], bias=param["bias"],
+                    normalize=param["normalize"], pred_params=PredictParams.from_dict(param["pred_params"]),
+                    meta=param.get("meta"))
+        if "label_counts" in t.files:
+            model.label_counts = t["label_counts"]
+        return model
 
     # ---- numpy reference trainer -----------------------------------------------------
     @classmethod

@@ -81,3 +81,18 @@ def add_sums(a: Dict[str, float], b: Dict[str, float]) -> Dict[str, float]:
 
 def evaluate(pred: np.ndarray, Y: sp.csr_matrix, inv_prop: np.ndarray, ks: Sequence[int] = (1, 3, 5)):
     return finalize(per_sample_sums(pred, Y, inv_prop, ks), ks)
+
+
+def depth_sums(pred: np.ndarray, label_depth: np.ndarray, ks: Sequence[int]) -> Dict[str, float]:
+    """Sums for expected depth@k: the depth of the deepest leaf among each row's top k labels."""
+    d = np.where(pred >= 0, np.asarray(label_depth)[np.maximum(pred, 0)], -1)
+    out = {}
+    for k in ks:
+        m = d[:, :k].max(axis=1) if d.shape[1] else np.full(d.shape[0], -1)
+        out[f"depth_sum@{k}"] = float(m[m >= 0].sum())
+        out[f"depth_n@{k}"] = float((m >= 0).sum())
+    return out
+
+
+def finalize_depth(sums: Dict[str, float], ks: Sequence[int]) -> Dict[str, float]:
+    return {f"depth@{k}": sums[f"depth_sum@{k}"] / max(sums[f"depth_n@{k}"], 1.0) for k in ks}

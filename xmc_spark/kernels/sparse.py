@@ -12,10 +12,10 @@ def csr_from_lists(offsets: np.ndarray, indices: np.ndarray, values, n_cols: int
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     offsets = offsets - offsets[0]
-    indices = np.asarray(indices, dtype=np.int32)
+    indices = np.array(indices, dtype=np.int32)
     if values is None:
         values = np.ones(len(indices), dtype=np.float32)
-    m = sp.csr_matrix((np.asarray(values, dtype=np.float32), indices, offsets),
+    m = sp.csr_matrix((np.array(values, dtype=np.float32), indices, offsets),
                       shape=(len(offsets) - 1, n_cols))
     m.sum_duplicates()
     return m

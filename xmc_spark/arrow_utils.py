@@ -1,0 +1,69 @@
+"""Arrow <-> CSR conversions and grouped-apply helpers used inside Spark tasks.
+
+List columns arrive as Arrow ListArrays whose offsets and flat values are exactly a CSR
+matrix's indptr and indices/data, so no per-row Python work is needed.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+import scipy.sparse as sp
+
+from .kernels.sparse import csr_from_lists
+
+
+def _list_parts(col) -> tuple:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if isinstance(col, pa.ChunkedArray):  # zero chunks
+        return np.zeros(1, np.int64), np.zeros(0)
+    if col.null_count:
+        col = pa.compute.fill_null(col, pa.scalar([], type=col.type))
+    offsets = np.asarray(col.offsets, dtype=np.int64)
+    values = col.values.to_numpy(zero_copy_only=False)
+    values = values[offsets[0]:offsets[-1]]
+    return offsets - offsets[0], values
+
+
+def list_offsets_values(table: pa.Table, name: str):
+    return _list_parts(table.column(name))
+
+
+def csr_from_table(table: pa.Table, idx_col: str, val_col: Optional[str], n_cols: int) -> sp.csr_matrix:
+    off, idx = list_offsets_values(table, idx_col)
+    val = None if val_col is None else list_offsets_values(table, val_col)[1]
+    return csr_from_lists(off, idx, val, n_cols)
+
+
+def list_array(offsets: np.ndarray, values: np.ndarray, typ: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(np.asarray(offsets, dtype=np.int32)), pa.array(values, type=typ))
+
+
+def csr_rows_to_arrays(M: sp.csr_matrix):
+    """(indices ListArray<int32>, values ListArray<float32>) of the rows of M."""
+    M = sp.csr_matrix(M)
+    return (list_array(M.indptr, M.indices.astype(np.int32), pa.int32()),
+            list_array(M.indptr, M.data.astype(np.float32), pa.float32()))
+
+
+def grouped_apply(df, keys, func: Callable[[pa.Table], pa.Table], schema: str):
+    """``df.groupBy(keys)`` then ``func`` on each group as an Arrow table.
+
+    Uses ``applyInArrow`` (Spark >= 4.0); on Spark 3.5 falls back to ``applyInPandas``
+    with an Arrow round trip, so kernels always see Arrow.
+    """
+    g = df.groupBy(*keys)
+    if hasattr(g, "applyInArrow"):
+        return g.applyInArrow(func, schema)
+
+    def pandas_func(pdf):  # pragma: no cover - Spark 3.5 path
+        return func(pa.Table.from_pandas(pdf, preserve_index=False)).to_pandas()
+
+    return g.applyInPandas(pandas_func, schema)
+
+
+def map_arrow(df, func: Callable, schema: str):
+    """``df.mapInArrow(func, schema)``: func takes and yields RecordBatches."""
+    return df.mapInArrow(func, schema)

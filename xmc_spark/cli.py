@@ -1,0 +1,87 @@
+"""``xmc-spark`` command line: run, predict, synth, params."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config import dump_params, load_params
+from .params import ConfigError, PipelineParams
+from .schemas import IngestError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (sections as printed by `xmc-spark params`)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. tree.max_leaf_size=10 (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="xmc-spark", description="Extreme multi-label classification on Spark")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train on TRAIN, evaluate on TEST, write OUT/metrics.json and OUT/model")
+    r.add_argument("--train", required=True, help="XC text, svmlight, Parquet or Delta path")
+    r.add_argument("--test", help="XC text, svmlight, Parquet or Delta path (optional)")
+    r.add_argument("--out", required=True, help="output folder")
+    _common(r)
+    p = sub.add_parser("predict", help="score DATA with a saved model")
+    p.add_argument("--model", required=True, help="model folder (OUT/model of a run)")
+    p.add_argument("--data", required=True, help="XC text, svmlight, Parquet or Delta path")
+    p.add_argument("--out", required=True, help="output folder (predictions table, metrics.json)")
+    _common(p)
+    s = sub.add_parser("synth", help="generate a synthetic XMC data set (Delta tables or XC text)")
+    s.add_argument("--out", required=True)
+    s.add_argument("--n-train", type=int, default=20000)
+    s.add_argument("--n-test", type=int, default=5000)
+    s.add_argument("--labels", type=int, default=2000)
+    s.add_argument("--features", type=int, default=5000)
+    s.add_argument("--format", choices=["delta", "xc"], default="delta")
+    s.add_argument("--groups", type=int, default=0, help="also write random groups of this size (aggregated labels)")
+    s.add_argument("--seed", type=int, default=0)
+    _common(s)
+    pr = sub.add_parser("params", help="print the default (or resolved) config as YAML")
+    _common(pr)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_arguments(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("py4j", "mlflow", "alembic", "urllib3", "numba"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        params = load_params(args.config, args.set)
+    except ConfigError as e:
+        print(f"xmc-spark: config error: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "params":
+        print(dump_params(params), end="")
+        return 0
+    from .session import get_spark
+    spark = get_spark(params.spark)
+    try:
+        if args.cmd == "run":
+            from . import pipeline
+            metrics = pipeline.run(spark, args.train, args.test, args.out, params, config_path=args.config)
+            print(json.dumps({k: v for k, v in metrics.items() if k != "table_versions"}, indent=2))
+        elif args.cmd == "predict":
+            from . import pipeline
+            print(json.dumps(pipeline.predict(spark, args.model, args.data, args.out, params), indent=2))
+        elif args.cmd == "synth":
+            from . import synth
+            info = synth.run(spark, args.out, n_train=args.n_train, n_test=args.n_test, n_labels=args.labels,
+                             n_features=args.features, fmt=args.format, group_size=args.groups, seed=args.seed)
+            print(json.dumps(info, indent=2))
+    except (IngestError, ConfigError) as e:
+        print(f"xmc-spark: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

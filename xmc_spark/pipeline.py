@@ -1,0 +1,157 @@
+"""The end-to-end job: ingest -> PIFA -> tree -> node training -> prediction -> evaluation.
+
+Each stage reads and writes Delta tables under ``OUT/tables``; ``main()``-style wiring only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+from pyspark.sql import functions as F
+
+from .config import dump_params
+from .kernels.tree import TreeIndex
+from .model import KeyedColumns, XMCModel
+from .params import PipelineParams
+from .stages import evaluation, ingest, label_embedding, label_tree, node_training, prediction
+from .storage import read_delta, table_version, write_delta
+from .tracking import Tracker
+
+log = logging.getLogger("xmc_spark.pipeline")
+
+
+class StageTimer:
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+        self._t0 = time.perf_counter()
+
+    @contextmanager
+    def stage(self, name: str):
+        t = time.perf_counter()
+        log.info("stage %s: start", name)
+        yield
+        self.seconds[name] = round(time.perf_counter() - t, 3)
+        log.info("stage %s: done in %.1fs", name, self.seconds[name])
+
+    def total(self) -> Dict[str, float]:
+        return {**self.seconds, "total": round(time.perf_counter() - self._t0, 3)}
+
+
+def weights_to_columns(rows, n_cols: int):
+    """Collected weight rows -> (node KeyedColumns, slot KeyedColumns)."""
+    nodes, slots = {}, {}
+    for r in rows:
+        (slots if r["is_leaf"] else nodes)[int(r["key"])] = (np.asarray(r["w_idx"], np.int32),
+                                                            np.asarray(r["w_val"], np.float32))
+    return KeyedColumns.from_dict(nodes, n_cols), KeyedColumns.from_dict(slots, n_cols)
+
+
+def train_model(spark, train_table: str, tables: Path, n_features: int, n_labels: int,
+                params: PipelineParams, timer: StageTimer) -> XMCModel:
+    """PIFA, tree and node training from a samples Delta table; writes their tables."""
+    samples = read_delta(spark, train_table)
+    with timer.stage("embedding"):
+        emb = label_embedding.run(samples, n_features, n_labels, params.embedding,
+                                  n_buckets=int(spark.conf.get("spark.sql.shuffle.partitions")))
+        write_delta(emb, str(tables / "label_embeddings"))
+    with timer.stage("tree"):
+        tree = label_tree.run(read_delta(spark, str(tables / "label_embeddings")), n_labels, n_features, params.tree)
+        write_delta(tree, str(tables / "tree"))
+        rows = read_delta(spark, str(tables / "tree")).toPandas()
+        index = TreeIndex(rows["label_idx"].to_numpy(), rows["node"].to_numpy(), n_labels, params.tree.nr_splits)
+        log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)
+    with timer.stage("train"):
+        w = node_training.run(samples, index, n_features, params.train)
+        write_delta(w, str(tables / "weights"))
+        n_cols = n_features + (1 if params.train.bias > 0 else 0)
+        node_w, slot_w = weights_to_columns(read_delta(spark, str(tables / "weights")).collect(), n_cols)
+    return XMCModel(index, node_w, slot_w, n_features, bias=params.train.bias, normalize=params.ingest.normalize,
+                    pred_params=params.predict)
+
+
+def run(spark, train: str, test: Optional[str], out: str, params: PipelineParams,
+        config_path: Optional[str] = None) -> Dict:
+    """Run every stage; write OUT/metrics.json and OUT/model; track in MLflow."""
+    out_p = Path(out)
+    tables = out_p / "tables"
+    tables.mkdir(parents=True, exist_ok=True)
+    timer = StageTimer()
+    tracker = Tracker(params.mlflow)
+    with tracker.run(run_name=params.mlflow.run_name or out_p.name):
+        tracker.log_params(params.flat())
+        tracker.log_params({"input.train": train, "input.test": test or ""})
+        with timer.stage("ingest"):
+            info = ingest.run(spark, train, str(tables / "train"), params.ingest)
+            tinfo = None
+            if test:
+                tinfo = ingest.run(spark, test, str(tables / "test"), params.ingest,
+                                   expect_features=info.n_features, expect_labels=info.n_labels)
+        versions = {"train": table_version(spark, str(tables / "train"))}
+        if test:
+            versions["test"] = table_version(spark, str(tables / "test"))
+        model = train_model(spark, str(tables / "train"), tables, info.n_features, info.n_labels, params, timer)
+        model.meta.update({"train": train, "n_train": info.n_samples})
+        model.label_counts = evaluation.label_counts(read_delta(spark, str(tables / "train")), info.n_labels)
+        model.save(str(out_p / "model"))
+        metrics: Dict = {"n_train": info.n_samples, "n_labels": info.n_labels, "n_features": info.n_features,
+                         "tree_depth": model.index.depth, "n_leaves": int(len(model.index.leaves))}
+        if test:
+            test_df = read_delta(spark, str(tables / "test"))
+            with timer.stage("predict"):
+                preds = prediction.run(test_df, model, params.predict.beam_size, params.predict.topk)
+                write_delta(preds, str(tables / "predictions"))
+            with timer.stage("evaluate"):
+                m = evaluation.run(read_delta(spark, str(tables / "predictions")), test_df, model.label_counts,
+                                   info.n_samples, params.eval, label_depth=model.label_depth())
+            metrics.update({k: round(v, 4) for k, v in m.items()})
+            metrics["n_test"] = tinfo.n_samples
+        metrics["seconds"] = timer.total()
+        metrics["table_versions"] = versions
+        (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        (out_p / "config.yaml").write_text(dump_params(params))
+        tracker.log_metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})
+        tracker.log_metrics(metrics["seconds"], prefix="seconds.")
+        tracker.log_params({f"table_version.{k}": v for k, v in versions.items()})
+        tracker.log_artifact(str(out_p / "metrics.json"))
+        tracker.log_artifact(str(out_p / "config.yaml"))
+        if config_path:
+            tracker.log_artifact(config_path, "conf")
+        if params.mlflow.log_model:
+            tracker.log_artifact(str(out_p / "model"), "model")
+        if tracker.run_id:
+            metrics["mlflow_run_id"] = tracker.run_id
+            (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "psp@"))})
+    return metrics
+
+
+def predict(spark, model_dir: str, data: str, out: str, params: PipelineParams) -> Dict:
+    """Score a file or table with a saved model; writes predictions (Delta) and, when the input
+    has labels, metrics.json."""
+    model = XMCModel.load(model_dir)
+    out_p = Path(out)
+    tables = out_p / "tables"
+    tables.mkdir(parents=True, exist_ok=True)
+    ing = params.ingest
+    ing.normalize = model.normalize
+    info = ingest.run(spark, data, str(tables / "input"), ing, expect_features=model.n_features,
+                      expect_labels=model.n_labels)
+    df = read_delta(spark, str(tables / "input"))
+    preds = prediction.run(df, model, params.predict.beam_size, params.predict.topk)
+    write_delta(preds, str(tables / "predictions"))
+    result = {"n_samples": info.n_samples, "predictions": str(tables / "predictions")}
+    has_labels = df.filter(F.size("label_idx") > 0).limit(1).count() > 0
+    if has_labels:
+        n_train = int(model.meta.get("n_train", info.n_samples))
+        counts = model.label_counts if model.label_counts is not None else evaluation.label_counts(df, model.n_labels)
+        m = evaluation.run(read_delta(spark, str(tables / "predictions")), df, counts, n_train, params.eval,
+                           label_depth=model.label_depth())
+        result.update({k: round(v, 4) for k, v in m.items()})
+    (out_p / "metrics.json").write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,242 @@
+"""Ingest: XC-repository text, svmlight/libsvm multi-label, Parquet or Delta -> samples table.
+
+Parsing and validation are Spark SQL expressions (no Python per line). Every input is
+checked in full before anything is written: the first bad line (or row) raises
+:class:`IngestError` naming the file, the line and the problem, and no table is written.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from ..params import IngestParams
+from ..schemas import SAMPLES_SCHEMA, IngestError, check_samples_columns
+from ..storage import is_delta, write_delta
+
+log = logging.getLogger("xmc_spark.ingest")
+
+
+@dataclass
+class DatasetInfo:
+    path: str
+    fmt: str
+    n_samples: int
+    n_features: int
+    n_labels: int
+
+
+def detect_format(spark: SparkSession, path: str) -> str:
+    """'delta', 'parquet', 'xc' or 'svmlight' from the path and, for text, its first line."""
+    if is_delta(spark, path):
+        return "delta"
+    if path.rstrip("/").endswith(".parquet") or _has_parquet_parts(path):
+        return "parquet"
+    if not _exists(spark, path):
+        raise IngestError(f"{path}: no such file or directory")
+    first = spark.read.text(path).first()
+    if first is None:
+        raise IngestError(f"{path}: the file is empty")
+    toks = first[0].split()
+    if len(toks) == 3 and all(t.isdigit() for t in toks):
+        return "xc"
+    return "svmlight"
+
+
+def _has_parquet_parts(path: str) -> bool:
+    return os.path.isdir(path) and any(f.endswith(".parquet") for f in os.listdir(path))
+
+
+def _exists(spark: SparkSession, path: str) -> bool:
+    jvm = spark.sparkContext._jvm
+    hpath = jvm.org.apache.hadoop.fs.Path(path)
+    fs = hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    return fs.exists(hpath)
+
+
+def _with_line_numbers(spark: SparkSession, path: str) -> DataFrame:
+    """Text lines with their 1-based line number in the file (one small action)."""
+    raw = (spark.read.text(path)
+           .withColumn("_pid", F.spark_partition_id())
+           .withColumn("_mid", F.monotonically_increasing_id()))
+    parts = raw.groupBy("_pid").agg(F.count(F.lit(1)).alias("c"), F.min("_mid").alias("m0")).collect()
+    parts = sorted(parts, key=lambda r: r["_pid"])
+    rows, acc = [], 0
+    for r in parts:
+        rows.append((r["_pid"], acc, r["m0"]))
+        acc += r["c"]
+    offs = spark.createDataFrame(rows, "_pid int, _off long, _m0 long")
+    return (raw.join(F.broadcast(offs), "_pid")
+            .select((F.col("_off") + F.col("_mid") - F.col("_m0") + 1).alias("line"), F.col("value")))
+
+
+def _parse_tokens(df: DataFrame, one_based: bool) -> DataFrame:
+    """Split 'l1,l2 f:v f:v' lines into typed arrays plus checks, with SQL expressions."""
+    toks = F.filter(F.split(F.trim(F.col("value")), r"\s+"), lambda t: t != "")
+    df = df.withColumn("_toks", toks)
+    has_labels = (F.size("_toks") > 0) & ~F.col("_toks")[0].contains(":")
+    df = df.withColumn("_lab", F.when(has_labels, F.col("_toks")[0]))
+    df = df.withColumn("_ft", F.filter(F.col("_toks"), lambda t, i: (i > 0) | ~has_labels))
+    # svmlight files may carry qid:N tokens; they are not features
+    df = df.withColumn("_ft", F.filter(F.col("_ft"), lambda t: ~t.startswith("qid:")))
+    lab = F.when(F.col("_lab").isNull(), F.array().cast("array<string>")).otherwise(F.split("_lab", ","))
+    shift = 1 if one_based else 0
+    return (df
+            .withColumn("_labs", lab)
+            .withColumn("label_idx", F.transform("_labs", lambda x: x.try_cast("int")))
+            .withColumn("_badtok", F.exists("_ft", lambda t: F.size(F.split(t, ":")) != 2))
+            .withColumn("feature_idx", F.transform("_ft", lambda t: F.substring_index(t, ":", 1).try_cast("int") - F.lit(shift)))
+            .withColumn("feature_val", F.transform("_ft", lambda t: F.substring_index(t, ":", -1).try_cast("float"))))
+
+
+def _error_column(n_features: Optional[int], n_labels: Optional[int]):
+    """First problem of a row as a message, or NULL when the row is fine."""
+    def first_bad(col, cond):
+        return F.filter(col, cond)[0].cast("string")
+
+    checks = [
+        (F.col("_badtok"), F.concat(F.lit("malformed feature token (expected index:value): '"),
+                                    F.filter("_ft", lambda t: F.size(F.split(t, ":")) != 2)[0], F.lit("'"))),
+        (F.exists("label_idx", lambda x: x.isNull()),
+         F.concat(F.lit("label id is not an integer in '"), F.col("_lab"), F.lit("'"))),
+        (F.exists("feature_idx", lambda x: x.isNull()), F.lit("feature index is not an integer")),
+        (F.exists("feature_val", lambda x: x.isNull()), F.lit("feature value is not a number")),
+        (F.exists("label_idx", lambda x: x < 0),
+         F.concat(F.lit("negative label id "), first_bad("label_idx", lambda x: x < 0))),
+        (F.exists("feature_idx", lambda x: x < 0),
+         F.concat(F.lit("negative feature index "), first_bad("feature_idx", lambda x: x < 0))),
+        (F.exists("feature_val", lambda x: F.isnan(x) | (F.abs(x) == F.lit(float("inf")))),
+         F.lit("feature value is NaN or infinite")),
+    ]
+    if n_labels:
+        checks.append((F.exists("label_idx", lambda x: x >= n_labels),
+                       F.concat(F.lit("label id "), first_bad("label_idx", lambda x: x >= n_labels),
+                                F.lit(f" out of range [0, {n_labels})"))))
+    if n_features:
+        checks.append((F.exists("feature_idx", lambda x: x >= n_features),
+                       F.concat(F.lit("feature index "), first_bad("feature_idx", lambda x: x >= n_features),
+                                F.lit(f" out of range [0, {n_features})"))))
+    expr = None
+    for cond, msg in reversed(checks):
+        expr = F.when(cond, msg) if expr is None else F.when(cond, msg).otherwise(expr)
+    return expr
+
+
+def _normalize(df: DataFrame) -> DataFrame:
+    norm = F.sqrt(F.aggregate("feature_val", F.lit(0.0).cast("double"), lambda a, x: a + x * x))
+    return df.withColumn("feature_val", F.when(
+        norm > 0, F.transform("feature_val", lambda x: (x / norm).cast("float"))).otherwise(F.col("feature_val")))
+
+
+def _finish(df: DataFrame, normalize: bool) -> DataFrame:
+    df = df.withColumn("label_idx", F.array_sort(F.array_distinct("label_idx")))
+    if normalize:
+        df = _normalize(df)
+    return df.withColumn("weight", F.lit(1.0).cast("float")).select(*SAMPLES_SCHEMA.fieldNames())
+
+
+def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
+              expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
+    """Parse and validate an XC or svmlight text file; returns (DataFrame, DatasetInfo)."""
+    lines = _with_line_numbers(spark, path)
+    header_n = None
+    d = params.num_features or expect_features
+    L = params.num_labels or expect_labels
+    if fmt == "xc":
+        head = lines.filter(F.col("line") == 1).select("value").first()
+        toks = head[0].split() if head else []
+        if len(toks) != 3 or not all(t.isdigit() for t in toks):
+            raise IngestError(f"{path}:1: malformed header {head[0] if head else ''!r} "
+                              "(expected 'num_samples num_features num_labels')")
+        header_n, hd, hL = (int(t) for t in toks)
+        if expect_features and hd != expect_features:
+            log.warning("%s declares %d features, the model/training set has %d", path, hd, expect_features)
+        d = params.num_features or max(hd, expect_features or 0)
+        L = params.num_labels or max(hL, expect_labels or 0)
+        data = lines.filter(F.col("line") > 1)
+        one_based = False
+    else:
+        data = lines
+        one_based = params.svmlight_one_based
+    parsed = _parse_tokens(data, one_based).withColumn("_err", _error_column(d, L))
+    parsed = parsed.withColumn("sample_id", (F.col("line") - (2 if fmt == "xc" else 1)).cast("long"))
+    stats = parsed.agg(
+        F.count(F.lit(1)).alias("n"),
+        F.min(F.when(F.col("_err").isNotNull(), F.struct("line", "_err"))).alias("err"),
+        F.max(F.array_max("label_idx")).alias("max_label"),
+        F.max(F.array_max("feature_idx")).alias("max_feature"),
+    ).first()
+    if stats["err"] is not None:
+        raise IngestError(f"{path}:{stats['err']['line']}: {stats['err']['_err']}")
+    n = stats["n"]
+    if n == 0:
+        raise IngestError(f"{path}: no samples (the file is empty{' after the header' if fmt == 'xc' else ''})")
+    if header_n is not None and header_n != n:
+        raise IngestError(f"{path}:1: header declares {header_n} samples but the file has {n} data lines")
+    d = d or (stats["max_feature"] if stats["max_feature"] is not None else -1) + 1
+    L = L or (stats["max_label"] if stats["max_label"] is not None else -1) + 1
+    df = _finish(parsed, params.normalize)
+    return df, DatasetInfo(path, fmt, n, int(d), int(L))
+
+
+def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
+               expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
+    """Validate a Parquet/Delta samples table (schema, ranges, unique ids)."""
+    df = spark.read.format(fmt).load(path)
+    df = check_samples_columns(df, path)
+    d = params.num_features or expect_features
+    L = params.num_labels or expect_labels
+    checked = df.withColumn("_ft", F.lit(None).cast("array<string>")).withColumn("_badtok", F.lit(False)) \
+        .withColumn("_lab", F.array_join(F.transform("label_idx", lambda x: x.cast("string")), ",")) \
+        .withColumn("_err", _error_column(d, L))
+    checked = checked.withColumn("_err", F.when(
+        F.size("feature_idx") != F.size("feature_val"),
+        F.lit("feature_idx and feature_val have different lengths")).otherwise(F.col("_err")))
+    stats = checked.agg(
+        F.count(F.lit(1)).alias("n"), F.countDistinct("sample_id").alias("n_ids"),
+        F.min(F.when(F.col("_err").isNotNull(), F.struct("sample_id", "_err"))).alias("err"),
+        F.max(F.array_max("label_idx")).alias("max_label"),
+        F.max(F.array_max("feature_idx")).alias("max_feature"),
+    ).first()
+    if stats["err"] is not None:
+        raise IngestError(f"{path}: row with sample_id {stats['err']['sample_id']}: {stats['err']['_err']}")
+    if stats["n"] == 0:
+        raise IngestError(f"{path}: the table has no rows")
+    if stats["n_ids"] != stats["n"]:
+        dup = df.groupBy("sample_id").count().filter("count > 1").orderBy("sample_id").first()
+        raise IngestError(f"{path}: duplicate sample_id {dup['sample_id']} ({dup['count']} rows)")
+    d = d or (stats["max_feature"] or 0) + 1
+    L = L or (stats["max_label"] or 0) + 1
+    out = df
+    if "weight" not in out.columns:
+        out = out.withColumn("weight", F.lit(1.0).cast("float"))
+    out = out.withColumn("label_idx", F.array_sort(F.array_distinct("label_idx")))
+    if params.normalize:
+        out = _normalize(out)
+    return out.select(*SAMPLES_SCHEMA.fieldNames()), DatasetInfo(path, fmt, int(stats["n"]), int(d), int(L))
+
+
+def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Optional[str] = None,
+                 expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
+    """Any supported input as a validated samples DataFrame plus its sizes."""
+    fmt = fmt or detect_format(spark, path)
+    if fmt in ("xc", "svmlight"):
+        return read_text(spark, path, fmt, params, expect_features, expect_labels)
+    if fmt in ("parquet", "delta"):
+        return read_table(spark, path, fmt, params, expect_features, expect_labels)
+    raise IngestError(f"{path}: unknown input format {fmt!r}")
+
+
+def run(spark: SparkSession, path: str, out_table: str, params: IngestParams, fmt: Optional[str] = None,
+        expect_features: Optional[int] = None, expect_labels: Optional[int] = None) -> DatasetInfo:
+    """Validate ``path`` and (only if it is valid) overwrite the Delta table ``out_table``."""
+    df, info = read_samples(spark, path, params, fmt, expect_features, expect_labels)
+    write_delta(df.select(*[F.col(f.name).cast(f.dataType) for f in SAMPLES_SCHEMA.fields]), out_table)
+    log.info("ingested %s (%s): %d samples, %d features, %d labels -> %s",
+             path, info.fmt, info.n_samples, info.n_features, info.n_labels, out_table)
+    return info

@@ -1,0 +1,56 @@
+"""Label tree on Spark, level by level: one job splits every oversized node of a level."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from ..arrow_utils import csr_from_table, grouped_apply
+from ..kernels.tree import split_node
+from ..params import TreeParams
+from ..schemas import TREE_SCHEMA
+
+log = logging.getLogger("xmc_spark.tree")
+
+
+def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features: int, params: TreeParams) -> DataFrame:
+    """New (label_idx, node) for the labels of ``big_nodes``, one kernel call per node."""
+    B, it, seed = params.nr_splits, params.max_iter, params.seed
+
+    def split(t: pa.Table) -> pa.Table:
+        order = np.argsort(t.column("label_idx").to_numpy(), kind="mergesort")
+        t = t.take(pa.array(order))
+        node = int(t.column("node")[0].as_py())
+        Z = csr_from_table(t, "emb_idx", "emb_val", n_features)
+        child = split_node(Z, node, B, it, seed)
+        return pa.table({"label_idx": t.column("label_idx"), "node": pa.array(child, pa.int64())})
+
+    todo = assign.filter(F.col("node").isin(list(big_nodes))).join(embeddings, "label_idx")
+    return grouped_apply(todo, ["node"], split, TREE_SCHEMA)
+
+
+def run(embeddings: DataFrame, n_labels: int, n_features: int, params: TreeParams) -> DataFrame:
+    """(label_idx, node): the leaf of each label. Labels without an embedding (no training
+    sample) are still placed: they join the tree with an empty embedding."""
+    spark = embeddings.sparkSession
+    all_labels = spark.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
+    emb = all_labels.join(embeddings, "label_idx", "left").select(
+        "label_idx",
+        F.coalesce("emb_idx", F.array().cast("array<int>")).alias("emb_idx"),
+        F.coalesce("emb_val", F.array().cast("array<float>")).alias("emb_val")).cache()
+    assign = all_labels.withColumn("node", F.lit(0).cast("long")).localCheckpoint()
+    depth = 0
+    while True:
+        sizes = assign.groupBy("node").count().filter(F.col("count") > params.max_leaf_size).collect()
+        if not sizes:
+            break
+        big = sorted(int(r["node"]) for r in sizes)
+        new = split_level(emb, assign, big, n_features, params)
+        assign = assign.filter(~F.col("node").isin(big)).unionByName(new).localCheckpoint()
+        depth += 1
+        log.info("tree level %d: split %d nodes", depth, len(big))
+    emb.unpersist()
+    return assign

@@ -1,0 +1,34 @@
+"""Batched beam-search prediction with the model broadcast to the executors."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql import DataFrame
+
+from ..arrow_utils import csr_from_table, list_array
+from ..model import XMCModel
+from ..schemas import PREDICTIONS_SCHEMA
+
+
+def run(samples: DataFrame, model: XMCModel, beam_size: int, topk: int) -> DataFrame:
+    """(sample_id, pred_labels, pred_scores), top-k per sample, best first."""
+    model.layers()  # build once on the driver, ship with the broadcast
+    bmodel = samples.sparkSession.sparkContext.broadcast(model)
+    n_features = model.n_features
+
+    def score(batches):
+        m = bmodel.value
+        for b in batches:
+            t = pa.Table.from_batches([b])
+            X = csr_from_table(t, "feature_idx", "feature_val", n_features)
+            labels, scores = m.predict(X, beam_size=beam_size, topk=topk)
+            keep = labels >= 0
+            cnt = keep.sum(axis=1)
+            off = np.concatenate([[0], np.cumsum(cnt)])
+            yield pa.RecordBatch.from_arrays(
+                [t.column("sample_id").combine_chunks(),
+                 list_array(off, labels[keep].astype(np.int32), pa.int32()),
+                 list_array(off, scores[keep].astype(np.float32), pa.float32())],
+                names=["sample_id", "pred_labels", "pred_scores"])
+
+    return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(score, PREDICTIONS_SCHEMA)

@@ -1,0 +1,63 @@
+"""A thin MLflow wrapper: one run per invocation; does nothing when tracking is off."""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from typing import Any, Dict, Optional
+
+from .params import MlflowParams
+
+log = logging.getLogger("xmc_spark.tracking")
+
+
+class Tracker:
+    def __init__(self, params: MlflowParams):
+        self.params = params
+        self.enabled = params.enabled
+        self.run_id: Optional[str] = None
+        self._mlflow = None
+
+    @contextmanager
+    def run(self, run_name: str = "", nested: bool = False, tags: Optional[Dict[str, str]] = None):
+        if not self.enabled:
+            yield self
+            return
+        import mlflow
+
+        self._mlflow = mlflow
+        uri = self.params.tracking_uri
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
+        mlflow.set_tracking_uri(uri)
+        if mlflow.get_experiment_by_name(self.params.experiment) is None:
+            loc = self.params.artifact_location
+            if loc and "://" not in loc:
+                loc = os.path.abspath(loc)
+            mlflow.create_experiment(self.params.experiment, artifact_location=loc or None)
+        mlflow.set_experiment(self.params.experiment)
+        with mlflow.start_run(run_name=run_name or self.params.run_name or None, nested=nested, tags=tags) as r:
+            self.run_id = r.info.run_id
+            log.info("MLflow run %s (%s)", r.info.run_id, uri)
+            yield self
+
+    def log_params(self, params: Dict[str, Any]) -> None:
+        if self._mlflow:
+            self._mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})
+
+    def log_metrics(self, metrics: Dict[str, float], prefix: str = "") -> None:
+        if self._mlflow:
+            clean = {f"{prefix}{k}".replace("@", "_at_"): float(v) for k, v in metrics.items()
+                     if isinstance(v, (int, float))}
+            self._mlflow.log_metrics(clean)
+
+    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
+        if self._mlflow:
+            if os.path.isdir(path):
+                self._mlflow.log_artifacts(path, artifact_path)
+            else:
+                self._mlflow.log_artifact(path, artifact_path)
+
+    def set_tags(self, tags: Dict[str, str]) -> None:
+        if self._mlflow:
+            self._mlflow.set_tags(tags)
