@@ -181,6 +181,9 @@ class SparkParams(BaseParams):
         "spark.sql.execution.arrow.maxRecordsPerBatch": "4096",
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.adaptive.enabled": "true",
+        # small local tables: Delta's log replay need not fan out to 50 tasks
+        "spark.databricks.delta.snapshotPartitions": "2",
+        "spark.sql.sources.parallelPartitionDiscovery.parallelism": "2",
     })
 
 

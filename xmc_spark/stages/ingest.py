@@ -11,10 +11,13 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from ..arrow_utils import list_array, list_offsets_values
 from ..params import IngestParams
 from ..schemas import SAMPLES_SCHEMA, IngestError, check_samples_columns
 from ..storage import is_delta, write_delta
@@ -127,17 +130,40 @@ def _error_column(n_features: Optional[int], n_labels: Optional[int]):
     return expr
 
 
-def _normalize(df: DataFrame) -> DataFrame:
-    norm = F.sqrt(F.aggregate("feature_val", F.lit(0.0).cast("double"), lambda a, x: a + x * x))
-    return df.withColumn("feature_val", F.when(
-        norm > 0, F.transform("feature_val", lambda x: (x / norm).cast("float"))).otherwise(F.col("feature_val")))
-
-
 def _finish(df: DataFrame, normalize: bool) -> DataFrame:
-    df = df.withColumn("label_idx", F.array_sort(F.array_distinct("label_idx")))
-    if normalize:
-        df = _normalize(df)
-    return df.withColumn("weight", F.lit(1.0).cast("float")).select(*SAMPLES_SCHEMA.fieldNames())
+    """Sorted distinct labels and (optionally) unit-norm rows, vectorized per Arrow batch."""
+    def fix(batches):
+        for b in batches:
+            t = pa.Table.from_batches([b])
+            yield from finish_batch(t, normalize).to_batches()
+
+    if "weight" not in df.columns:
+        df = df.withColumn("weight", F.lit(1.0).cast("float"))
+    cols = [F.col(f.name).cast(f.dataType) for f in SAMPLES_SCHEMA.fields]
+    return df.select(*cols).mapInArrow(fix, SAMPLES_SCHEMA)
+
+
+def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
+    off, lab = list_offsets_values(t, "label_idx")
+    rows = np.repeat(np.arange(len(off) - 1), np.diff(off))
+    key = np.unique(rows.astype(np.int64) * (2 ** 32) + lab.astype(np.int64))
+    lrows, labs = key // (2 ** 32), (key % (2 ** 32)).astype(np.int32)
+    loff = np.concatenate([[0], np.cumsum(np.bincount(lrows, minlength=len(off) - 1))])
+    foff, fidx = list_offsets_values(t, "feature_idx")
+    _, fval = list_offsets_values(t, "feature_val")
+    fval = np.asarray(fval, dtype=np.float32)
+    if normalize and len(fval):
+        frows = np.repeat(np.arange(len(foff) - 1), np.diff(foff))
+        norms = np.sqrt(np.bincount(frows, weights=fval.astype(np.float64) ** 2, minlength=len(foff) - 1))
+        norms[norms == 0] = 1.0
+        fval = (fval / norms[frows]).astype(np.float32)
+    return pa.table({
+        "sample_id": t.column("sample_id"),
+        "feature_idx": list_array(foff, np.asarray(fidx, np.int32), pa.int32()),
+        "feature_val": list_array(foff, fval, pa.float32()),
+        "label_idx": list_array(loff, labs, pa.int32()),
+        "weight": t.column("weight"),
+    })
 
 
 def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
@@ -212,13 +238,7 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         raise IngestError(f"{path}: duplicate sample_id {dup['sample_id']} ({dup['count']} rows)")
     d = d or (stats["max_feature"] or 0) + 1
     L = L or (stats["max_label"] or 0) + 1
-    out = df
-    if "weight" not in out.columns:
-        out = out.withColumn("weight", F.lit(1.0).cast("float"))
-    out = out.withColumn("label_idx", F.array_sort(F.array_distinct("label_idx")))
-    if params.normalize:
-        out = _normalize(out)
-    return out.select(*SAMPLES_SCHEMA.fieldNames()), DatasetInfo(path, fmt, int(stats["n"]), int(d), int(L))
+    return _finish(df, params.normalize), DatasetInfo(path, fmt, int(stats["n"]), int(d), int(L))
 
 
 def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Optional[str] = None,
@@ -236,7 +256,7 @@ def run(spark: SparkSession, path: str, out_table: str, params: IngestParams, fm
         expect_features: Optional[int] = None, expect_labels: Optional[int] = None) -> DatasetInfo:
     """Validate ``path`` and (only if it is valid) overwrite the Delta table ``out_table``."""
     df, info = read_samples(spark, path, params, fmt, expect_features, expect_labels)
-    write_delta(df.select(*[F.col(f.name).cast(f.dataType) for f in SAMPLES_SCHEMA.fields]), out_table)
+    write_delta(df, out_table)
     log.info("ingested %s (%s): %d samples, %d features, %d labels -> %s",
              path, info.fmt, info.n_samples, info.n_features, info.n_labels, out_table)
     return info
