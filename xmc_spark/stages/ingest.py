@@ -45,8 +45,11 @@ def detect_format(spark: SparkSession, path: str) -> str:
     first = spark.read.text(path).first()
     if first is None:
         raise IngestError(f"{path}: the file is empty")
+    if path.rstrip("/").endswith((".svm", ".svmlight", ".libsvm")):
+        return "svmlight"
+    # an XC header holds only integers; an svmlight line always has index:value tokens
     toks = first[0].split()
-    if len(toks) == 3 and all(t.isdigit() for t in toks):
+    if ":" not in first[0] and all(t.lstrip("-").isdigit() for t in toks):
         return "xc"
     return "svmlight"
 

@@ -1,0 +1,55 @@
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def write_xc(path, X, Y):
+    """Write (X, Y) as an XC text file (test helper)."""
+    X, Y = sp.csr_matrix(X), sp.csr_matrix(Y)
+    with open(path, "w") as f:
+        f.write(f"{X.shape[0]} {X.shape[1]} {Y.shape[1]}\n")
+        for i in range(X.shape[0]):
+            labs = ",".join(str(j) for j in Y.indices[Y.indptr[i]:Y.indptr[i + 1]])
+            feats = " ".join(f"{j}:{v:.6g}" for j, v in zip(X.indices[X.indptr[i]:X.indptr[i + 1]],
+                                                              X.data[X.indptr[i]:X.indptr[i + 1]]))
+            f.write(f"{labs} {feats}\n")
+
+
+def random_problem(n=120, d=40, L=12, seed=0, density=0.2):
+    """A small learnable problem: each label owns a few features."""
+    rng = np.random.default_rng(seed)
+    Y = sp.csr_matrix((rng.random((n, L)) < 0.18).astype(np.float32))
+    owner = rng.integers(0, L, size=d)
+    base = np.asarray(Y.todense())[:, owner] * rng.uniform(0.5, 1.0, (n, d))
+    noise = (rng.random((n, d)) < density * 0.3) * rng.uniform(0, 0.5, (n, d))
+    X = sp.csr_matrix((base + noise).astype(np.float32))
+    return X, Y
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory):
+    from xmc_spark.params import SparkParams
+    from xmc_spark.session import get_spark
+
+    params = SparkParams(master="local[2]")
+    params.conf.update({"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
+                        "spark.driver.memory": "2g",
+                        "spark.sql.warehouse.dir": str(tmp_path_factory.mktemp("warehouse"))})
+    s = get_spark(params)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def bibtex():
+    p = SHARED / "bibtex"
+    if not (p / "train.txt").exists():
+        pytest.skip("../shared/data/bibtex is not present")
+    return p

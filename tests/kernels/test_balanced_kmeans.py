@@ -1,0 +1,38 @@
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from xmc_spark.kernels.balanced_kmeans import balanced_split
+from xmc_spark.kernels.tree import build_tree, node_depth
+
+
+@pytest.mark.parametrize("m,B", [(2, 2), (7, 2), (100, 2), (101, 2), (10, 3), (50, 4), (3, 4)])
+def test_split_sizes_differ_by_at_most_one(m, B):
+    Z = sp.random(m, 30, density=0.3, random_state=m, format="csr")
+    a = balanced_split(Z, nr_splits=B, seed=1)
+    sizes = np.bincount(a, minlength=min(B, m))
+    assert sizes.sum() == m
+    assert sizes.max() - sizes.min() <= 1
+
+
+def test_split_separates_two_clear_clusters():
+    rng = np.random.default_rng(0)
+    a = np.hstack([rng.uniform(0.8, 1, (20, 5)), rng.uniform(0, 0.05, (20, 5))])
+    b = np.hstack([rng.uniform(0, 0.05, (20, 5)), rng.uniform(0.8, 1, (20, 5))])
+    Z = sp.csr_matrix(np.vstack([a, b]))
+    assign = balanced_split(Z, seed=3)
+    assert len(set(assign[:20])) == 1 and len(set(assign[20:])) == 1 and assign[0] != assign[20]
+
+
+def test_split_deterministic_for_seed():
+    Z = sp.random(64, 20, density=0.3, random_state=0, format="csr")
+    np.testing.assert_array_equal(balanced_split(Z, seed=5), balanced_split(Z, seed=5))
+
+
+def test_build_tree_leaf_sizes_and_depth():
+    Z = sp.random(983, 50, density=0.2, random_state=0, format="csr")
+    leaf = build_tree(Z, max_leaf_size=100, nr_splits=2)
+    _, counts = np.unique(leaf, return_counts=True)
+    assert counts.max() <= 100
+    assert set(node_depth(leaf, 2)) == {4}  # 983 -> 492 -> 246 -> 123 -> 62: 16 leaves at depth 4
+    assert len(counts) == 16

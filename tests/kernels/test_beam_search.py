@@ -1,0 +1,74 @@
+import numpy as np
+import scipy.sparse as sp
+
+from xmc_spark.kernels.beam_search import beam_search, exhaustive_scores
+from xmc_spark.kernels.squared_hinge import train_node  # noqa: F401  (kernels import cleanly)
+from xmc_spark.kernels.tree import TreeIndex
+from xmc_spark.model import KeyedColumns, XMCModel
+
+
+def _random_model(seed=0, L=20, d=15, leaf_size=3, overlap=False):
+    rng = np.random.default_rng(seed)
+    from xmc_spark.kernels.tree import build_tree
+    Z = sp.random(L, d, density=0.5, random_state=seed, format="csr")
+    leaf = build_tree(Z, max_leaf_size=leaf_size, nr_splits=2, seed=seed)
+    labels = np.arange(L)
+    if overlap:  # a few labels also live in a second leaf
+        extra = rng.choice(L, 5, replace=False)
+        other = rng.choice(np.unique(leaf), 5)
+        keep = other != leaf[extra]
+        labels = np.concatenate([labels, extra[keep]])
+        leaf = np.concatenate([leaf, other[keep]])
+    index = TreeIndex(labels, leaf, L, 2)
+    node_cols = {int(n): (np.arange(d + 1), rng.normal(0, 1, d + 1)) for n in index.nodes if n != 0}
+    slot_cols = {s: (np.arange(d + 1), rng.normal(0, 1, d + 1)) for s in range(len(index.slot_label))}
+    m = XMCModel(index, KeyedColumns.from_dict(node_cols, d + 1), KeyedColumns.from_dict(slot_cols, d + 1), d)
+    X = sp.random(30, d, density=0.5, random_state=seed + 1, format="csr", dtype=np.float32)
+    return m, X
+
+
+def test_full_beam_equals_exhaustive_scoring():
+    m, X = _random_model()
+    layers, order = m.layers()
+    Xb = sp.hstack([X, np.ones((X.shape[0], 1))], format="csr")
+    E = exhaustive_scores(Xb, layers, m.index.slot_label[order], m.n_labels)
+    labels, scores = m.predict(X, beam_size=1000, topk=5)
+    top = np.argsort(-E, axis=1, kind="stable")[:, :5]
+    np.testing.assert_array_equal(labels, top)
+    np.testing.assert_allclose(scores, np.take_along_axis(E, top, axis=1), rtol=1e-5)
+
+
+def test_narrow_beam_scores_are_true_path_scores():
+    m, X = _random_model(1)
+    layers, order = m.layers()
+    Xb = sp.hstack([X, np.ones((X.shape[0], 1))], format="csr")
+    E = exhaustive_scores(Xb, layers, m.index.slot_label[order], m.n_labels)
+    labels, scores = m.predict(X, beam_size=1, topk=3)
+    ok = labels >= 0
+    np.testing.assert_allclose(scores[ok], np.take_along_axis(E, np.maximum(labels, 0), axis=1)[ok], rtol=1e-5)
+    assert np.all(np.diff(scores, axis=1)[ok[:, 1:]] <= 1e-12)
+
+
+def test_overlapping_label_scores_are_averaged():
+    m, X = _random_model(2, overlap=True)
+    layers, order = m.layers()
+    Xb = sp.hstack([X, np.ones((X.shape[0], 1))], format="csr")
+    E = exhaustive_scores(Xb, layers, m.index.slot_label[order], m.n_labels)
+    labels, scores = m.predict(X, beam_size=1000, topk=m.n_labels)
+    assert all(len(set(r[r >= 0])) == (r >= 0).sum() for r in labels)  # no duplicates
+    np.testing.assert_allclose(scores, np.take_along_axis(E, labels, axis=1), rtol=1e-5)
+
+
+def test_hand_built_two_level_tree():
+    # root -> nodes 1, 2; node 1 holds labels 0, 1; node 2 holds label 2. One feature + bias.
+    index = TreeIndex([0, 1, 2], [1, 1, 2], 3, 2)
+    node = KeyedColumns.from_dict({1: ([0], [2.0]), 2: ([0], [-2.0])}, 2)
+    slot = KeyedColumns.from_dict({0: ([0], [1.0]), 1: ([1], [0.5]), 2: ([0], [3.0])}, 2)
+    m = XMCModel(index, node, slot, 1, bias=1.0)
+    X = sp.csr_matrix(np.array([[1.0]], dtype=np.float32))
+    labels, scores = m.predict(X, beam_size=2, topk=3)
+    f = lambda v: np.exp(-max(0.0, 1 - v) ** 3)  # noqa: E731
+    expect = {0: f(2) * f(1), 1: f(2) * f(0.5), 2: f(-2) * f(3)}
+    order = sorted(expect, key=lambda k: -expect[k])
+    np.testing.assert_array_equal(labels[0], order)
+    np.testing.assert_allclose(scores[0], [expect[k] for k in order])

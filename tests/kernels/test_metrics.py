@@ -1,0 +1,35 @@
+import numpy as np
+import scipy.sparse as sp
+
+from xmc_spark.kernels.metrics import depth_sums, evaluate, finalize_depth, propensities
+
+
+def test_hand_computed_metrics():
+    Y = sp.csr_matrix(np.array([[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=np.float32))
+    pred = np.array([[0, 1, 2], [3, 1, -1], [0, 1, 2]])
+    inv = np.array([1.0, 2.0, 4.0, 8.0])
+    m = evaluate(pred, Y, inv, ks=(1, 3))
+    assert np.isclose(m["p@1"], 100 * (1 + 0 + 0) / 3)
+    assert np.isclose(m["p@3"], 100 * (2 / 3 + 1 / 3 + 0) / 3)
+    # nDCG@3 row 0: hits at ranks 1,3 -> (1 + 1/2) / (1 + 1/log2 3); row 1: hit at rank 2 -> (1/log2 3) / 1
+    d = 1 / np.log2(3)
+    assert np.isclose(m["ndcg@3"], 100 * ((1 + 0.5) / (1 + d) + d) / 3)
+    assert np.isclose(m["recall@3"], 100 * (1 + 1) / 3)
+    # PSP@1: predicted gains 1 (row 0) / ideal best gains max(1,4)=4 and 2
+    assert np.isclose(m["psp@1"], 100 * 1 / (4 + 2))
+    assert np.isclose(m["psp@3"], 100 * (1 + 4 + 2) / (1 + 4 + 2))
+
+
+def test_propensity_formula():
+    p = propensities(np.array([0, 10, 1000]), 10000, A=0.55, B=1.5)
+    C = (np.log(10000) - 1) * (2.5 ** 0.55)
+    np.testing.assert_allclose(p, 1 / (1 + C * np.exp(-0.55 * np.log(np.array([0, 10, 1000]) + 1.5))))
+    assert np.all(np.diff(p) > 0)
+
+
+def test_expected_depth():
+    pred = np.array([[0, 1], [2, -1]])
+    depth = np.array([1, 3, 2])
+    s = depth_sums(pred, depth, ks=(1, 2))
+    out = finalize_depth(s, (1, 2))
+    assert out["depth@1"] == (1 + 2) / 2 and out["depth@2"] == (3 + 2) / 2

@@ -1,0 +1,42 @@
+import numpy as np
+import scipy.sparse as sp
+
+from xmc_spark.kernels.label_embedding import pifa
+from xmc_spark.kernels.tree import TreeIndex, ancestor_at, node_depth
+
+
+def test_pifa_matches_dense_formula():
+    rng = np.random.default_rng(0)
+    X = sp.csr_matrix(rng.random((30, 8)) * (rng.random((30, 8)) < 0.5))
+    Y = sp.csr_matrix((rng.random((30, 5)) < 0.3).astype(float))
+    Yd = np.asarray(Y.todense())
+    Yn = Yd / np.maximum(np.linalg.norm(Yd, axis=1, keepdims=True), 1e-12)
+    Z = Yn.T @ np.asarray(X.todense())
+    Z = Z / np.maximum(np.linalg.norm(Z, axis=1, keepdims=True), 1e-12)
+    np.testing.assert_allclose(np.asarray(pifa(X, Y).todense()), Z, rtol=1e-5, atol=1e-6)
+
+
+def test_heap_numbering():
+    assert list(node_depth([0, 1, 2, 3, 6, 7], 2)) == [0, 1, 1, 2, 2, 3]
+    assert list(ancestor_at([7, 8, 4], [3, 3, 2], 1, 2)) == [1, 1, 1]
+    assert list(ancestor_at([7, 13], [2, 2], 1, 3)) == [2, 4]
+
+
+def test_groups_of_samples_brute_force():
+    # leaves: label 0,1 -> node 3; label 2 -> node 4; label 3 -> node 2 (shallow leaf)
+    ix = TreeIndex([0, 1, 2, 3], [3, 3, 4, 2], 4, 2)
+    offsets = np.array([0, 2, 3, 3, 5])
+    labels = np.array([0, 3, 2, 1, 2])
+    rows, groups = ix.groups_of_samples(offsets, labels)
+    got = set(zip(rows.tolist(), groups.tolist()))
+    expect = {(0, 0), (0, 1), (0, 3), (0, 2),   # labels 0 (1 -> 3) and 3 (leaf 2)
+              (1, 0), (1, 1), (1, 4),           # label 2
+              (2, 0),                           # no label: root only
+              (3, 0), (3, 1), (3, 3), (3, 4)}   # labels 1, 2
+    assert got == expect
+    children, Y = ix.node_problem(1, offsets, labels)
+    assert list(children) == [3, 4]
+    np.testing.assert_array_equal(np.asarray(Y.todense()), [[1, 0], [0, 1], [0, 0], [1, 1]])
+    children, Y = ix.node_problem(3, offsets, labels)   # leaf: one classifier per label slot
+    assert list(ix.slot_label[children]) == [0, 1]
+    np.testing.assert_array_equal(np.asarray(Y.todense()), [[1, 0], [0, 0], [0, 0], [0, 1]])

@@ -1,0 +1,94 @@
+"""Bad inputs: a clear error naming the file and line (or row), and no table written."""
+import os
+
+import numpy as np
+import pytest
+
+from xmc_spark.params import IngestParams
+from xmc_spark.schemas import IngestError, SchemaError
+from xmc_spark.stages import ingest
+
+GOOD = "3 5 4\n0,1 0:1 3:0.5\n2 1:1\n 4:2\n"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("3 5\n0 1:1\n", r":1: malformed header"),
+    ("2 5 4\n0,1 0:1\n2 1:1 3\n", r":3: malformed feature token .*'3'"),
+    ("2 5 4\n0,x 0:1\n2 1:1\n", r":2: label id is not an integer in '0,x'"),
+    ("2 5 4\n0 0:1\n7 1:1\n", r":3: label id 7 out of range \[0, 4\)"),
+    ("2 5 4\n0 0:1\n1 9:1\n", r":3: feature index 9 out of range \[0, 5\)"),
+    ("2 5 4\n0 -1:1\n1 2:1\n", r":2: negative feature index -1"),
+    ("2 5 4\n-2 1:1\n1 2:1\n", r":2: negative label id -2"),
+    ("2 5 4\n0 1:nan\n1 2:1\n", r":2: feature value is NaN or infinite"),
+    ("2 5 4\n0 1:1\n1 2:inf\n", r":3: feature value is NaN or infinite"),
+    ("2 5 4\n0 1:abc\n1 2:1\n", r":2: feature value is not a number"),
+    ("3 5 4\n0 1:1\n1 2:1\n", r":1: header declares 3 samples but the file has 2"),
+    ("", r"the file is empty"),
+    ("2 5 4\n", r"no samples"),
+])
+def test_bad_xc_file(spark, tmp_path, text, match):
+    f = tmp_path / "bad.txt"
+    f.write_text(text)
+    out = tmp_path / "tbl"
+    with pytest.raises(IngestError, match=match) as e:
+        ingest.run(spark, str(f), str(out), IngestParams())
+    assert str(f) in str(e.value)
+    assert not out.exists()
+
+
+def test_missing_path(spark, tmp_path):
+    with pytest.raises(IngestError, match="no such file"):
+        ingest.run(spark, str(tmp_path / "nope.txt"), str(tmp_path / "tbl"), IngestParams())
+
+
+def test_good_file_with_unlabelled_line(spark, tmp_path):
+    f = tmp_path / "good.txt"
+    f.write_text(GOOD)
+    info = ingest.run(spark, str(f), str(tmp_path / "tbl"), IngestParams())
+    assert (info.n_samples, info.n_features, info.n_labels) == (3, 5, 4)
+    rows = sorted(spark.read.format("delta").load(str(tmp_path / "tbl")).collect(), key=lambda r: r.sample_id)
+    assert [list(r.label_idx) for r in rows] == [[0, 1], [2], []]
+    np.testing.assert_allclose(rows[0].feature_val, np.array([1, 0.5]) / np.sqrt(1.25), rtol=1e-6)
+    # rerun is idempotent: same table content, a new version
+    ingest.run(spark, str(f), str(tmp_path / "tbl"), IngestParams())
+    assert spark.read.format("delta").load(str(tmp_path / "tbl")).count() == 3
+
+
+def test_failed_rerun_keeps_previous_table(spark, tmp_path):
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text(GOOD)
+    bad.write_text("2 5 4\n0 1:1\n9 2:1\n")
+    ingest.run(spark, str(good), str(tmp_path / "tbl"), IngestParams())
+    with pytest.raises(IngestError):
+        ingest.run(spark, str(bad), str(tmp_path / "tbl"), IngestParams())
+    assert spark.read.format("delta").load(str(tmp_path / "tbl")).count() == 3
+
+
+def test_svmlight_one_based(spark, tmp_path):
+    f = tmp_path / "a.svm"
+    f.write_text("0,2 1:1 4:2\n1 qid:3 2:1\n")
+    info = ingest.run(spark, str(f), str(tmp_path / "tbl"), IngestParams(normalize=False))
+    assert (info.fmt, info.n_samples, info.n_features, info.n_labels) == ("svmlight", 2, 4, 3)
+    rows = sorted(spark.read.format("delta").load(str(tmp_path / "tbl")).collect(), key=lambda r: r.sample_id)
+    assert list(rows[0].feature_idx) == [0, 3] and list(rows[1].feature_idx) == [1]
+
+
+def test_parquet_wrong_schema_and_duplicates(spark, tmp_path):
+    p = str(tmp_path / "wrong.parquet")
+    spark.createDataFrame([(1, "x")], "sample_id long, features string").write.parquet(p)
+    with pytest.raises(SchemaError, match=r"missing column 'feature_idx'"):
+        ingest.run(spark, p, str(tmp_path / "tbl"), IngestParams())
+    p2 = str(tmp_path / "dup.parquet")
+    spark.createDataFrame([(1, [0], [1.0], [0]), (1, [1], [1.0], [1])],
+                          "sample_id long, feature_idx array<int>, feature_val array<double>, label_idx array<int>"
+                          ).write.parquet(p2)
+    with pytest.raises(IngestError, match="duplicate sample_id 1"):
+        ingest.run(spark, p2, str(tmp_path / "tbl"), IngestParams())
+    p3 = str(tmp_path / "ok.parquet")
+    spark.createDataFrame([(5, [0, 2], [3.0, 4.0], [1]), (6, [1], [1.0], [])],
+                          "sample_id long, feature_idx array<int>, feature_val array<double>, label_idx array<int>"
+                          ).write.parquet(p3)
+    info = ingest.run(spark, p3, str(tmp_path / "tbl"), IngestParams())
+    assert (info.fmt, info.n_samples, info.n_features, info.n_labels) == ("parquet", 2, 3, 2)
+    r = spark.read.format("delta").load(str(tmp_path / "tbl")).filter("sample_id = 5").first()
+    np.testing.assert_allclose(r.feature_val, [0.6, 0.8], rtol=1e-6)

@@ -1,0 +1,100 @@
+"""Each Spark stage agrees with its numpy kernel on tiny inputs."""
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from tests.conftest import random_problem, write_xc
+from xmc_spark.kernels import metrics as M
+from xmc_spark.kernels.label_embedding import pifa
+from xmc_spark.kernels.sparse import append_bias
+from xmc_spark.kernels.tree import TreeIndex, build_tree
+from xmc_spark.local_io import read_xc
+from xmc_spark.model import XMCModel, train_all_groups
+from xmc_spark.params import EmbeddingParams, EvalParams, IngestParams, TrainParams, TreeParams
+from xmc_spark.pipeline import weights_to_columns
+from xmc_spark.stages import evaluation, ingest, label_embedding, label_tree, node_training, prediction
+from xmc_spark.storage import read_delta
+
+
+def _to_csr(rows, idx, val, n_cols, id_col="sample_id"):
+    rows = sorted(rows, key=lambda r: r[id_col])
+    data = [np.asarray(r[val], np.float32) if val else np.ones(len(r[idx]), np.float32) for r in rows]
+    ind = [np.asarray(r[idx], np.int32) for r in rows]
+    ptr = np.concatenate([[0], np.cumsum([len(i) for i in ind])])
+    m = sp.csr_matrix((np.concatenate(data), np.concatenate(ind), ptr), shape=(len(rows), n_cols))
+    m.sort_indices()
+    return m
+
+
+@pytest.fixture(scope="module")
+def problem(tmp_path_factory, spark):
+    d = tmp_path_factory.mktemp("stages")
+    X, Y = random_problem(n=150, d=40, L=14, seed=7)
+    write_xc(d / "train.txt", X, Y)
+    info = ingest.run(spark, str(d / "train.txt"), str(d / "train_tbl"), IngestParams())
+    Xl, Yl = read_xc(str(d / "train.txt"))
+    return d, info, Xl, Yl
+
+
+def test_ingest_equals_local_reader(problem, spark):
+    d, info, Xl, Yl = problem
+    assert (info.n_samples, info.n_features, info.n_labels) == (150, 40, 14)
+    rows = read_delta(spark, str(d / "train_tbl")).collect()
+    X = _to_csr(rows, "feature_idx", "feature_val", 40)
+    Y = _to_csr(rows, "label_idx", None, 14)
+    np.testing.assert_allclose(X.toarray(), Xl.toarray(), rtol=1e-6)
+    np.testing.assert_array_equal(Y.toarray(), Yl.toarray())
+    assert [r["sample_id"] for r in sorted(rows, key=lambda r: r["sample_id"])] == list(range(150))
+
+
+def test_pifa_stage_equals_kernel(problem, spark):
+    d, info, Xl, Yl = problem
+    emb = label_embedding.run(read_delta(spark, str(d / "train_tbl")), 40, 14, EmbeddingParams(), n_buckets=3)
+    Z = _to_csr(emb.collect(), "emb_idx", "emb_val", 40, id_col="label_idx")
+    np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
+
+
+def test_tree_stage_equals_kernel(problem, spark):
+    d, info, Xl, Yl = problem
+    params = TreeParams(max_leaf_size=3, nr_splits=2, seed=4)
+    emb = label_embedding.run(read_delta(spark, str(d / "train_tbl")), 40, 14, EmbeddingParams(), n_buckets=2)
+    tree = label_tree.run(emb, 14, 40, params).toPandas().sort_values("label_idx")
+    ref = build_tree(pifa(Xl, Yl), params.max_leaf_size, params.nr_splits, params.max_iter, params.seed)
+    np.testing.assert_array_equal(tree["node"].to_numpy(), ref)
+    params3 = TreeParams(max_leaf_size=2, nr_splits=3, seed=1)
+    tree3 = label_tree.run(emb, 14, 40, params3).toPandas().sort_values("label_idx")
+    ref3 = build_tree(pifa(Xl, Yl), 2, 3, params3.max_iter, 1)
+    np.testing.assert_array_equal(tree3["node"].to_numpy(), ref3)
+
+
+def test_training_stage_equals_kernel(problem, spark):
+    d, info, Xl, Yl = problem
+    leaf = build_tree(pifa(Xl, Yl), 4, 2, 20, 0)
+    index = TreeIndex(np.arange(14), leaf, 14, 2)
+    tp = TrainParams()
+    w = node_training.run(read_delta(spark, str(d / "train_tbl")), index, 40, tp).collect()
+    node_w, slot_w = weights_to_columns(w, 41)
+    ref_nodes, ref_slots = train_all_groups(index, append_bias(Xl, tp.bias), Yl, tp)
+    assert sorted(ref_nodes) == list(node_w.keys) and sorted(ref_slots) == list(slot_w.keys)
+    for k, (i, v) in ref_slots.items():
+        col = slot_w.select([k])
+        np.testing.assert_array_equal(col.indices, i)
+        np.testing.assert_allclose(col.data, v, rtol=1e-6)
+
+
+def test_prediction_and_evaluation_stages_equal_kernels(problem, spark):
+    d, info, Xl, Yl = problem
+    model = XMCModel.train_local(Xl, Yl, tree=TreeParams(max_leaf_size=4))
+    test = read_delta(spark, str(d / "train_tbl"))
+    preds = prediction.run(test, model, beam_size=3, topk=4)
+    rows = sorted(preds.collect(), key=lambda r: r["sample_id"])
+    labels, scores = model.predict(Xl, beam_size=3, topk=4)
+    for r, lab, sc in zip(rows, labels, scores):
+        assert list(r["pred_labels"]) == [int(x) for x in lab if x >= 0]
+        np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
+    counts = np.asarray(Yl.sum(axis=0)).ravel()
+    got = evaluation.run(preds, test, counts, 150, EvalParams(), label_depth=model.label_depth())
+    inv = 1 / M.propensities(counts, 150)
+    ref = M.evaluate(labels, Yl, inv, (1, 3, 5))
+    for k, v in ref.items():
+        assert got[k] == pytest.approx(v, abs=1e-9), k
