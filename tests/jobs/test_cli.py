@@ -1,0 +1,75 @@
+"""The real CLI end to end (subprocesses: a fresh JVM each, as a user would run it)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "xmc_spark.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=1200)
+
+
+def _spark_fast():
+    return ["--set", "spark.master=local[2]", "--set",
+            'spark.conf={"spark.sql.shuffle.partitions": "4", "spark.ui.showConsoleProgress": "false",'
+            ' "spark.databricks.delta.snapshotPartitions": "2"}']
+
+
+def test_run_and_predict_on_bibtex(bibtex, tmp_path):
+    out = tmp_path / "run"
+    r = cli("run", "--train", str(bibtex / "train.txt"), "--test", str(bibtex / "test.txt"), "--out", str(out),
+            "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts", *_spark_fast(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    for k in ["p@1", "p@3", "p@5", "ndcg@1", "ndcg@3", "ndcg@5", "psp@1", "psp@3", "psp@5", "n_train", "n_test",
+              "n_labels", "seconds"]:
+        assert k in m, k
+    assert m["n_train"] == 4880 and m["n_test"] == 2515 and m["n_labels"] == 159
+    assert m["p@1"] >= 62.5 and m["p@3"] >= 38.0 and m["p@5"] >= 27.6   # PECOS: 63.18 / 38.53 / 28.10
+    assert {"ingest", "embedding", "tree", "train", "predict", "evaluate", "total"} <= set(m["seconds"])
+    assert (out / "model" / "param.json").is_file()
+
+    # the MLflow run holds params, metrics and the model folder
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    run = mlflow.get_run(m["mlflow_run_id"])
+    assert run.data.params["tree.max_leaf_size"] == "100"
+    assert abs(run.data.metrics["p_at_1"] - m["p@1"]) < 1e-6
+    arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"metrics.json", "config.yaml", "model"} <= arts
+
+    # predict with the saved model reproduces the run's metrics
+    r2 = cli("predict", "--model", str(out / "model"), "--data", str(bibtex / "test.txt"), "--out",
+             str(tmp_path / "pred"), "--set", "mlflow.enabled=false", *_spark_fast(), cwd=tmp_path)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    pm = json.loads((tmp_path / "pred" / "metrics.json").read_text())
+    assert pm["p@1"] == pytest.approx(m["p@1"]) and pm["p@5"] == pytest.approx(m["p@5"])
+
+
+def test_bad_input_and_bad_config_exit_2(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("2 5 4\n0 1:1\n1 2:1 7:1\n")
+    r = cli("run", "--train", str(bad), "--out", str(tmp_path / "o"), "--set", "mlflow.enabled=false",
+            *_spark_fast(), cwd=tmp_path)
+    assert r.returncode == 2
+    assert f"{bad}:3: feature index 7 out of range [0, 5)" in r.stderr
+    assert not (tmp_path / "o" / "tables" / "train").exists()
+    r = cli("run", "--train", str(bad), "--out", str(tmp_path / "o"), "--set", "tree.max_leaf_size=abc")
+    assert r.returncode == 2 and "tree.max_leaf_size" in r.stderr and "integer" in r.stderr
+
+
+def test_params_skeleton_round_trips(tmp_path):
+    r = cli("params")
+    assert r.returncode == 0
+    f = tmp_path / "c.yaml"
+    f.write_text(r.stdout)
+    r2 = cli("params", "--config", str(f), "--set", "tree.max_leaf_size=7")
+    assert r2.returncode == 0 and "max_leaf_size: 7" in r2.stdout
