@@ -65,22 +65,6 @@ def _exists(spark: SparkSession, path: str) -> bool:
     return fs.exists(hpath)
 
 
-def _with_line_numbers(spark: SparkSession, path: str) -> DataFrame:
-    """Text lines with their 1-based line number in the file (one small action)."""
-    raw = (spark.read.text(path)
-           .withColumn("_pid", F.spark_partition_id())
-           .withColumn("_mid", F.monotonically_increasing_id()))
-    parts = raw.groupBy("_pid").agg(F.count(F.lit(1)).alias("c"), F.min("_mid").alias("m0")).collect()
-    parts = sorted(parts, key=lambda r: r["_pid"])
-    rows, acc = [], 0
-    for r in parts:
-        rows.append((r["_pid"], acc, r["m0"]))
-        acc += r["c"]
-    offs = spark.createDataFrame(rows, "_pid int, _off long, _m0 long")
-    return (raw.join(F.broadcast(offs), "_pid")
-            .select((F.col("_off") + F.col("_mid") - F.col("_m0") + 1).alias("line"), F.col("value")))
-
-
 def _parse_tokens(df: DataFrame, one_based: bool) -> DataFrame:
     """Split 'l1,l2 f:v f:v' lines into typed arrays plus checks, with SQL expressions."""
     toks = F.filter(F.split(F.trim(F.col("value")), r"\s+"), lambda t: t != "")
@@ -171,13 +155,19 @@ def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
 
 def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
               expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
-    """Parse and validate an XC or svmlight text file; returns (DataFrame, DatasetInfo)."""
-    lines = _with_line_numbers(spark, path)
+    """Parse and validate an XC or svmlight text file; returns (DataFrame, DatasetInfo).
+
+    One Spark job validates every line and counts the lines of each input partition; line
+    numbers (for errors) and sample ids (line order) follow from those counts.
+    """
+    raw = (spark.read.text(path)
+           .withColumn("_pid", F.spark_partition_id())
+           .withColumn("_mid", F.monotonically_increasing_id()))
     header_n = None
     d = params.num_features or expect_features
     L = params.num_labels or expect_labels
     if fmt == "xc":
-        head = lines.filter(F.col("line") == 1).select("value").first()
+        head = raw.select("value").first()        # the first line of the first split
         toks = head[0].split() if head else []
         if len(toks) != 3 or not all(t.isdigit() for t in toks):
             raise IngestError(f"{path}:1: malformed header {head[0] if head else ''!r} "
@@ -187,30 +177,41 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
             log.warning("%s declares %d features, the model/training set has %d", path, hd, expect_features)
         d = params.num_features or max(hd, expect_features or 0)
         L = params.num_labels or max(hL, expect_labels or 0)
-        data = lines.filter(F.col("line") > 1)
         one_based = False
     else:
-        data = lines
         one_based = params.svmlight_one_based
-    parsed = _parse_tokens(data, one_based).withColumn("_err", _error_column(d, L))
-    parsed = parsed.withColumn("sample_id", (F.col("line") - (2 if fmt == "xc" else 1)).cast("long"))
-    stats = parsed.agg(
-        F.count(F.lit(1)).alias("n"),
-        F.min(F.when(F.col("_err").isNotNull(), F.struct("line", "_err"))).alias("err"),
-        F.max(F.array_max("label_idx")).alias("max_label"),
-        F.max(F.array_max("feature_idx")).alias("max_feature"),
-    ).first()
-    if stats["err"] is not None:
-        raise IngestError(f"{path}:{stats['err']['line']}: {stats['err']['_err']}")
-    n = stats["n"]
-    if n == 0:
+    parsed = _parse_tokens(raw, one_based).withColumn("_err", _error_column(d, L))
+    is_data = F.col("_mid") != 0 if fmt == "xc" else F.lit(True)
+    parts = parsed.groupBy("_pid").agg(
+        F.count(F.lit(1)).alias("c"), F.min("_mid").alias("m0"),
+        F.min(F.when(F.col("_err").isNotNull() & is_data, F.struct("_mid", "_err"))).alias("err"),
+        F.max(F.when(is_data, F.array_max("label_idx"))).alias("max_label"),
+        F.max(F.when(is_data, F.array_max("feature_idx"))).alias("max_feature"),
+    ).collect()
+    parts = sorted(parts, key=lambda r: r["_pid"])
+    offsets, acc, errors = [], 0, []
+    for r in parts:
+        offsets.append((r["_pid"], acc, r["m0"]))
+        if r["err"] is not None:
+            errors.append((acc + r["err"]["_mid"] - r["m0"] + 1, r["err"]["_err"]))
+        acc += r["c"]
+    if errors:
+        line, msg = min(errors)
+        raise IngestError(f"{path}:{line}: {msg}")
+    n = acc - (1 if fmt == "xc" else 0)
+    if n <= 0:
         raise IngestError(f"{path}: no samples (the file is empty{' after the header' if fmt == 'xc' else ''})")
     if header_n is not None and header_n != n:
         raise IngestError(f"{path}:1: header declares {header_n} samples but the file has {n} data lines")
-    d = d or (stats["max_feature"] if stats["max_feature"] is not None else -1) + 1
-    L = L or (stats["max_label"] if stats["max_label"] is not None else -1) + 1
-    df = _finish(parsed, params.normalize)
-    return df, DatasetInfo(path, fmt, n, int(d), int(L))
+    max_f = max((r["max_feature"] for r in parts if r["max_feature"] is not None), default=-1)
+    max_l = max((r["max_label"] for r in parts if r["max_label"] is not None), default=-1)
+    d = d or max_f + 1
+    L = L or max_l + 1
+    offs = spark.createDataFrame(offsets, "_pid int, _off long, _m0 long")
+    skip = 1 if fmt == "xc" else 0
+    data = (parsed.filter(is_data).join(F.broadcast(offs), "_pid")
+            .withColumn("sample_id", (F.col("_off") + F.col("_mid") - F.col("_m0") - skip).cast("long")))
+    return _finish(data, params.normalize), DatasetInfo(path, fmt, n, int(d), int(L))
 
 
 def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,

@@ -41,16 +41,23 @@ def run(embeddings: DataFrame, n_labels: int, n_features: int, params: TreeParam
         "label_idx",
         F.coalesce("emb_idx", F.array().cast("array<int>")).alias("emb_idx"),
         F.coalesce("emb_val", F.array().cast("array<float>")).alias("emb_val")).cache()
-    assign = all_labels.withColumn("node", F.lit(0).cast("long")).localCheckpoint()
+    assign = all_labels.withColumn("node", F.lit(0).cast("long"))
+    sizes = {0: n_labels}
+    cached = [emb]
     depth = 0
     while True:
-        sizes = assign.groupBy("node").count().filter(F.col("count") > params.max_leaf_size).collect()
-        if not sizes:
+        big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
+        if not big:
             break
-        big = sorted(int(r["node"]) for r in sizes)
-        new = split_level(emb, assign, big, n_features, params)
-        assign = assign.filter(~F.col("node").isin(big)).unionByName(new).localCheckpoint()
+        new = split_level(emb, assign, big, n_features, params).cache()
+        cached.append(new)
+        # one job per level: the split runs and its children's sizes come back together
+        grown = {int(r["node"]): int(r["count"]) for r in new.groupBy("node").count().collect()}
+        sizes = {**{n: c for n, c in sizes.items() if n not in set(big)}, **grown}
+        assign = assign.filter(~F.col("node").isin(big)).unionByName(new)
         depth += 1
-        log.info("tree level %d: split %d nodes", depth, len(big))
-    emb.unpersist()
+        log.info("tree level %d: split %d nodes into %d", depth, len(big), len(grown))
+    assign = assign.localCheckpoint()
+    for c in cached:
+        c.unpersist()
     return assign
