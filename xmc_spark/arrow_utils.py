@@ -64,6 +64,8 @@ def grouped_apply(df, keys, func: Callable[[pa.Table], pa.Table], schema: str):
     return g.applyInPandas(pandas_func, schema)
 
 
-def map_arrow(df, func: Callable, schema: str):
-    """``df.mapInArrow(func, schema)``: func takes and yields RecordBatches."""
-    return df.mapInArrow(func, schema)
+def to_arrow(df) -> pa.Table:
+    """Collect a DataFrame as one Arrow table (``toArrow`` on Spark >= 4, else via pandas)."""
+    if hasattr(df, "toArrow"):
+        return df.toArrow()
+    return pa.Table.from_pandas(df.toPandas(), preserve_index=False)  # pragma: no cover - Spark 3.5

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import numpy as np
+import pyarrow as pa
+import scipy.sparse as sp
 from pyspark.sql import functions as F
 
+from .arrow_utils import list_offsets_values, to_arrow
 from .config import dump_params
 from .kernels.tree import TreeIndex
 from .model import KeyedColumns, XMCModel
@@ -43,13 +46,19 @@ class StageTimer:
         return {**self.seconds, "total": round(time.perf_counter() - self._t0, 3)}
 
 
-def weights_to_columns(rows, n_cols: int):
-    """Collected weight rows -> (node KeyedColumns, slot KeyedColumns)."""
-    nodes, slots = {}, {}
-    for r in rows:
-        (slots if r["is_leaf"] else nodes)[int(r["key"])] = (np.asarray(r["w_idx"], np.int32),
-                                                            np.asarray(r["w_val"], np.float32))
-    return KeyedColumns.from_dict(nodes, n_cols), KeyedColumns.from_dict(slots, n_cols)
+def weights_to_columns(t: pa.Table, n_cols: int):
+    """Weights table (as Arrow) -> (node KeyedColumns, slot KeyedColumns), no per-row Python."""
+    is_leaf = np.asarray(t.column("is_leaf").to_numpy(zero_copy_only=False), dtype=bool)
+    keys = np.asarray(t.column("key").to_numpy(zero_copy_only=False), dtype=np.int64)
+    off, idx = list_offsets_values(t, "w_idx")
+    _, val = list_offsets_values(t, "w_val")
+    W = sp.csc_matrix((np.array(val, np.float32), np.array(idx, np.int32), off), shape=(n_cols, len(keys)))
+    out = []
+    for mask in (~is_leaf, is_leaf):
+        cols = np.flatnonzero(mask)
+        order = cols[np.argsort(keys[cols], kind="mergesort")]
+        out.append(KeyedColumns(keys[order], W[:, order].tocsc()))
+    return out[0], out[1]
 
 
 def train_model(spark, train_table: str, tables: Path, n_features: int, n_labels: int,
@@ -62,15 +71,16 @@ def train_model(spark, train_table: str, tables: Path, n_features: int, n_labels
         write_delta(emb, str(tables / "label_embeddings"))
     with timer.stage("tree"):
         tree = label_tree.run(read_delta(spark, str(tables / "label_embeddings")), n_labels, n_features, params.tree)
+        rows = tree.toPandas()                        # O(labels): the tree lives in the model too
         write_delta(tree, str(tables / "tree"))
-        rows = read_delta(spark, str(tables / "tree")).toPandas()
         index = TreeIndex(rows["label_idx"].to_numpy(), rows["node"].to_numpy(), n_labels, params.tree.nr_splits)
         log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)
     with timer.stage("train"):
-        w = node_training.run(samples, index, n_features, params.train)
-        write_delta(w, str(tables / "weights"))
+        w = node_training.run(samples, index, n_features, params.train).cache()
         n_cols = n_features + (1 if params.train.bias > 0 else 0)
-        node_w, slot_w = weights_to_columns(read_delta(spark, str(tables / "weights")).collect(), n_cols)
+        node_w, slot_w = weights_to_columns(to_arrow(w), n_cols)
+        write_delta(w, str(tables / "weights"))
+        w.unpersist()
     return XMCModel(index, node_w, slot_w, n_features, bias=params.train.bias, normalize=params.ingest.normalize,
                     pred_params=params.predict)
 

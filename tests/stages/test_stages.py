@@ -4,6 +4,7 @@ import pytest
 import scipy.sparse as sp
 
 from tests.conftest import random_problem, write_xc
+from xmc_spark.arrow_utils import to_arrow
 from xmc_spark.kernels import metrics as M
 from xmc_spark.kernels.label_embedding import pifa
 from xmc_spark.kernels.sparse import append_bias
@@ -72,8 +73,8 @@ def test_training_stage_equals_kernel(problem, spark):
     leaf = build_tree(pifa(Xl, Yl), 4, 2, 20, 0)
     index = TreeIndex(np.arange(14), leaf, 14, 2)
     tp = TrainParams()
-    w = node_training.run(read_delta(spark, str(d / "train_tbl")), index, 40, tp).collect()
-    node_w, slot_w = weights_to_columns(w, 41)
+    w = node_training.run(read_delta(spark, str(d / "train_tbl")), index, 40, tp)
+    node_w, slot_w = weights_to_columns(to_arrow(w), 41)
     ref_nodes, ref_slots = train_all_groups(index, append_bias(Xl, tp.bias), Yl, tp)
     assert sorted(ref_nodes) == list(node_w.keys) and sorted(ref_slots) == list(slot_w.keys)
     for k, (i, v) in ref_slots.items():
