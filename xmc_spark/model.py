@@ -144,6 +144,8 @@ class XMCModel:
         layers.append((child_ptr, W, np.zeros(len(order), bool)))
         self._layers = layers
         self._slot_order = order
+        # real leaf id of each node of the deepest internal layer (pass-through pads included)
+        self._last_leaf = ix.leaves[_positions(eff_leaf, prev_ids)] if D > 0 else np.zeros(1, np.int64)
         return layers, order
 
     # ---- prediction ------------------------------------------------------------------
@@ -160,6 +162,21 @@ class XMCModel:
                            beam_size=beam_size or self.pred_params.beam_size,
                            topk=topk or self.pred_params.topk,
                            post_processor=self.pred_params.post_processor)
+
+    def match_leaves(self, X: sp.csr_matrix, beam_size: Optional[int] = None):
+        """The matcher alone: (leaf node ids n x b, -1 padded; scores) of each row's beam."""
+        X = sp.csr_matrix(X, dtype=np.float32)
+        if X.shape[1] < self.n_features:
+            X = sp.csr_matrix((X.data, X.indices, X.indptr), shape=(X.shape[0], self.n_features))
+        layers, _ = self.layers()
+        b = beam_size or self.pred_params.beam_size
+        if len(layers) == 1:  # the root is the only leaf
+            return np.zeros((X.shape[0], 1), np.int64), np.ones((X.shape[0], 1))
+        inner = layers[:-1]
+        pos, scores = beam_search(append_bias(X, self.bias), inner, np.arange(len(self._last_leaf)),
+                                  beam_size=b, topk=b, post_processor=self.pred_params.post_processor)
+        leaves = np.where(pos >= 0, self._last_leaf[np.maximum(pos, 0)], -1)
+        return leaves, scores
 
     def label_depth(self) -> np.ndarray:
         """Depth of each label's deepest leaf (for expected depth@k)."""

@@ -222,6 +222,20 @@ class TreeParams(BaseParams):
 
 
 @dataclass
+class ClustersParams(BaseParams):
+    """Overlapping clusters: each label may live in up to ``lam`` leaves (1 = plain tree)."""
+
+    lam: int = 1
+    rounds: int = 1          # alternations: matcher -> clusters -> retrain
+    beam_size: int = 10      # b, leaves matched per training sample
+
+    def validate(self, prefix=""):
+        _check(self.lam >= 1, prefix + "lam", "must be >= 1")
+        _check(self.rounds >= 0, prefix + "rounds", "must be >= 0")
+        _check(self.beam_size >= 1, prefix + "beam_size", "must be >= 1")
+
+
+@dataclass
 class TrainParams(BaseParams):
     C: float = 1.0
     threshold: float = 0.1
@@ -274,6 +288,7 @@ class PipelineParams(BaseParams):
     ingest: IngestParams = field(default_factory=IngestParams)
     embedding: EmbeddingParams = field(default_factory=EmbeddingParams)
     tree: TreeParams = field(default_factory=TreeParams)
+    clusters: ClustersParams = field(default_factory=ClustersParams)
     train: TrainParams = field(default_factory=TrainParams)
     predict: PredictParams = field(default_factory=PredictParams)
     eval: EvalParams = field(default_factory=EvalParams)

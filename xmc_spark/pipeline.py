@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import scipy.sparse as sp
 from pyspark.sql import functions as F
@@ -22,7 +23,7 @@ from .config import dump_params
 from .kernels.tree import TreeIndex
 from .model import KeyedColumns, XMCModel
 from .params import PipelineParams
-from .stages import evaluation, ingest, label_embedding, label_tree, node_training, prediction
+from .stages import evaluation, ingest, label_clusters, label_embedding, label_tree, node_training, prediction
 from .storage import read_delta, table_version, write_delta
 from .tracking import Tracker
 
@@ -76,11 +77,34 @@ def train_model(spark, train_table: str, tables: Path, n_features: int, n_labels
         index = TreeIndex(rows["label_idx"].to_numpy(), rows["node"].to_numpy(), n_labels, params.tree.nr_splits)
         log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)
     with timer.stage("train"):
-        w = node_training.run(samples, index, n_features, params.train).cache()
-        n_cols = n_features + (1 if params.train.bias > 0 else 0)
-        node_w, slot_w = weights_to_columns(to_arrow(w), n_cols)
-        write_delta(w, str(tables / "weights"))
-        w.unpersist()
+        model = train_weights(spark, samples, index, tables, n_features, params)
+    rounds = params.clusters.rounds if params.clusters.lam > 1 else 0
+    for r in range(rounds):
+        with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
+            matched = label_clusters.matcher(samples, model, params.clusters.beam_size)
+            write_delta(matched, str(tables / "matcher"))
+            current = spark.createDataFrame(
+                pd.DataFrame({"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf}))
+            slots = label_clusters.project(samples, read_delta(spark, str(tables / "matcher")), current,
+                                           params.clusters.lam).toPandas()
+            write_delta(spark.createDataFrame(slots), str(tables / "clusters"))
+            index = TreeIndex(slots["label_idx"].to_numpy(), slots["node"].to_numpy(), n_labels,
+                              params.tree.nr_splits)
+            log.info("overlapping clusters (lambda=%d): %s", params.clusters.lam,
+                     label_clusters.cluster_stats(index.slot_label, index.slot_leaf))
+        with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
+            model = train_weights(spark, samples, index, tables, n_features, params)
+    return model
+
+
+def train_weights(spark, samples, index: TreeIndex, tables: Path, n_features: int,
+                  params: PipelineParams) -> XMCModel:
+    """Train every node's classifiers for ``index``; write the weights table; build the model."""
+    w = node_training.run(samples, index, n_features, params.train).cache()
+    n_cols = n_features + (1 if params.train.bias > 0 else 0)
+    node_w, slot_w = weights_to_columns(to_arrow(w), n_cols)
+    write_delta(w, str(tables / "weights"))
+    w.unpersist()
     return XMCModel(index, node_w, slot_w, n_features, bias=params.train.bias, normalize=params.ingest.normalize,
                     pred_params=params.predict)
 
@@ -110,7 +134,8 @@ def run(spark, train: str, test: Optional[str], out: str, params: PipelineParams
         model.label_counts = evaluation.label_counts(read_delta(spark, str(tables / "train")), info.n_labels)
         model.save(str(out_p / "model"))
         metrics: Dict = {"n_train": info.n_samples, "n_labels": info.n_labels, "n_features": info.n_features,
-                         "tree_depth": model.index.depth, "n_leaves": int(len(model.index.leaves))}
+                         "tree_depth": model.index.depth, "n_leaves": int(len(model.index.leaves)),
+                         **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
         if test:
             test_df = read_delta(spark, str(tables / "test"))
             with timer.stage("predict"):

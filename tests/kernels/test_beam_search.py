@@ -72,3 +72,15 @@ def test_hand_built_two_level_tree():
     order = sorted(expect, key=lambda k: -expect[k])
     np.testing.assert_array_equal(labels[0], order)
     np.testing.assert_allclose(scores[0], [expect[k] for k in order])
+
+
+def test_match_leaves_equals_leaf_level_exhaustive_scores():
+    m, X = _random_model(3)
+    layers, order = m.layers()
+    leaves, scores = m.match_leaves(X, beam_size=1000)
+    Xb = sp.hstack([X, np.ones((X.shape[0], 1))], format="csr")
+    inner = layers[:-1]
+    E = exhaustive_scores(Xb, inner, np.arange(inner[-1][1].shape[1]), inner[-1][1].shape[1])
+    best = np.argmax(E, axis=1)
+    assert np.all(leaves[:, 0] == m._last_leaf[best])
+    assert set(np.unique(leaves[leaves >= 0])) <= set(m.index.leaves)

@@ -1,0 +1,73 @@
+"""Overlapping label clusters on Spark: matcher table M, Y^T M as a join + aggregate, and the
+top-lambda projection per label partition with a pandas UDF."""
+from __future__ import annotations
+
+import logging
+from typing import Dict
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from ..arrow_utils import csr_from_table
+from ..kernels.topk_projection import topk_projection
+from ..model import XMCModel
+
+log = logging.getLogger("xmc_spark.clusters")
+MATCHER_SCHEMA = "sample_id long, leaf long, score float"
+
+
+def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
+    """M as a table: (sample_id, leaf, score), the b leaf clusters each sample is matched to."""
+    model.layers()
+    bmodel = samples.sparkSession.sparkContext.broadcast(model)
+    n_features = model.n_features
+
+    def match(batches):
+        m = bmodel.value
+        for b in batches:
+            t = pa.Table.from_batches([b])
+            X = csr_from_table(t, "feature_idx", "feature_val", n_features)
+            leaves, scores = m.match_leaves(X, beam_size)
+            ok = leaves >= 0
+            ids = t.column("sample_id").to_numpy()
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(np.repeat(ids, ok.sum(axis=1))), pa.array(leaves[ok]),
+                 pa.array(scores[ok].astype(np.float32))], names=["sample_id", "leaf", "score"])
+
+    return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(match, MATCHER_SCHEMA)
+
+
+def project(samples: DataFrame, matched: DataFrame, current: DataFrame, lam: int, n_buckets: int = 8) -> DataFrame:
+    """New (label_idx, node) slots: top-``lam`` leaves of each label's row of Y^T M.
+
+    ``current`` holds the present (label_idx, node) slots: used for ties and for labels none
+    of whose samples were matched anywhere (they keep their cluster).
+    """
+    ytm = (samples.select("sample_id", F.explode("label_idx").alias("label_idx"))
+           .join(matched.select("sample_id", "leaf"), "sample_id")
+           .groupBy("label_idx", "leaf").agg(F.count(F.lit(1)).cast("double").alias("value")))
+    rows = (ytm.withColumn("kind", F.lit(0))
+            .unionByName(current.select("label_idx", F.col("node").alias("leaf"),
+                                        F.lit(0.0).alias("value"), F.lit(1).alias("kind")))
+            .withColumn("bucket", F.pmod(F.col("label_idx"), F.lit(n_buckets))))
+
+    def proj(pdf: pd.DataFrame) -> pd.DataFrame:
+        ent = pdf[pdf["kind"] == 0]
+        cur = pdf[pdf["kind"] == 1]
+        lab, leaf = topk_projection(ent["label_idx"].to_numpy(), ent["leaf"].to_numpy(), ent["value"].to_numpy(),
+                                    lam, cur["label_idx"].to_numpy(), cur["leaf"].to_numpy())
+        return pd.DataFrame({"label_idx": lab.astype(np.int32), "node": leaf.astype(np.int64)})
+
+    return rows.groupBy("bucket").applyInPandas(proj, "label_idx int, node long")
+
+
+def cluster_stats(slot_label: np.ndarray, slot_leaf: np.ndarray) -> Dict[str, float]:
+    """Labels per leaf and copies per label (for MLflow and metrics.json)."""
+    _, per_leaf = np.unique(slot_leaf, return_counts=True)
+    _, copies = np.unique(slot_label, return_counts=True)
+    return {"n_slots": float(len(slot_label)), "labels_per_leaf_mean": float(per_leaf.mean()),
+            "labels_per_leaf_max": float(per_leaf.max()), "copies_per_label_mean": float(copies.mean()),
+            "copies_per_label_max": float(copies.max()), "labels_with_copies": float((copies > 1).sum())}
