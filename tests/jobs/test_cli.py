@@ -73,3 +73,21 @@ def test_params_skeleton_round_trips(tmp_path):
     f.write_text(r.stdout)
     r2 = cli("params", "--config", str(f), "--set", "tree.max_leaf_size=7")
     assert r2.returncode == 0 and "max_leaf_size: 7" in r2.stdout
+
+
+def test_run_with_overlapping_clusters(tmp_path):
+    from tests.conftest import random_problem, write_xc
+
+    X, Y = random_problem(n=300, d=60, L=30, seed=11)
+    write_xc(tmp_path / "train.txt", X[:240], Y[:240])
+    write_xc(tmp_path / "test.txt", X[240:], Y[240:])
+    out = tmp_path / "run"
+    r = cli("run", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"), "--out", str(out),
+            "--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4", "--set", "clusters.lam=2",
+            "--set", "clusters.beam_size=2", *_spark_fast(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert {"clusters", "retrain"} <= set(m["seconds"])
+    assert m["n_labels"] <= m["n_slots"] <= 2 * m["n_labels"] and m["copies_per_label_max"] <= 2
+    assert m["p@1"] > 50
+    assert (out / "tables" / "clusters" / "_delta_log").is_dir()

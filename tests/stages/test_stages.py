@@ -99,3 +99,27 @@ def test_prediction_and_evaluation_stages_equal_kernels(problem, spark):
     ref = M.evaluate(labels, Yl, inv, (1, 3, 5))
     for k, v in ref.items():
         assert got[k] == pytest.approx(v, abs=1e-9), k
+
+
+def test_overlap_projection_stage_equals_kernel(problem, spark):
+    from xmc_spark.kernels.topk_projection import topk_projection
+    from xmc_spark.stages import label_clusters
+
+    d, info, Xl, Yl = problem
+    model = XMCModel.train_local(Xl, Yl, tree=TreeParams(max_leaf_size=3))
+    samples = read_delta(spark, str(d / "train_tbl"))
+    matched = label_clusters.matcher(samples, model, beam_size=2).toPandas().sort_values(["sample_id", "leaf"])
+    leaves, _ = model.match_leaves(Xl, beam_size=2)
+    ref = sorted((i, int(l)) for i, row in enumerate(leaves) for l in row if l >= 0)
+    assert sorted(zip(matched["sample_id"], matched["leaf"])) == ref
+    ix = model.index
+    current = spark.createDataFrame([(int(a), int(b)) for a, b in zip(ix.slot_label, ix.slot_leaf)],
+                                    "label_idx int, node long")
+    for lam in (1, 2):
+        got = label_clusters.project(samples, spark.createDataFrame(matched), current, lam, n_buckets=3).toPandas()
+        M = sp.csr_matrix((np.ones(len(ref)), ([r for r, _ in ref], [l for _, l in ref])),
+                          shape=(150, int(max(l for _, l in ref)) + 1))
+        YtM = (Yl.T @ M).tocoo()
+        lab, leaf = topk_projection(YtM.row, YtM.col, YtM.data, lam, ix.slot_label, ix.slot_leaf)
+        assert sorted(zip(got["label_idx"], got["node"])) == sorted(zip(lab.tolist(), leaf.tolist()))
+        assert set(got["label_idx"]) == set(range(14))
