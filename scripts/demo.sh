@@ -3,10 +3,7 @@
 # a synthetic XMC set (power-law labels) -> xmc-spark run -> runs/demo/metrics.json, model, MLflow run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[local]"
+source scripts/_venv.sh "local"
 .venv/bin/xmc-spark synth --out data/example --n-train 20000 --n-test 4000 --labels 2000 --features 5000 \
     --format xc --set mlflow.enabled=false
 .venv/bin/xmc-spark run --train data/example/train.txt --test data/example/test.txt --out runs/demo \

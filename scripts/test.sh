@@ -3,8 +3,5 @@
 # Needs Python >= 3.10 and Java 17 on PATH. Real data tests read ../shared/data beside the clone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[local,test]"
+source scripts/_venv.sh "local,test"
 exec .venv/bin/python -m pytest -q "$@"

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from .config import dump_params, load_params
-from .params import ConfigError, PipelineParams
+from .params import ConfigError
 from .schemas import IngestError
 
 

@@ -1,8 +1,7 @@
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_spark.kernels.beam_search import beam_search, exhaustive_scores
-from xmc_spark.kernels.squared_hinge import train_node  # noqa: F401  (kernels import cleanly)
+from xmc_spark.kernels.beam_search import exhaustive_scores
 from xmc_spark.kernels.tree import TreeIndex
 from xmc_spark.model import KeyedColumns, XMCModel
 

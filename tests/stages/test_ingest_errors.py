@@ -1,5 +1,4 @@
 """Bad inputs: a clear error naming the file and line (or row), and no table written."""
-import os
 
 import numpy as np
 import pytest

@@ -7,8 +7,6 @@ sample gives the unweighted problem exactly.
 """
 from __future__ import annotations
 
-from typing import Tuple
-
 import numpy as np
 import scipy.sparse as sp
 from numba import njit
@@ -28,8 +26,7 @@ def _dcd_l2svm(indptr, indices, data, y, Ci, n_features, eps, max_iter, seed):
         QD[i] = s
     index = np.arange(n)
     active = n
-    pg_max_old = np.inf
-    pg_min_old = -np.inf
+    pg_max_old = np.inf  # no upper bound on alpha for the L2 loss: only this side shrinks
     state = np.uint64(seed * 2654435761 + 12345)
     for _ in range(max_iter):
         pg_max_new = -np.inf
@@ -79,10 +76,8 @@ def _dcd_l2svm(indptr, indices, data, y, Ci, n_features, eps, max_iter, seed):
                 break
             active = n
             pg_max_old = np.inf
-            pg_min_old = -np.inf
             continue
         pg_max_old = pg_max_new if pg_max_new > 0 else np.inf
-        pg_min_old = pg_min_new if pg_min_new < 0 else -np.inf
     return w
 
 
@@ -140,21 +135,3 @@ def primal_objective(w: np.ndarray, X, y, C: float = 1.0, weights=None) -> float
     Ci = np.full(X.shape[0], float(C)) if weights is None else float(C) * np.asarray(weights)
     margin = np.maximum(0.0, 1.0 - y * (X @ w))
     return float(0.5 * w @ w + np.sum(Ci * margin ** 2))
-
-
-def train_node_from_labels(X: sp.csr_matrix, label_rows: Tuple[np.ndarray, np.ndarray], child_of_label,
-                           n_children: int, **kw) -> sp.csc_matrix:
-    """Like :func:`train_node`, with Y built from per-sample label lists mapped to children.
-
-    ``label_rows`` is (offsets, label ids) as in an Arrow list column; ``child_of_label`` maps
-    a global label id to the child position under this node, or -1 when not under it.
-    """
-    offsets, labels = label_rows
-    offsets = np.asarray(offsets, dtype=np.int64)
-    rows = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-    child = child_of_label(np.asarray(labels, dtype=np.int64))
-    ok = child >= 0
-    Y = sp.csr_matrix((np.ones(int(ok.sum()), dtype=np.float32), (rows[ok], child[ok])),
-                      shape=(len(offsets) - 1, n_children))
-    Y.data[:] = 1.0
-    return train_node(X, Y, **kw)

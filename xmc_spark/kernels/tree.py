@@ -7,7 +7,7 @@ clusters give it several.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 import scipy.sparse as sp

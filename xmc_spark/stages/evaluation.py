@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Dict, Sequence
+from typing import Dict
 
 import numpy as np
 import pyarrow as pa

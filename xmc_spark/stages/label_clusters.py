@@ -11,9 +11,9 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table
 from ..kernels.topk_projection import topk_projection
 from ..model import XMCModel
+from .prediction import map_with_model
 
 log = logging.getLogger("xmc_spark.clusters")
 MATCHER_SCHEMA = "sample_id long, leaf long, score float"
@@ -21,23 +21,15 @@ MATCHER_SCHEMA = "sample_id long, leaf long, score float"
 
 def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
     """M as a table: (sample_id, leaf, score), the b leaf clusters each sample is matched to."""
-    model.layers()
-    bmodel = samples.sparkSession.sparkContext.broadcast(model)
-    n_features = model.n_features
+    def match(m, t, X):
+        leaves, scores = m.match_leaves(X, beam_size)
+        ok = leaves >= 0
+        ids = t.column("sample_id").to_numpy()
+        return pa.RecordBatch.from_arrays(
+            [pa.array(np.repeat(ids, ok.sum(axis=1))), pa.array(leaves[ok]),
+             pa.array(scores[ok].astype(np.float32))], names=["sample_id", "leaf", "score"])
 
-    def match(batches):
-        m = bmodel.value
-        for b in batches:
-            t = pa.Table.from_batches([b])
-            X = csr_from_table(t, "feature_idx", "feature_val", n_features)
-            leaves, scores = m.match_leaves(X, beam_size)
-            ok = leaves >= 0
-            ids = t.column("sample_id").to_numpy()
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(np.repeat(ids, ok.sum(axis=1))), pa.array(leaves[ok]),
-                 pa.array(scores[ok].astype(np.float32))], names=["sample_id", "leaf", "score"])
-
-    return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(match, MATCHER_SCHEMA)
+    return map_with_model(samples, model, match, MATCHER_SCHEMA)
 
 
 def project(samples: DataFrame, matched: DataFrame, current: DataFrame, lam: int, n_buckets: int = 8) -> DataFrame:

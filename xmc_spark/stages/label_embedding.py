@@ -7,7 +7,6 @@ import numpy as np
 import pyarrow as pa
 import scipy.sparse as sp
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_offsets_values
 from ..kernels.label_embedding import pifa_partial

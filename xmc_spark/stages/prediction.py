@@ -10,25 +10,31 @@ from ..model import XMCModel
 from ..schemas import PREDICTIONS_SCHEMA
 
 
-def run(samples: DataFrame, model: XMCModel, beam_size: int, topk: int) -> DataFrame:
-    """(sample_id, pred_labels, pred_scores), top-k per sample, best first."""
+def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str) -> DataFrame:
+    """Broadcast ``model`` once and call ``score(model, table, X)`` on every Arrow batch."""
     model.layers()  # build once on the driver, ship with the broadcast
     bmodel = samples.sparkSession.sparkContext.broadcast(model)
     n_features = model.n_features
 
-    def score(batches):
+    def fn(batches):
         m = bmodel.value
         for b in batches:
             t = pa.Table.from_batches([b])
-            X = csr_from_table(t, "feature_idx", "feature_val", n_features)
-            labels, scores = m.predict(X, beam_size=beam_size, topk=topk)
-            keep = labels >= 0
-            cnt = keep.sum(axis=1)
-            off = np.concatenate([[0], np.cumsum(cnt)])
-            yield pa.RecordBatch.from_arrays(
-                [t.column("sample_id").combine_chunks(),
-                 list_array(off, labels[keep].astype(np.int32), pa.int32()),
-                 list_array(off, scores[keep].astype(np.float32), pa.float32())],
-                names=["sample_id", "pred_labels", "pred_scores"])
+            yield score(m, t, csr_from_table(t, "feature_idx", "feature_val", n_features))
 
-    return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(score, PREDICTIONS_SCHEMA)
+    return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(fn, schema)
+
+
+def run(samples: DataFrame, model: XMCModel, beam_size: int, topk: int) -> DataFrame:
+    """(sample_id, pred_labels, pred_scores), top-k per sample, best first."""
+    def score(m, t, X):
+        labels, scores = m.predict(X, beam_size=beam_size, topk=topk)
+        keep = labels >= 0
+        off = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
+        return pa.RecordBatch.from_arrays(
+            [t.column("sample_id").combine_chunks(),
+             list_array(off, labels[keep].astype(np.int32), pa.int32()),
+             list_array(off, scores[keep].astype(np.float32), pa.float32())],
+            names=["sample_id", "pred_labels", "pred_scores"])
+
+    return map_with_model(samples, model, score, PREDICTIONS_SCHEMA)
