@@ -83,3 +83,14 @@ def test_match_leaves_equals_leaf_level_exhaustive_scores():
     best = np.argmax(E, axis=1)
     assert np.all(leaves[:, 0] == m._last_leaf[best])
     assert set(np.unique(leaves[leaves >= 0])) <= set(m.index.leaves)
+
+
+def test_dense_weights_sparse_inputs_use_the_search_path_correctly():
+    # weight columns with ~400 non-zeros against rows with a handful: the binary-search dot product
+    m, _ = _random_model(4, L=12, d=400)
+    X = sp.random(40, 400, density=0.01, random_state=9, format="csr", dtype=np.float32)
+    layers, order = m.layers()
+    Xb = sp.hstack([X, np.ones((X.shape[0], 1))], format="csr")
+    E = exhaustive_scores(Xb, layers, m.index.slot_label[order], m.n_labels)
+    labels, scores = m.predict(X, beam_size=1000, topk=4)
+    np.testing.assert_allclose(scores, np.sort(E, axis=1)[:, ::-1][:, :4], rtol=1e-5)

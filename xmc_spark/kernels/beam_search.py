@@ -27,6 +27,33 @@ def _transform(v, post):
 
 
 @njit(cache=True)
+def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
+    """w_node . x_i: scan w against the dense copy of x, or, when w has many more non-zeros
+    than x (upper tree levels), binary-search each of x's features in w's sorted indices."""
+    lo = wptr[node]
+    hi = wptr[node + 1]
+    nx = xptr[i + 1] - xptr[i]
+    v = 0.0
+    if hi - lo > 16 * nx:
+        for p in range(xptr[i], xptr[i + 1]):
+            f = xidx[p]
+            a = lo
+            b = hi
+            while a < b:
+                mid = (a + b) >> 1
+                if widx[mid] < f:
+                    a = mid + 1
+                else:
+                    b = mid
+            if a < hi and widx[a] == f:
+                v += wval[a] * xval[p]
+    else:
+        for q in range(lo, hi):
+            v += wval[q] * dense[widx[q]]
+    return v
+
+
+@njit(cache=True)
 def _beam_layer(xptr, xidx, xval, n_cols, prev_nodes, prev_scores, child_ptr, wptr, widx, wval,
                 passthrough, out_k, slot_label, post):
     n = prev_nodes.shape[0]
@@ -59,10 +86,7 @@ def _beam_layer(xptr, xidx, xval, n_cols, prev_nodes, prev_scores, child_ptr, wp
                 if passthrough[node]:
                     s = ps
                 else:
-                    v = 0.0
-                    for q in range(wptr[node], wptr[node + 1]):
-                        v += wval[q] * dense[widx[q]]
-                    s = ps * _transform(v, post)
+                    s = ps * _transform(_dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node), post)
                 cand[c] = slot_label[node] if final else node
                 cscore[c] = s
                 c += 1
@@ -121,6 +145,8 @@ def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int
     for t, (child_ptr, W, passthrough) in enumerate(layers):
         last = t == len(layers) - 1
         W = sp.csc_matrix(W)
+        if not W.has_sorted_indices:
+            W = W.sorted_indices()
         nodes, scores = _beam_layer(
             xptr, xidx, xval, X.shape[1], nodes, scores, np.asarray(child_ptr, dtype=np.int64),
             W.indptr.astype(np.int64), W.indices.astype(np.int64), W.data.astype(np.float64),
