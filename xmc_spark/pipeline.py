@@ -4,6 +4,7 @@ Each stage reads and writes Delta tables under ``OUT/tables``; ``main()``-style 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -172,8 +173,7 @@ def predict(spark, model_dir: str, data: str, out: str, params: PipelineParams) 
     out_p = Path(out)
     tables = out_p / "tables"
     tables.mkdir(parents=True, exist_ok=True)
-    ing = params.ingest
-    ing.normalize = model.normalize
+    ing = dataclasses.replace(params.ingest, normalize=model.normalize)   # rows as the model was trained
     info = ingest.run(spark, data, str(tables / "input"), ing, expect_features=model.n_features,
                       expect_labels=model.n_labels)
     df = read_delta(spark, str(tables / "input"))

@@ -35,22 +35,27 @@ class DatasetInfo:
 
 def detect_format(spark: SparkSession, path: str) -> str:
     """'delta', 'parquet', 'xc' or 'svmlight' from the path and, for text, its first line."""
+    return _detect(spark, path)[0]
+
+
+def _detect(spark: SparkSession, path: str):
+    """(format, first line of a text file or None): the first line is read once, here."""
     if is_delta(spark, path):
-        return "delta"
+        return "delta", None
     if path.rstrip("/").endswith(".parquet") or _has_parquet_parts(path):
-        return "parquet"
+        return "parquet", None
     if not _exists(spark, path):
         raise IngestError(f"{path}: no such file or directory")
     first = spark.read.text(path).first()
     if first is None:
         raise IngestError(f"{path}: the file is empty")
     if path.rstrip("/").endswith((".svm", ".svmlight", ".libsvm")):
-        return "svmlight"
+        return "svmlight", first[0]
     # an XC header holds only integers; an svmlight line always has index:value tokens
     toks = first[0].split()
     if ":" not in first[0] and all(t.lstrip("-").isdigit() for t in toks):
-        return "xc"
-    return "svmlight"
+        return "xc", first[0]
+    return "svmlight", first[0]
 
 
 def _has_parquet_parts(path: str) -> bool:
@@ -153,7 +158,8 @@ def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
 
 
 def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
-              expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
+              expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
+              header: Optional[str] = None):
     """Parse and validate an XC or svmlight text file; returns (DataFrame, DatasetInfo).
 
     One Spark job validates every line and counts the lines of each input partition; line
@@ -166,10 +172,12 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     d = params.num_features or expect_features
     L = params.num_labels or expect_labels
     if fmt == "xc":
-        head = raw.select("value").first()        # the first line of the first split
-        toks = head[0].split() if head else []
+        if header is None:                         # the first line of the first split
+            row = raw.select("value").first()
+            header = row[0] if row else ""
+        toks = header.split()
         if len(toks) != 3 or not all(t.isdigit() for t in toks):
-            raise IngestError(f"{path}:1: malformed header {head[0] if head else ''!r} "
+            raise IngestError(f"{path}:1: malformed header {header!r} "
                               "(expected 'num_samples num_features num_labels')")
         header_n, hd, hL = (int(t) for t in toks)
         if expect_features and hd != expect_features:
@@ -247,9 +255,11 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
 def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Optional[str] = None,
                  expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
     """Any supported input as a validated samples DataFrame plus its sizes."""
-    fmt = fmt or detect_format(spark, path)
+    first = None
+    if fmt is None:
+        fmt, first = _detect(spark, path)
     if fmt in ("xc", "svmlight"):
-        return read_text(spark, path, fmt, params, expect_features, expect_labels)
+        return read_text(spark, path, fmt, params, expect_features, expect_labels, header=first)
     if fmt in ("parquet", "delta"):
         return read_table(spark, path, fmt, params, expect_features, expect_labels)
     raise IngestError(f"{path}: unknown input format {fmt!r}")
