@@ -22,7 +22,8 @@ from .kernels.beam_search import beam_search
 from .kernels.label_embedding import pifa
 from .kernels.sparse import append_bias
 from .kernels.squared_hinge import train_node
-from .kernels.tree import TreeIndex, ancestor_at, build_tree, node_depth
+from .kernels.frequencies import label_frequencies
+from .kernels.tree import TreeIndex, ancestor_at, node_depth, tree_from_params
 from .params import PredictParams, TrainParams, TreeParams
 
 FORMAT_VERSION = 1
@@ -235,7 +236,10 @@ class XMCModel:
         X = sp.csr_matrix(X, dtype=np.float32)
         Y = sp.csr_matrix(Y)
         Z = pifa(X, Y, normalize_y=normalize_y)
-        leaf = build_tree(Z, tree.max_leaf_size, tree.nr_splits, tree.max_iter, tree.seed)
+        f = ft = None
+        if tree.effective_lambda > 0:
+            f, ft = label_frequencies(Y.indptr, Y.indices, Y.shape[1], tree.f_tilde)
+        leaf = tree_from_params(Z, tree, f, ft)
         index = TreeIndex(np.arange(Y.shape[1]), leaf, Y.shape[1], tree.nr_splits)
         node_cols, slot_cols = train_all_groups(index, append_bias(X, train.bias), Y, train, weights)
         n_cols = X.shape[1] + (1 if train.bias > 0 else 0)

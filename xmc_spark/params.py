@@ -89,6 +89,11 @@ class BaseParams:
     @classmethod
     def from_dict(cls, d: Optional[Dict[str, Any]] = None, prefix: str = ""):
         d = dict(d or {})
+        for alias, name in getattr(cls, "_aliases", {}).items():
+            if alias in d:
+                if name in d:
+                    raise ConfigError(f"config keys '{prefix}{alias}' and '{prefix}{name}' are the same: set one")
+                d[name] = d.pop(alias)
         hints = typing.get_type_hints(cls)
         kwargs = {}
         for f in dataclasses.fields(cls):
@@ -130,6 +135,8 @@ class BaseParams:
             if p not in node or not isinstance(node[p], dict):
                 raise ConfigError(f"unknown config key '{key}'")
             node = node[p]
+        if parts[-1] not in node and parts[-1] in _ALIASES and _ALIASES[parts[-1]] in node:
+            parts[-1] = _ALIASES[parts[-1]]
         if parts[-1] not in node:
             raise ConfigError(f"unknown config key '{key}'")
         if isinstance(node[parts[-1]], dict) and isinstance(value, str):
@@ -149,6 +156,9 @@ class BaseParams:
             else:
                 out[f"{prefix}{k}"] = v
         return out
+
+
+_ALIASES = {"lambda": "lam"}   # Python keywords that config files may use as keys
 
 
 def _flatten(d: Dict[str, Any], prefix: str) -> Dict[str, Any]:
@@ -210,15 +220,46 @@ class EmbeddingParams(BaseParams):
 
 @dataclass
 class TreeParams(BaseParams):
+    """Label tree. ``lam`` (config key ``tree.lambda`` or ``tree.lam``) interpolates the 2-way
+    split from balanced spherical 2-means (0) via frequency-weighted 2-means (1) to Fano
+    coding (2); ``lambda_prime`` (>= 0) sets it as lambda = 2 l' / (1 + l') instead."""
+
+    _aliases = {"lambda": "lam"}
+
     max_leaf_size: int = 100
     nr_splits: int = 2
     max_iter: int = 20
     seed: int = 0
+    lam: float = 0.0
+    lambda_prime: Optional[float] = None
+    gamma: float = 0.1                 # additive smoothing of f(lambda)
+    f_tilde: str = "marginal"          # greedy | marginal (Appendix B, Algorithms 1 / 2)
+    greedy_candidates: int = 12        # K labels replayed per aggregation round of greedy f-tilde
+    balanced_below_depth: int = 32     # nodes this deep split balanced (bounds the heap ids)
+
+    @property
+    def effective_lambda(self) -> float:
+        if self.lambda_prime is not None:
+            from .kernels.interpolated_split import lambda_from_prime
+            return lambda_from_prime(self.lambda_prime)
+        return float(self.lam)
 
     def validate(self, prefix=""):
         _check(self.max_leaf_size >= 1, prefix + "max_leaf_size", "must be >= 1")
         _check(self.nr_splits >= 2, prefix + "nr_splits", "must be >= 2")
         _check(self.max_iter >= 1, prefix + "max_iter", "must be >= 1")
+        _check(0.0 <= self.lam <= 2.0, prefix + "lambda", f"must be in [0, 2], got {self.lam}")
+        _check(self.lambda_prime is None or self.lambda_prime >= 0, prefix + "lambda_prime",
+               f"must be >= 0, got {self.lambda_prime}")
+        _check(self.lambda_prime is None or self.lam == 0.0, prefix + "lambda",
+               "and lambda_prime are exclusive: set one")
+        _check(self.effective_lambda == 0.0 or self.nr_splits == 2, prefix + "nr_splits",
+               "must be 2 when lambda > 0 (the interpolated split is 2-way)")
+        _check(self.gamma >= 0, prefix + "gamma", "must be >= 0")
+        _check(self.f_tilde in ("greedy", "marginal"), prefix + "f_tilde",
+               f"must be 'greedy' or 'marginal', got {self.f_tilde!r}")
+        _check(1 <= self.greedy_candidates <= 30, prefix + "greedy_candidates", "must be in [1, 30]")
+        _check(1 <= self.balanced_below_depth <= 40, prefix + "balanced_below_depth", "must be in [1, 40]")
 
 
 @dataclass

@@ -23,7 +23,8 @@ from .config import dump_params
 from .kernels.tree import TreeIndex
 from .model import KeyedColumns, XMCModel
 from .params import PipelineParams
-from .stages import evaluation, ingest, label_clusters, label_embedding, label_tree, node_training, prediction
+from .stages import (evaluation, ingest, label_clusters, label_embedding, label_frequencies, label_tree,
+                     node_training, prediction)
 from .storage import read_delta, table_version, write_delta
 from .tracking import Tracker
 
@@ -33,6 +34,7 @@ log = logging.getLogger("xmc_spark.pipeline")
 class StageTimer:
     def __init__(self):
         self.seconds: Dict[str, float] = {}
+        self.info: Dict[str, object] = {}     # stage facts for metrics.json (e.g. greedy rounds)
         self._t0 = time.perf_counter()
 
     @contextmanager
@@ -70,8 +72,14 @@ def train_model(spark, train_table: str, tables: Path, n_features: int, n_labels
         emb = label_embedding.run(samples, n_features, n_labels, params.embedding,
                                   n_buckets=int(spark.conf.get("spark.sql.shuffle.partitions")))
         write_delta(emb, str(tables / "label_embeddings"))
+    f = ft = None
+    if params.tree.effective_lambda > 0:
+        with timer.stage("frequencies"):
+            f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree)
+            timer.info.update({f"frequencies.{k}": v for k, v in finfo.items()})
     with timer.stage("tree"):
-        tree = label_tree.run(read_delta(spark, str(tables / "label_embeddings")), n_labels, n_features, params.tree)
+        tree = label_tree.run(read_delta(spark, str(tables / "label_embeddings")), n_labels, n_features, params.tree,
+                              f, ft)
         rows = tree.toPandas()                        # O(labels): the tree lives in the model too
         write_delta(tree, str(tables / "tree"))
         index = TreeIndex(rows["label_idx"].to_numpy(), rows["node"].to_numpy(), n_labels, params.tree.nr_splits)
@@ -135,7 +143,8 @@ def run(spark, train: str, test: Optional[str], out: str, params: PipelineParams
         model.save(str(out_p / "model"))
         metrics: Dict = {"n_train": info.n_samples, "n_labels": info.n_labels, "n_features": info.n_features,
                          "tree_depth": model.index.depth, "n_leaves": int(len(model.index.leaves)),
-                         **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
+                         **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf),
+                         **timer.info}
         if test:
             test_df = read_delta(spark, str(tables / "test"))
             with timer.stage("predict"):

@@ -8,12 +8,14 @@ from xmc_spark.arrow_utils import to_arrow
 from xmc_spark.kernels import metrics as M
 from xmc_spark.kernels.label_embedding import pifa
 from xmc_spark.kernels.sparse import append_bias
-from xmc_spark.kernels.tree import TreeIndex, build_tree
+from xmc_spark.kernels import frequencies as FQ
+from xmc_spark.kernels.tree import TreeIndex, build_tree, tree_from_params
 from xmc_spark.local_io import read_xc
 from xmc_spark.model import XMCModel, train_all_groups
 from xmc_spark.params import EmbeddingParams, EvalParams, IngestParams, TrainParams, TreeParams
 from xmc_spark.pipeline import weights_to_columns
-from xmc_spark.stages import evaluation, ingest, label_embedding, label_tree, node_training, prediction
+from xmc_spark.stages import (evaluation, ingest, label_embedding, label_frequencies, label_tree, node_training,
+                               prediction)
 from xmc_spark.storage import read_delta
 
 
@@ -66,6 +68,34 @@ def test_tree_stage_equals_kernel(problem, spark):
     tree3 = label_tree.run(emb, 14, 40, params3).toPandas().sort_values("label_idx")
     ref3 = build_tree(pifa(Xl, Yl), 2, 3, params3.max_iter, 1)
     np.testing.assert_array_equal(tree3["node"].to_numpy(), ref3)
+
+
+@pytest.mark.parametrize("method", ["marginal", "greedy"])
+def test_frequency_stage_equals_kernel(problem, spark, method):
+    d, info, Xl, Yl = problem
+    Yl = sp.csr_matrix(Yl)
+    f, ft, finfo = label_frequencies.run(read_delta(spark, str(d / "train_tbl")).repartition(3), 14,
+                                         TreeParams(f_tilde=method, greedy_candidates=2))
+    rf, rft = FQ.label_frequencies(Yl.indptr, Yl.indices, 14, method)
+    np.testing.assert_allclose(f, rf)
+    np.testing.assert_allclose(ft, rft)
+    assert ft.sum() == (np.diff(Yl.indptr) > 0).sum()
+    if method == "greedy":
+        assert finfo["greedy_rounds"] >= 1
+
+
+@pytest.mark.parametrize("lam", [0.5, 1.0, 2.0])
+def test_interpolated_tree_stage_equals_kernel(problem, spark, lam):
+    d, info, Xl, Yl = problem
+    Yl = sp.csr_matrix(Yl)
+    params = TreeParams(max_leaf_size=2, lam=lam, seed=2)
+    emb = label_embedding.run(read_delta(spark, str(d / "train_tbl")), 40, 14, EmbeddingParams(), n_buckets=2)
+    f, ft = FQ.label_frequencies(Yl.indptr, Yl.indices, 14, "marginal")
+    tree = label_tree.run(emb, 14, 40, params, f, ft).toPandas().sort_values("label_idx")
+    ref = tree_from_params(pifa(Xl, Yl), params, f, ft)
+    np.testing.assert_array_equal(tree["node"].to_numpy(), ref)
+    with pytest.raises(ValueError, match="frequencies"):
+        label_tree.run(emb, 14, 40, params)
 
 
 def test_training_stage_equals_kernel(problem, spark):

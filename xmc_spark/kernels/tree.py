@@ -13,6 +13,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .balanced_kmeans import balanced_split
+from .interpolated_split import interpolated_split
 
 
 def node_depth(ids, B: int) -> np.ndarray:
@@ -41,17 +42,35 @@ def split_seed(seed: int, node: int) -> int:
     return int((int(seed) * 1000003 + int(node) * 7919 + 17) % (2 ** 31 - 1))
 
 
-def split_node(Z: sp.csr_matrix, node: int, nr_splits: int, max_iter: int, seed: int) -> np.ndarray:
-    """Child node ids for the rows of Z (the embeddings of one node's labels, sorted by label)."""
-    pos = balanced_split(Z, nr_splits=nr_splits, max_iter=max_iter, seed=split_seed(seed, node))
+def split_node(Z: sp.csr_matrix, node: int, nr_splits: int, max_iter: int, seed: int, lam: float = 0.0,
+               f=None, f_tilde=None, gamma: float = 0.1, balanced_below_depth: int = 32) -> np.ndarray:
+    """Child node ids for the rows of Z (the embeddings of one node's labels, sorted by label).
+
+    lam = 0 is the balanced B-way spherical k-means split; lam > 0 the interpolated 2-way
+    split on the labels' frequencies f and f_tilde (nodes at ``balanced_below_depth`` or
+    deeper split balanced, so heap ids stay bounded even for Fano-like chains).
+    """
+    s = split_seed(seed, node)
+    if lam > 0 and int(node_depth([node], nr_splits)[0]) < balanced_below_depth:
+        pos = interpolated_split(Z, f, f_tilde, lam, gamma=gamma, max_iter=max_iter, seed=s)
+    else:
+        pos = balanced_split(Z, nr_splits=nr_splits, max_iter=max_iter, seed=s)
     return node * nr_splits + 1 + pos
 
 
 def build_tree(Z: sp.csr_matrix, max_leaf_size: int = 100, nr_splits: int = 2, max_iter: int = 20,
-               seed: int = 0) -> np.ndarray:
-    """Numpy reference of the level-by-level tree: the leaf node id of every label."""
+               seed: int = 0, lam: float = 0.0, f=None, f_tilde=None, gamma: float = 0.1,
+               balanced_below_depth: int = 32) -> np.ndarray:
+    """Numpy reference of the level-by-level tree: the leaf node id of every label.
+
+    ``f``/``f_tilde`` (per label, any scale) are needed when lam > 0.
+    """
     Z = sp.csr_matrix(Z)
     L = Z.shape[0]
+    if lam > 0 and (f is None or f_tilde is None):
+        raise ValueError("an interpolated tree (lam > 0) needs label frequencies f and f_tilde")
+    f = np.zeros(L) if f is None else np.asarray(f, np.float64)
+    f_tilde = np.zeros(L) if f_tilde is None else np.asarray(f_tilde, np.float64)
     node = np.zeros(L, dtype=np.int64)
     while True:
         ids, counts = np.unique(node, return_counts=True)
@@ -60,7 +79,14 @@ def build_tree(Z: sp.csr_matrix, max_leaf_size: int = 100, nr_splits: int = 2, m
             return node
         for n in big:
             labels = np.flatnonzero(node == n)
-            node[labels] = split_node(Z[labels], int(n), nr_splits, max_iter, seed)
+            node[labels] = split_node(Z[labels], int(n), nr_splits, max_iter, seed, lam, f[labels],
+                                      f_tilde[labels], gamma, balanced_below_depth)
+
+
+def tree_from_params(Z: sp.csr_matrix, params, f=None, f_tilde=None) -> np.ndarray:
+    """:func:`build_tree` with a :class:`~xmc_spark.params.TreeParams`."""
+    return build_tree(Z, params.max_leaf_size, params.nr_splits, params.max_iter, params.seed,
+                      params.effective_lambda, f, f_tilde, params.gamma, params.balanced_below_depth)
 
 
 class TreeIndex:
@@ -125,8 +151,10 @@ class TreeIndex:
             pg.append(ancestor_at(leaf[m], dep[m], t, self.B))
         r = np.concatenate(pr)
         g = np.concatenate(pg)
-        key = np.unique(r * (2 ** 40) + g) if len(r) else np.zeros(0, np.int64)
-        return key // (2 ** 40), key % (2 ** 40)
+        if not len(r):
+            return r, g
+        uniq = np.unique(np.stack([r, g]), axis=1)
+        return uniq[0], uniq[1]
 
     def node_problem(self, group: int, offsets: np.ndarray, labels: np.ndarray):
         """(child ids or slot ids, Y n x K) for the classifiers trained at node ``group``.

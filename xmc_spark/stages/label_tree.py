@@ -16,26 +16,44 @@ from ..schemas import TREE_SCHEMA
 log = logging.getLogger("xmc_spark.tree")
 
 
-def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features: int, params: TreeParams) -> DataFrame:
-    """New (label_idx, node) for the labels of ``big_nodes``, one kernel call per node."""
+def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features: int, params: TreeParams,
+                freqs=None) -> DataFrame:
+    """New (label_idx, node) for the labels of ``big_nodes``, one kernel call per node.
+
+    ``freqs`` is a broadcast of (f, f_tilde) when the split is interpolated (lambda > 0).
+    """
     B, it, seed = params.nr_splits, params.max_iter, params.seed
+    lam, gamma, deep = params.effective_lambda, params.gamma, params.balanced_below_depth
 
     def split(t: pa.Table) -> pa.Table:
         order = np.argsort(t.column("label_idx").to_numpy(), kind="mergesort")
         t = t.take(pa.array(order))
         node = int(t.column("node")[0].as_py())
         Z = csr_from_table(t, "emb_idx", "emb_val", n_features)
-        child = split_node(Z, node, B, it, seed)
+        f = ft = None
+        if freqs is not None:
+            lab = t.column("label_idx").to_numpy().astype(np.int64)
+            f, ft = freqs.value[0][lab], freqs.value[1][lab]
+        child = split_node(Z, node, B, it, seed, lam, f, ft, gamma, deep)
         return pa.table({"label_idx": t.column("label_idx"), "node": pa.array(child, pa.int64())})
 
     todo = assign.filter(F.col("node").isin(list(big_nodes))).join(embeddings, "label_idx")
     return grouped_apply(todo, ["node"], split, TREE_SCHEMA)
 
 
-def run(embeddings: DataFrame, n_labels: int, n_features: int, params: TreeParams) -> DataFrame:
+def run(embeddings: DataFrame, n_labels: int, n_features: int, params: TreeParams, f=None,
+        f_tilde=None) -> DataFrame:
     """(label_idx, node): the leaf of each label. Labels without an embedding (no training
-    sample) are still placed: they join the tree with an empty embedding."""
+    sample) are still placed: they join the tree with an empty embedding.
+
+    ``f`` and ``f_tilde`` (label frequencies, :mod:`.label_frequencies`) are required when
+    the tree is interpolated (lambda > 0)."""
     spark = embeddings.sparkSession
+    freqs = None
+    if params.effective_lambda > 0:
+        if f is None or f_tilde is None:
+            raise ValueError("an interpolated tree (lambda > 0) needs label frequencies f and f_tilde")
+        freqs = spark.sparkContext.broadcast((np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)))
     all_labels = spark.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
     emb = all_labels.join(embeddings, "label_idx", "left").select(
         "label_idx",
@@ -49,7 +67,7 @@ def run(embeddings: DataFrame, n_labels: int, n_features: int, params: TreeParam
         big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
         if not big:
             break
-        new = split_level(emb, assign, big, n_features, params).cache()
+        new = split_level(emb, assign, big, n_features, params, freqs).cache()
         cached.append(new)
         # one job per level: the split runs and its children's sizes come back together
         grown = {int(r["node"]): int(r["count"]) for r in new.groupBy("node").count().collect()}
@@ -60,4 +78,6 @@ def run(embeddings: DataFrame, n_labels: int, n_features: int, params: TreeParam
     assign = assign.localCheckpoint()
     for c in cached:
         c.unpersist()
+    if freqs is not None:
+        freqs.unpersist()
     return assign
