@@ -1,4 +1,4 @@
-"""``xmc-spark`` command line: run, predict, synth, params."""
+"""``xmc-spark`` command line: run, sweep, predict, synth, params."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,15 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     r.add_argument("--test", help="XC text, svmlight, Parquet or Delta path (optional)")
     r.add_argument("--out", required=True, help="output folder")
     _common(r)
+    w = sub.add_parser("sweep", help="train/score one model per value of a config key (nested MLflow runs, "
+                                     "precision vs expected depth plot)")
+    w.add_argument("--train", required=True, help="XC text, svmlight, Parquet or Delta path")
+    w.add_argument("--test", help="XC text, svmlight, Parquet or Delta path (optional)")
+    w.add_argument("--out", required=True, help="output folder: one subfolder per value, sweep.json, sweep.png")
+    w.add_argument("--key", default="tree.lambda_prime", help="config key to sweep (default tree.lambda_prime)")
+    w.add_argument("--values", default="0,0.5,1,2,6,30,1000",
+                   help="comma-separated values (default 0,0.5,1,2,6,30,1000)")
+    _common(w)
     p = sub.add_parser("predict", help="score DATA with a saved model")
     p.add_argument("--model", required=True, help="model folder (OUT/model of a run)")
     p.add_argument("--data", required=True, help="XC text, svmlight, Parquet or Delta path")
@@ -67,6 +76,17 @@ def main(argv=None) -> int:
             from . import pipeline
             metrics = pipeline.run(spark, args.train, args.test, args.out, params, config_path=args.config)
             print(json.dumps({k: v for k, v in metrics.items() if k != "table_versions"}, indent=2))
+        elif args.cmd == "sweep":
+            from . import pipeline
+            values = [v.strip() for v in args.values.split(",") if v.strip()]
+            if not values:
+                raise ConfigError("--values is empty")
+            for v in values:                   # check every value before the first model trains
+                params.set_dotted(args.key, v)
+            res = pipeline.sweep(spark, args.train, args.test, args.out, params, args.key, values,
+                                 config_path=args.config)
+            keep = ("value", "p@1", "p@3", "p@5", "depth@1", "depth@3", "depth@5", "tree_depth", "n_leaves")
+            print(json.dumps([{k: r[k] for k in keep if k in r} for r in res["results"]], indent=2))
         elif args.cmd == "predict":
             from . import pipeline
             print(json.dumps(pipeline.predict(spark, args.model, args.data, args.out, params), indent=2))

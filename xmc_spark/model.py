@@ -18,7 +18,7 @@ from typing import Dict, Optional
 import numpy as np
 import scipy.sparse as sp
 
-from .kernels.beam_search import beam_search
+from .kernels.beam_search import beam_search, tree_search
 from .kernels.label_embedding import pifa
 from .kernels.sparse import append_bias
 from .kernels.squared_hinge import train_node
@@ -97,6 +97,7 @@ class XMCModel:
         self.meta = dict(meta or {})
         self.label_counts: Optional[np.ndarray] = None   # training label frequencies (propensities)
         self._layers = None
+        self._tree_arrays = None
 
     # ---- structure -------------------------------------------------------------------
     @property
@@ -149,19 +150,49 @@ class XMCModel:
         self._last_leaf = ix.leaves[_positions(eff_leaf, prev_ids)] if D > 0 else np.zeros(1, np.int64)
         return layers, order
 
+    def tree_arrays(self):
+        """The unpadded tree for :func:`tree_search`: (child_ptr, node W csc, slot_ptr,
+        slot W csc, slot_label, n_labels) over compact nodes (0 = root, heap order)."""
+        if getattr(self, "_tree_arrays", None) is not None:
+            return self._tree_arrays
+        ix = self.index
+        nodes = ix.nodes if len(ix.nodes) else np.zeros(1, np.int64)
+        M = len(nodes)
+        parent = _positions(nodes, (nodes[1:] - 1) // ix.B)
+        child_ptr = 1 + np.concatenate([[0], np.cumsum(np.bincount(parent, minlength=M))])
+        per_node = np.zeros(M, dtype=np.int64)
+        per_node[np.searchsorted(nodes, ix.leaves)] = ix.leaf_end - ix.leaf_start
+        slot_ptr = np.concatenate([[0], np.cumsum(per_node)])
+        W = self.node_w.select(nodes[1:]) if M > 1 else sp.csc_matrix((self.n_cols, 0), dtype=np.float32)
+        SW = self.slot_w.select(np.arange(len(ix.slot_label)))
+        self._tree_arrays = (child_ptr, W, slot_ptr, SW, ix.slot_label, self.n_labels)
+        return self._tree_arrays
+
     # ---- prediction ------------------------------------------------------------------
-    def predict(self, X: sp.csr_matrix, beam_size: Optional[int] = None, topk: Optional[int] = None):
-        """(labels n x topk, scores n x topk) for already-ingested (normalized) rows X."""
+    def predict(self, X: sp.csr_matrix, beam_size: Optional[int] = None, topk: Optional[int] = None,
+                search: Optional[str] = None, return_work: bool = False):
+        """(labels n x topk, scores n x topk) for already-ingested (normalized) rows X.
+
+        ``search`` overrides ``pred_params.search``; with ``return_work`` a third array gives
+        the number of classifiers evaluated per row (``tree``/``adaptive`` search only).
+        """
         X = sp.csr_matrix(X, dtype=np.float32)
         if X.shape[1] > self.n_features:
             raise ValueError(f"input has {X.shape[1]} features; the model was trained on {self.n_features}")
         if X.shape[1] < self.n_features:
             X = sp.csr_matrix((X.data, X.indices, X.indptr), shape=(X.shape[0], self.n_features))
-        layers, order = self.layers()
         Xb = append_bias(X, self.bias)
-        return beam_search(Xb, layers, self.index.slot_label[order],
-                           beam_size=beam_size or self.pred_params.beam_size,
-                           topk=topk or self.pred_params.topk,
+        b = beam_size or self.pred_params.beam_size
+        k = topk or self.pred_params.topk
+        search = search or self.pred_params.search
+        if search in ("tree", "adaptive"):
+            lab, sc, work = tree_search(Xb, self.tree_arrays(), b, k, self.pred_params.post_processor,
+                                        adaptive=search == "adaptive")
+            return (lab, sc, work) if return_work else (lab, sc)
+        if return_work:
+            raise ValueError("return_work needs search='tree' or 'adaptive'")
+        layers, order = self.layers()
+        return beam_search(Xb, layers, self.index.slot_label[order], beam_size=b, topk=k,
                            post_processor=self.pred_params.post_processor)
 
     def match_leaves(self, X: sp.csr_matrix, beam_size: Optional[int] = None):

@@ -236,6 +236,8 @@ class TreeParams(BaseParams):
     f_tilde: str = "marginal"          # greedy | marginal (Appendix B, Algorithms 1 / 2)
     greedy_candidates: int = 12        # K labels replayed per aggregation round of greedy f-tilde
     balanced_below_depth: int = 32     # nodes this deep split balanced (bounds the heap ids)
+    local_subtree_size: int = 4096     # a node with at most this many labels grows its whole
+                                       # subtree in one task (0: every level is a Spark job)
 
     @property
     def effective_lambda(self) -> float:
@@ -260,6 +262,7 @@ class TreeParams(BaseParams):
                f"must be 'greedy' or 'marginal', got {self.f_tilde!r}")
         _check(1 <= self.greedy_candidates <= 30, prefix + "greedy_candidates", "must be in [1, 30]")
         _check(1 <= self.balanced_below_depth <= 40, prefix + "balanced_below_depth", "must be in [1, 40]")
+        _check(self.local_subtree_size >= 0, prefix + "local_subtree_size", "must be >= 0")
 
 
 @dataclass
@@ -295,15 +298,22 @@ class TrainParams(BaseParams):
 
 @dataclass
 class PredictParams(BaseParams):
+    """``search``: ``layered`` (every layer one sparse block, shallow leaves padded down),
+    ``tree`` (each leaf scores its labels at its own depth), ``adaptive`` (``tree`` that also
+    drops a branch once it can no longer change the top k)."""
+
     beam_size: int = 10
     topk: int = 5
     post_processor: str = "l3-hinge"
+    search: str = "layered"
 
     def validate(self, prefix=""):
         _check(self.beam_size >= 1, prefix + "beam_size", "must be >= 1")
         _check(self.topk >= 1, prefix + "topk", "must be >= 1")
         _check(self.post_processor in ("l3-hinge", "l2-hinge", "sigmoid"), prefix + "post_processor",
                "must be one of l3-hinge, l2-hinge, sigmoid")
+        _check(self.search in ("layered", "tree", "adaptive"), prefix + "search",
+               f"must be one of layered, tree, adaptive, got {self.search!r}")
 
 
 @dataclass

@@ -117,6 +117,65 @@ def train_weights(spark, samples, index: TreeIndex, tables: Path, n_features: in
                     pred_params=params.predict)
 
 
+def _ingest(spark, train: str, test: Optional[str], tables: Path, params: PipelineParams, timer: StageTimer):
+    """Ingest TRAIN (and TEST) into ``tables``; returns (info, test info or None, table versions)."""
+    with timer.stage("ingest"):
+        info = ingest.run(spark, train, str(tables / "train"), params.ingest)
+        tinfo = None
+        if test:
+            tinfo = ingest.run(spark, test, str(tables / "test"), params.ingest,
+                               expect_features=info.n_features, expect_labels=info.n_labels)
+    versions = {"train": table_version(spark, str(tables / "train"))}
+    if test:
+        versions["test"] = table_version(spark, str(tables / "test"))
+    return info, tinfo, versions
+
+
+def _fit_and_score(spark, data_tables: Path, out_p: Path, info, tinfo, versions: Dict, source: str,
+                   params: PipelineParams, timer: StageTimer, tracker: Tracker,
+                   config_path: Optional[str] = None) -> Dict:
+    """Train on ``data_tables``/train, save OUT/model, score ``data_tables``/test; write
+    OUT/metrics.json and OUT/config.yaml and log them to the current MLflow run."""
+    tables = out_p / "tables"
+    tables.mkdir(parents=True, exist_ok=True)
+    model = train_model(spark, str(data_tables / "train"), tables, info.n_features, info.n_labels, params, timer)
+    model.meta.update({"train": source, "n_train": info.n_samples})
+    model.label_counts = evaluation.label_counts(read_delta(spark, str(data_tables / "train")), info.n_labels)
+    model.save(str(out_p / "model"))
+    metrics: Dict = {"n_train": info.n_samples, "n_labels": info.n_labels, "n_features": info.n_features,
+                     "tree_depth": model.index.depth, "n_leaves": int(len(model.index.leaves)),
+                     **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf),
+                     **timer.info}
+    if tinfo is not None:
+        test_df = read_delta(spark, str(data_tables / "test"))
+        with timer.stage("predict"):
+            preds = prediction.run(test_df, model, params.predict.beam_size, params.predict.topk)
+            write_delta(preds, str(tables / "predictions"))
+        with timer.stage("evaluate"):
+            m = evaluation.run(read_delta(spark, str(tables / "predictions")), test_df, model.label_counts,
+                               info.n_samples, params.eval, label_depth=model.label_depth())
+        metrics.update({k: round(v, 4) for k, v in m.items()})
+        metrics["n_test"] = tinfo.n_samples
+    metrics["seconds"] = timer.total()
+    metrics["table_versions"] = versions
+    (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    (out_p / "config.yaml").write_text(dump_params(params))
+    tracker.log_metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})
+    tracker.log_metrics(metrics["seconds"], prefix="seconds.")
+    tracker.log_params({f"table_version.{k}": v for k, v in versions.items()})
+    tracker.log_artifact(str(out_p / "metrics.json"))
+    tracker.log_artifact(str(out_p / "config.yaml"))
+    if config_path:
+        tracker.log_artifact(config_path, "conf")
+    if params.mlflow.log_model:
+        tracker.log_artifact(str(out_p / "model"), "model")
+    if tracker.run_id:
+        metrics["mlflow_run_id"] = tracker.run_id
+        (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "depth@"))})
+    return metrics
+
+
 def run(spark, train: str, test: Optional[str], out: str, params: PipelineParams,
         config_path: Optional[str] = None) -> Dict:
     """Run every stage; write OUT/metrics.json and OUT/model; track in MLflow."""
@@ -128,57 +187,75 @@ def run(spark, train: str, test: Optional[str], out: str, params: PipelineParams
     with tracker.run(run_name=params.mlflow.run_name or out_p.name):
         tracker.log_params(params.flat())
         tracker.log_params({"input.train": train, "input.test": test or ""})
-        with timer.stage("ingest"):
-            info = ingest.run(spark, train, str(tables / "train"), params.ingest)
-            tinfo = None
-            if test:
-                tinfo = ingest.run(spark, test, str(tables / "test"), params.ingest,
-                                   expect_features=info.n_features, expect_labels=info.n_labels)
-        versions = {"train": table_version(spark, str(tables / "train"))}
-        if test:
-            versions["test"] = table_version(spark, str(tables / "test"))
-        model = train_model(spark, str(tables / "train"), tables, info.n_features, info.n_labels, params, timer)
-        model.meta.update({"train": train, "n_train": info.n_samples})
-        model.label_counts = evaluation.label_counts(read_delta(spark, str(tables / "train")), info.n_labels)
-        model.save(str(out_p / "model"))
-        metrics: Dict = {"n_train": info.n_samples, "n_labels": info.n_labels, "n_features": info.n_features,
-                         "tree_depth": model.index.depth, "n_leaves": int(len(model.index.leaves)),
-                         **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf),
-                         **timer.info}
-        if test:
-            test_df = read_delta(spark, str(tables / "test"))
-            with timer.stage("predict"):
-                preds = prediction.run(test_df, model, params.predict.beam_size, params.predict.topk)
-                write_delta(preds, str(tables / "predictions"))
-            with timer.stage("evaluate"):
-                m = evaluation.run(read_delta(spark, str(tables / "predictions")), test_df, model.label_counts,
-                                   info.n_samples, params.eval, label_depth=model.label_depth())
-            metrics.update({k: round(v, 4) for k, v in m.items()})
-            metrics["n_test"] = tinfo.n_samples
-        metrics["seconds"] = timer.total()
-        metrics["table_versions"] = versions
-        (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        (out_p / "config.yaml").write_text(dump_params(params))
-        tracker.log_metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})
-        tracker.log_metrics(metrics["seconds"], prefix="seconds.")
-        tracker.log_params({f"table_version.{k}": v for k, v in versions.items()})
-        tracker.log_artifact(str(out_p / "metrics.json"))
-        tracker.log_artifact(str(out_p / "config.yaml"))
-        if config_path:
-            tracker.log_artifact(config_path, "conf")
-        if params.mlflow.log_model:
-            tracker.log_artifact(str(out_p / "model"), "model")
-        if tracker.run_id:
-            metrics["mlflow_run_id"] = tracker.run_id
-            (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "psp@"))})
-    return metrics
+        info, tinfo, versions = _ingest(spark, train, test, tables, params, timer)
+        return _fit_and_score(spark, tables, out_p, info, tinfo, versions, train, params, timer, tracker,
+                              config_path)
+
+
+def sweep(spark, train: str, test: Optional[str], out: str, params: PipelineParams, key: str, values,
+          config_path: Optional[str] = None) -> Dict:
+    """Train and score one model per value of config ``key`` (e.g. ``tree.lambda_prime``).
+
+    Ingests once; each value gets OUT/<key>=<value>/ (model, tables, metrics.json) and a nested
+    MLflow run; the parent run gets the results table (sweep.json) and, with a test set, a
+    precision-vs-expected-depth plot (sweep.png).
+    """
+    out_p = Path(out)
+    tables = out_p / "tables"
+    tables.mkdir(parents=True, exist_ok=True)
+    timer = StageTimer()
+    tracker = Tracker(params.mlflow)
+    results = []
+    with tracker.run(run_name=params.mlflow.run_name or out_p.name, tags={"xmc_spark.sweep": key}):
+        tracker.log_params({"sweep.key": key, "sweep.values": ",".join(map(str, values)),
+                            "input.train": train, "input.test": test or ""})
+        info, tinfo, versions = _ingest(spark, train, test, tables, params, timer)
+        for v in values:
+            child_params = params.set_dotted(key, v)
+            name = f"{key.split('.')[-1]}={v}"
+            child = Tracker(params.mlflow)
+            with child.run(run_name=name, nested=True, tags={"xmc_spark.sweep": key}):
+                child.log_params(child_params.flat())
+                m = _fit_and_score(spark, tables, out_p / name, info, tinfo, versions, train, child_params,
+                                   StageTimer(), child, config_path)
+            results.append({"key": key, "value": v, **{k: x for k, x in m.items() if not isinstance(x, dict)},
+                            "seconds": m["seconds"]})
+        (out_p / "sweep.json").write_text(json.dumps(results, indent=2))
+        tracker.log_artifact(str(out_p / "sweep.json"))
+        if tinfo is not None:
+            plot_sweep(results, str(out_p / "sweep.png"), params.eval.ks)
+            tracker.log_artifact(str(out_p / "sweep.png"))
+    return {"key": key, "results": results, "out": str(out_p)}
+
+
+def plot_sweep(results, path: str, ks) -> None:
+    """P@k against expected depth@k, one curve per k, points labelled by the swept value."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = [k for k in ks if f"p@{k}" in results[0] and f"depth@{k}" in results[0]]
+    fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks), 3.8), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        x = [r[f"depth@{k}"] for r in results]
+        y = [r[f"p@{k}"] for r in results]
+        ax.plot(x, y, "o-")
+        for r, xi, yi in zip(results, x, y):
+            ax.annotate(str(r["value"]), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel(f"expected depth@{k}")
+        ax.set_ylabel(f"P@{k} (%)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"precision vs expected depth, sweep over {results[0]['key']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def predict(spark, model_dir: str, data: str, out: str, params: PipelineParams) -> Dict:
     """Score a file or table with a saved model; writes predictions (Delta) and, when the input
     has labels, metrics.json."""
     model = XMCModel.load(model_dir)
+    model.pred_params = dataclasses.replace(model.pred_params, search=params.predict.search)
     out_p = Path(out)
     tables = out_p / "tables"
     tables.mkdir(parents=True, exist_ok=True)

@@ -94,3 +94,61 @@ def test_dense_weights_sparse_inputs_use_the_search_path_correctly():
     E = exhaustive_scores(Xb, layers, m.index.slot_label[order], m.n_labels)
     labels, scores = m.predict(X, beam_size=1000, topk=4)
     np.testing.assert_allclose(scores, np.sort(E, axis=1)[:, ::-1][:, :4], rtol=1e-5)
+
+
+def _unbalanced_model(seed=0, L=40, d=12):
+    """A Fano-like tree: leaves at many depths."""
+    from xmc_spark.kernels.tree import build_tree
+    rng = np.random.default_rng(seed)
+    Z = sp.random(L, d, density=0.5, random_state=seed, format="csr")
+    f = np.sort(rng.pareto(1.0, L))[::-1] + 0.01
+    leaf = build_tree(Z, max_leaf_size=3, lam=1.6, f=f, f_tilde=f, seed=seed)
+    index = TreeIndex(np.arange(L), leaf, L, 2)
+    node_cols = {int(n): (np.arange(d + 1), rng.normal(0, 1, d + 1)) for n in index.nodes if n != 0}
+    slot_cols = {s: (np.arange(d + 1), rng.normal(0, 1, d + 1)) for s in range(L)}
+    m = XMCModel(index, KeyedColumns.from_dict(node_cols, d + 1), KeyedColumns.from_dict(slot_cols, d + 1), d)
+    X = sp.random(40, d, density=0.5, random_state=seed + 1, format="csr", dtype=np.float32)
+    return m, X
+
+
+def test_tree_search_equals_layered_on_balanced_tree():
+    for seed in range(3):
+        m, X = _random_model(seed, L=32, leaf_size=4)      # 32 labels / 4 = 8 leaves, all at depth 3
+        for b in (1, 2, 4):
+            a = m.predict(X, beam_size=b, topk=3)
+            t = m.predict(X, beam_size=b, topk=3, search="tree")
+            np.testing.assert_array_equal(a[0], t[0])
+            np.testing.assert_allclose(a[1], t[1], rtol=1e-9)
+
+
+def test_adaptive_search_is_exact_and_does_less_work():
+    for seed in range(4):
+        m, X = _unbalanced_model(seed)
+        assert len(set(m.index.slot_depth)) > 2
+        layers, order = m.layers()
+        Xb = sp.hstack([X, np.ones((X.shape[0], 1))], format="csr")
+        E = exhaustive_scores(Xb, layers, m.index.slot_label[order], m.n_labels)
+        top = np.argsort(-E, axis=1, kind="stable")[:, :3]
+        full = m.predict(X, beam_size=1000, topk=3, search="tree", return_work=True)
+        ada = m.predict(X, beam_size=1000, topk=3, search="adaptive", return_work=True)
+        for lab, sc, _ in (full, ada):
+            np.testing.assert_array_equal(lab, top)
+            np.testing.assert_allclose(sc, np.take_along_axis(E, top, axis=1), rtol=1e-9)
+        n_classifiers = len(m.index.nodes) - 1 + m.n_labels
+        assert np.all(full[2] == n_classifiers)
+        assert np.all(ada[2] <= full[2]) and ada[2].sum() < full[2].sum()
+        # a narrow beam: pruning never removes a label the same beam without pruning keeps
+        t = m.predict(X, beam_size=2, topk=3, search="tree")
+        a = m.predict(X, beam_size=2, topk=3, search="adaptive")
+        assert np.all(a[1][:, 0] >= t[1][:, 0] - 1e-12)
+
+
+def test_tree_search_with_overlapping_slots_and_single_leaf():
+    m, X = _random_model(2, overlap=True)
+    lab, sc = m.predict(X, beam_size=1000, topk=m.n_labels, search="tree")
+    ref = m.predict(X, beam_size=1000, topk=m.n_labels)
+    np.testing.assert_array_equal(lab, ref[0])
+    np.testing.assert_allclose(sc, ref[1], rtol=1e-9)
+    m1, X1 = _random_model(3, L=4, leaf_size=10)            # the root is the only leaf
+    assert m1.index.depth == 0
+    np.testing.assert_array_equal(m1.predict(X1, topk=2, search="adaptive")[0], m1.predict(X1, topk=2)[0])

@@ -57,14 +57,15 @@ def test_pifa_stage_equals_kernel(problem, spark):
     np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
 
 
-def test_tree_stage_equals_kernel(problem, spark):
+@pytest.mark.parametrize("local", [0, 6, 4096])
+def test_tree_stage_equals_kernel(problem, spark, local):
     d, info, Xl, Yl = problem
-    params = TreeParams(max_leaf_size=3, nr_splits=2, seed=4)
+    params = TreeParams(max_leaf_size=3, nr_splits=2, seed=4, local_subtree_size=local)
     emb = label_embedding.run(read_delta(spark, str(d / "train_tbl")), 40, 14, EmbeddingParams(), n_buckets=2)
     tree = label_tree.run(emb, 14, 40, params).toPandas().sort_values("label_idx")
     ref = build_tree(pifa(Xl, Yl), params.max_leaf_size, params.nr_splits, params.max_iter, params.seed)
     np.testing.assert_array_equal(tree["node"].to_numpy(), ref)
-    params3 = TreeParams(max_leaf_size=2, nr_splits=3, seed=1)
+    params3 = TreeParams(max_leaf_size=2, nr_splits=3, seed=1, local_subtree_size=local)
     tree3 = label_tree.run(emb, 14, 40, params3).toPandas().sort_values("label_idx")
     ref3 = build_tree(pifa(Xl, Yl), 2, 3, params3.max_iter, 1)
     np.testing.assert_array_equal(tree3["node"].to_numpy(), ref3)
@@ -88,7 +89,7 @@ def test_frequency_stage_equals_kernel(problem, spark, method):
 def test_interpolated_tree_stage_equals_kernel(problem, spark, lam):
     d, info, Xl, Yl = problem
     Yl = sp.csr_matrix(Yl)
-    params = TreeParams(max_leaf_size=2, lam=lam, seed=2)
+    params = TreeParams(max_leaf_size=2, lam=lam, seed=2, local_subtree_size=0 if lam < 2 else 5)
     emb = label_embedding.run(read_delta(spark, str(d / "train_tbl")), 40, 14, EmbeddingParams(), n_buckets=2)
     f, ft = FQ.label_frequencies(Yl.indptr, Yl.indices, 14, "marginal")
     tree = label_tree.run(emb, 14, 40, params, f, ft).toPandas().sort_values("label_idx")

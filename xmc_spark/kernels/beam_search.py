@@ -176,3 +176,115 @@ def exhaustive_scores(X: sp.csr_matrix, layers, slot_label: np.ndarray, n_labels
     for k, lab in enumerate(slot_label):
         out[:, lab] += S[:, k]
     return out / np.maximum(cnt, 1)[None, :]
+
+
+@njit(cache=True)
+def _tree_search(xptr, xidx, xval, n_cols, child_ptr, wptr, widx, wval, slot_ptr, sptr, sidx, sval,
+                 slot_label, n_labels, beam, topk, post, adaptive):
+    """Beam search on the unpadded tree: a leaf scores its labels at its own depth.
+
+    Nodes are compact (0 = root); the children of node c are child_ptr[c]..child_ptr[c+1]
+    and node c > 0 uses weight column c - 1; leaf c owns slots slot_ptr[c]..slot_ptr[c+1].
+    With ``adaptive``, a branch is dropped as soon as its path score is no better than the
+    k-th best label score found so far: path scores only shrink going down (each factor is
+    in (0, 1]), so nothing below it can enter the top k.
+    """
+    n = xptr.shape[0] - 1
+    out_lab = -np.ones((n, topk), dtype=np.int64)
+    out_sc = np.zeros((n, topk), dtype=np.float64)
+    work = np.zeros(n, dtype=np.int64)
+    dense = np.zeros(n_cols, dtype=np.float64)
+    acc = np.zeros(n_labels, dtype=np.float64)
+    cnt = np.zeros(n_labels, dtype=np.int64)
+    touched = np.empty(slot_label.shape[0], dtype=np.int64)
+    M = child_ptr.shape[0] - 1
+    max_children = 1
+    for c in range(M):
+        if child_ptr[c + 1] - child_ptr[c] > max_children:
+            max_children = child_ptr[c + 1] - child_ptr[c]
+    cand = np.empty(beam * max_children, dtype=np.int64)
+    cscore = np.empty(beam * max_children, dtype=np.float64)
+    cur = np.empty(beam, dtype=np.int64)
+    cur_sc = np.empty(beam, dtype=np.float64)
+    for i in range(n):
+        for p in range(xptr[i], xptr[i + 1]):
+            dense[xidx[p]] = xval[p]
+        cur[0] = 0
+        cur_sc[0] = 1.0
+        nb = 1
+        nt = 0
+        while nb > 0:
+            c = 0
+            for j in range(nb):
+                node = cur[j]
+                ps = cur_sc[j]
+                for s in range(slot_ptr[node], slot_ptr[node + 1]):
+                    v = ps * _transform(_dot(xptr, xidx, xval, i, dense, sptr, sidx, sval, s), post)
+                    work[i] += 1
+                    lab = slot_label[s]
+                    if cnt[lab] == 0:
+                        touched[nt] = lab
+                        nt += 1
+                    acc[lab] += v
+                    cnt[lab] += 1
+                for ch in range(child_ptr[node], child_ptr[node + 1]):
+                    cand[c] = ch
+                    cscore[c] = ps * _transform(_dot(xptr, xidx, xval, i, dense, wptr, widx, wval, ch - 1), post)
+                    work[i] += 1
+                    c += 1
+            thr = -1.0
+            if adaptive and nt >= topk:
+                vals = np.empty(nt, dtype=np.float64)
+                for t in range(nt):
+                    vals[t] = acc[touched[t]] / cnt[touched[t]]
+                vals.sort()
+                thr = vals[nt - topk]
+            keys = np.empty(c, dtype=np.float64)
+            for t in range(c):
+                keys[t] = -cscore[t]
+            order = np.argsort(keys, kind="mergesort")
+            nb = 0
+            for t in range(c):
+                if nb == beam or cscore[order[t]] <= thr:
+                    break
+                cur[nb] = cand[order[t]]
+                cur_sc[nb] = cscore[order[t]]
+                nb += 1
+        for p in range(xptr[i], xptr[i + 1]):
+            dense[xidx[p]] = 0.0
+        if nt == 0:
+            continue
+        keys = np.empty(nt, dtype=np.float64)
+        labs = np.empty(nt, dtype=np.int64)
+        sl = np.sort(touched[:nt])
+        for t in range(nt):
+            labs[t] = sl[t]
+            keys[t] = -acc[sl[t]] / cnt[sl[t]]
+        order = np.argsort(keys, kind="mergesort")
+        for t in range(min(topk, nt)):
+            out_lab[i, t] = labs[order[t]]
+            out_sc[i, t] = -keys[order[t]]
+        for t in range(nt):
+            acc[touched[t]] = 0.0
+            cnt[touched[t]] = 0
+    return out_lab, out_sc, work
+
+
+def tree_search(X: sp.csr_matrix, tree, beam_size: int = 10, topk: int = 5, post_processor: str = "l3-hinge",
+                adaptive: bool = True):
+    """Top-k labels, scores and the number of classifiers evaluated per row, searching the
+    unpadded tree ``tree`` = (child_ptr, W csc, slot_ptr, slot W csc, slot_label, n_labels)
+    (see ``XMCModel.tree_arrays``). ``adaptive`` prunes branches that cannot reach the top k.
+    """
+    X = sp.csr_matrix(X)
+    child_ptr, W, slot_ptr, SW, slot_label, n_labels = tree
+    W = sp.csc_matrix(W)
+    SW = sp.csc_matrix(SW)
+    W = W if W.has_sorted_indices else W.sorted_indices()
+    SW = SW if SW.has_sorted_indices else SW.sorted_indices()
+    i64 = np.int64
+    return _tree_search(X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64), X.shape[1],
+                        np.asarray(child_ptr, i64), W.indptr.astype(i64), W.indices.astype(i64),
+                        W.data.astype(np.float64), np.asarray(slot_ptr, i64), SW.indptr.astype(i64),
+                        SW.indices.astype(i64), SW.data.astype(np.float64), np.asarray(slot_label, i64),
+                        int(n_labels), int(beam_size), int(topk), POST_PROCESSORS[post_processor], bool(adaptive))

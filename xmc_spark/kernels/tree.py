@@ -60,10 +60,11 @@ def split_node(Z: sp.csr_matrix, node: int, nr_splits: int, max_iter: int, seed:
 
 def build_tree(Z: sp.csr_matrix, max_leaf_size: int = 100, nr_splits: int = 2, max_iter: int = 20,
                seed: int = 0, lam: float = 0.0, f=None, f_tilde=None, gamma: float = 0.1,
-               balanced_below_depth: int = 32) -> np.ndarray:
+               balanced_below_depth: int = 32, root: int = 0) -> np.ndarray:
     """Numpy reference of the level-by-level tree: the leaf node id of every label.
 
-    ``f``/``f_tilde`` (per label, any scale) are needed when lam > 0.
+    ``f``/``f_tilde`` (per label, any scale) are needed when lam > 0. ``root`` builds the
+    subtree below that node instead (same ids and seeds as in the whole tree).
     """
     Z = sp.csr_matrix(Z)
     L = Z.shape[0]
@@ -71,7 +72,7 @@ def build_tree(Z: sp.csr_matrix, max_leaf_size: int = 100, nr_splits: int = 2, m
         raise ValueError("an interpolated tree (lam > 0) needs label frequencies f and f_tilde")
     f = np.zeros(L) if f is None else np.asarray(f, np.float64)
     f_tilde = np.zeros(L) if f_tilde is None else np.asarray(f_tilde, np.float64)
-    node = np.zeros(L, dtype=np.int64)
+    node = np.full(L, int(root), dtype=np.int64)
     while True:
         ids, counts = np.unique(node, return_counts=True)
         big = ids[counts > max_leaf_size]
@@ -83,10 +84,10 @@ def build_tree(Z: sp.csr_matrix, max_leaf_size: int = 100, nr_splits: int = 2, m
                                       f_tilde[labels], gamma, balanced_below_depth)
 
 
-def tree_from_params(Z: sp.csr_matrix, params, f=None, f_tilde=None) -> np.ndarray:
+def tree_from_params(Z: sp.csr_matrix, params, f=None, f_tilde=None, root: int = 0) -> np.ndarray:
     """:func:`build_tree` with a :class:`~xmc_spark.params.TreeParams`."""
     return build_tree(Z, params.max_leaf_size, params.nr_splits, params.max_iter, params.seed,
-                      params.effective_lambda, f, f_tilde, params.gamma, params.balanced_below_depth)
+                      params.effective_lambda, f, f_tilde, params.gamma, params.balanced_below_depth, root)
 
 
 class TreeIndex:

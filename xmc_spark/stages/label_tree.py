@@ -1,4 +1,9 @@
-"""Label tree on Spark, level by level: one job splits every oversized node of a level."""
+"""Label tree on Spark, level by level: one job splits every oversized node of a level.
+
+A node with at most ``tree.local_subtree_size`` labels grows its whole subtree inside its
+task (same node ids and per-node seeds as level by level, so the tree is identical); the
+levels above stay one Spark job each.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,7 +14,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, grouped_apply
-from ..kernels.tree import split_node
+from ..kernels.tree import split_node, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
 
@@ -34,7 +39,10 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
         if freqs is not None:
             lab = t.column("label_idx").to_numpy().astype(np.int64)
             f, ft = freqs.value[0][lab], freqs.value[1][lab]
-        child = split_node(Z, node, B, it, seed, lam, f, ft, gamma, deep)
+        if t.num_rows <= params.local_subtree_size:   # small enough: the whole subtree here
+            child = tree_from_params(Z, params, f, ft, root=node)
+        else:
+            child = split_node(Z, node, B, it, seed, lam, f, ft, gamma, deep)
         return pa.table({"label_idx": t.column("label_idx"), "node": pa.array(child, pa.int64())})
 
     todo = assign.filter(F.col("node").isin(list(big_nodes))).join(embeddings, "label_idx")
@@ -59,25 +67,34 @@ def run(embeddings: DataFrame, n_labels: int, n_features: int, params: TreeParam
         "label_idx",
         F.coalesce("emb_idx", F.array().cast("array<int>")).alias("emb_idx"),
         F.coalesce("emb_val", F.array().cast("array<float>")).alias("emb_val")).cache()
-    assign = all_labels.withColumn("node", F.lit(0).cast("long"))
+
+    # Each level's output is checkpointed: the plan of the next level starts from it, so plans
+    # do not grow with depth (a union of every earlier level would double the plan per level).
+    active = all_labels.withColumn("node", F.lit(0).cast("long"))
     sizes = {0: n_labels}
-    cached = [emb]
+    finished = []
     depth = 0
     while True:
         big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
         if not big:
             break
-        new = split_level(emb, assign, big, n_features, params, freqs).cache()
-        cached.append(new)
-        # one job per level: the split runs and its children's sizes come back together
+        new = split_level(emb, active, big, n_features, params, freqs).localCheckpoint()
+        # the children's sizes come back in a second, small job over the checkpointed level
         grown = {int(r["node"]): int(r["count"]) for r in new.groupBy("node").count().collect()}
-        sizes = {**{n: c for n, c in sizes.items() if n not in set(big)}, **grown}
-        assign = assign.filter(~F.col("node").isin(big)).unionByName(new)
+        sizes = {n: c for n, c in grown.items()}
+        big_next = [n for n, c in grown.items() if c > params.max_leaf_size]
+        finished.append(new.filter(~F.col("node").isin(big_next)) if big_next else new)
+        active = new.filter(F.col("node").isin(big_next))
         depth += 1
-        log.info("tree level %d: split %d nodes into %d", depth, len(big), len(grown))
+        log.info("tree level %d: split %d nodes into %d nodes (%d labels now in leaves)", depth, len(big),
+                 len(grown), sum(c for c in grown.values() if c <= params.max_leaf_size))
+    if not finished:
+        finished = [active]
+    assign = finished[0]
+    for part in finished[1:]:
+        assign = assign.unionByName(part)
     assign = assign.localCheckpoint()
-    for c in cached:
-        c.unpersist()
+    emb.unpersist()
     if freqs is not None:
         freqs.unpersist()
     return assign
