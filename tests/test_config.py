@@ -21,6 +21,10 @@ def test_dotted_override_is_typed():
     ("train.C=-1", "must be > 0"),
     ("nosuch=1", "unknown config key"),
     ("tree.max_leaf_size", "key=value"),
+    ("tree.lambda=2.5", "must be in \\[0, 2\\]"),
+    ("tree.lambda_prime=-1", "must be >= 0"),
+    ("tree.f_tilde=fano", "greedy' or 'marginal"),
+    ("predict.search=dfs", "layered, tree, adaptive"),
 ])
 def test_bad_overrides(item, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -47,4 +51,21 @@ def test_config_env_substitution(tmp_path, monkeypatch):
 def test_shipped_confs_load():
     from pathlib import Path
     for f in sorted((Path(__file__).resolve().parents[1] / "conf").glob("*.yaml")):
+        load_params(str(f))
+
+
+def test_tree_lambda_key_and_lambda_prime(tmp_path):
+    p = load_params(None, ["tree.lambda=1.5"])
+    assert p.tree.lam == 1.5 and p.tree.effective_lambda == 1.5
+    p = load_params(None, ["tree.lambda_prime=1"])
+    assert p.tree.effective_lambda == 1.0
+    f = tmp_path / "c.yaml"
+    f.write_text("tree:\n  lambda: 0.5\n  f_tilde: greedy\n")
+    assert load_params(str(f)).tree.lam == 0.5
+    with pytest.raises(ConfigError, match="exclusive"):
+        load_params(None, ["tree.lambda=1", "tree.lambda_prime=2"])
+    with pytest.raises(ConfigError, match="must be 2 when lambda > 0"):
+        load_params(None, ["tree.lambda=1", "tree.nr_splits=4"])
+    f.write_text("tree:\n  lambda: 0.5\n  lam: 0.5\n")
+    with pytest.raises(ConfigError, match="are the same"):
         load_params(str(f))

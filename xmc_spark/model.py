@@ -285,12 +285,14 @@ def _positions(sorted_or_not_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
 
 
 def train_group(index: TreeIndex, group: int, Xb: sp.csr_matrix, offsets, labels, train: TrainParams,
-                weights=None):
+                weights=None, label_weights=None):
     """Train the classifiers of one node on the samples that reach it (rows in sample-id order).
 
-    Returns (is_leaf, child keys, W csc): node ids at an internal node, slot ids at a leaf.
+    ``weights`` scale each sample's cost, ``label_weights`` (aligned with ``labels``) each
+    positive's. Returns (is_leaf, child keys, W csc): node ids at an internal node, slot ids
+    at a leaf.
     """
-    children, Yg = index.node_problem(group, offsets, labels)
+    children, Yg = index.node_problem(group, offsets, labels, label_weights)
     W = train_node(Xb, Yg, C=train.C, weights=weights, threshold=train.threshold, eps=train.eps,
                    max_iter=train.max_iter, seed=train.seed + int(group))
     is_leaf = bool(np.isin(group, index.leaves))
@@ -298,7 +300,8 @@ def train_group(index: TreeIndex, group: int, Xb: sp.csr_matrix, offsets, labels
 
 
 def train_all_groups(index: TreeIndex, Xb: sp.csr_matrix, Y: sp.csr_matrix, train: TrainParams, weights=None):
-    """Numpy reference of the node-training stage: every group, samples in row order."""
+    """Numpy reference of the node-training stage: every group, samples in row order.
+    Y's values are the label weights (1 for plain data)."""
     Y = sp.csr_matrix(Y)
     rows, groups = index.groups_of_samples(Y.indptr, Y.indices)
     node_cols, slot_cols = {}, {}
@@ -306,7 +309,7 @@ def train_all_groups(index: TreeIndex, Xb: sp.csr_matrix, Y: sp.csr_matrix, trai
         r = np.sort(rows[groups == g])
         Yg = Y[r]
         w = None if weights is None else np.asarray(weights)[r]
-        is_leaf, children, W = train_group(index, int(g), Xb[r], Yg.indptr, Yg.indices, train, w)
+        is_leaf, children, W = train_group(index, int(g), Xb[r], Yg.indptr, Yg.indices, train, w, Yg.data)
         target = slot_cols if is_leaf else node_cols
         for j, c in enumerate(children):
             target[int(c)] = (W.indices[W.indptr[j]:W.indptr[j + 1]], W.data[W.indptr[j]:W.indptr[j + 1]])

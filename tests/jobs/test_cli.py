@@ -91,3 +91,38 @@ def test_run_with_overlapping_clusters(tmp_path):
     assert m["n_labels"] <= m["n_slots"] <= 2 * m["n_labels"] and m["copies_per_label_max"] <= 2
     assert m["p@1"] > 50
     assert (out / "tables" / "clusters" / "_delta_log").is_dir()
+
+
+def test_sweep_over_lambda_with_nested_mlflow_runs(tmp_path):
+    from tests.conftest import random_problem, write_xc
+
+    X, Y = random_problem(n=300, d=60, L=40, seed=5)
+    write_xc(tmp_path / "train.txt", X[:240], Y[:240])
+    write_xc(tmp_path / "test.txt", X[240:], Y[240:])
+    out = tmp_path / "sweep"
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    r = cli("sweep", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"), "--out", str(out),
+            "--values", "0,1000", "--set", "tree.max_leaf_size=3", "--set", "tree.f_tilde=greedy",
+            "--set", "predict.search=adaptive", "--set", f"mlflow.tracking_uri={uri}",
+            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts", *_spark_fast(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "sweep.json").read_text())
+    assert [x["value"] for x in res] == ["0", "1000"]
+    balanced, fano = res
+    assert balanced["depth@1"] == balanced["depth@5"] == balanced["tree_depth"]    # every leaf equally deep
+    assert fano["tree_depth"] > balanced["tree_depth"]                            # lambda ~ 2: unbalanced
+    assert fano["frequencies.greedy_rounds"] >= 1
+    assert (out / "sweep.png").stat().st_size > 1000
+    for name in ("lambda_prime=0", "lambda_prime=1000"):
+        assert (out / name / "model" / "param.json").is_file()
+        assert (out / name / "tables" / "predictions" / "_delta_log").is_dir()
+
+    import mlflow
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["xmc-spark"], output_format="list")
+    parent = [x for x in runs if "mlflow.parentRunId" not in x.data.tags]
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
+    assert len(parent) == 1 and len(children) == 2
+    assert sorted(c.data.params["tree.lambda_prime"] for c in children) == ["0.0", "1000.0"]
+    arts = {a.path for a in mlflow.MlflowClient().list_artifacts(parent[0].info.run_id)}
+    assert {"sweep.json", "sweep.png"} <= arts

@@ -60,3 +60,17 @@ def test_train_node_prunes_and_matches_binary():
     assert np.all(np.abs(Wt.data) >= 0.3)
     dense = np.asarray(W.todense())
     assert Wt.nnz == int((np.abs(dense) >= 0.3).sum())
+
+
+def test_label_weights_scale_only_the_positives():
+    from xmc_spark.kernels.squared_hinge import train_node
+    rng = np.random.default_rng(3)
+    X = sp.random(80, 12, density=0.4, random_state=3, format="csr")
+    y = rng.random(80) < 0.3
+    w = rng.uniform(0.1, 1.0, 80)
+    Yw = sp.csr_matrix((w[y], (np.flatnonzero(y), np.zeros(y.sum(), int))), shape=(80, 1))
+    per_sample = np.where(y, w, 1.0)                 # the same costs given as sample weights
+    a = train_node(X, Yw, threshold=0, eps=1e-6, max_iter=2000).toarray()
+    b = train_node(X, sp.csr_matrix(Yw > 0, dtype=np.float32), weights=per_sample, threshold=0, eps=1e-6,
+                   max_iter=2000).toarray()
+    np.testing.assert_allclose(a, b, atol=1e-6)

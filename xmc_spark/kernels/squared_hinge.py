@@ -95,7 +95,10 @@ def train_binary(X: sp.csr_matrix, y: np.ndarray, C: float = 1.0, weights=None, 
 
 def train_node(X: sp.csr_matrix, Y: sp.csr_matrix, C: float = 1.0, weights=None, threshold: float = 0.1,
                eps: float = 0.1, max_iter: int = 100, seed: int = 0) -> sp.csc_matrix:
-    """One-vs-rest classifiers for the K columns of Y (n x K, 1 = positive) over the n samples X.
+    """One-vs-rest classifiers for the K columns of Y (n x K, non-zero = positive) over the n samples X.
+
+    Y's values weight the positives (cost C * weights[i] * Y[i, k]); 1 everywhere is plain
+    one-vs-rest. Negatives cost C * weights[i].
 
     Returns the pruned weights as a CSC matrix (n_features x K): entries with |w| < threshold
     are dropped. Only the features present in X are solved for, so work and memory follow the
@@ -113,13 +116,19 @@ def train_node(X: sp.csr_matrix, Y: sp.csr_matrix, C: float = 1.0, weights=None,
                        shape=(len(keep), len(cols)))
     out_ptr = [0]
     out_idx, out_val = [], []
+    weighted = Y.nnz > 0 and not np.all(Y.data == 1)
     for k in range(K):
         y = -np.ones(len(keep), dtype=np.float64)
-        y[Y.indices[Y.indptr[k]:Y.indptr[k + 1]]] = 1.0
+        pos = Y.indices[Y.indptr[k]:Y.indptr[k + 1]]
+        y[pos] = 1.0
+        Ck = Ci
+        if weighted:                      # a positive's cost scaled by its label weight
+            Ck = Ci.copy()
+            Ck[pos] *= np.maximum(Y.data[Y.indptr[k]:Y.indptr[k + 1]], 1e-12)
         if len(keep) == 0:
             w = np.zeros(0)
         else:
-            w = _dcd_l2svm(Xl.indptr, Xl.indices, Xl.data, y, Ci, len(cols), float(eps), int(max_iter),
+            w = _dcd_l2svm(Xl.indptr, Xl.indices, Xl.data, y, Ck, len(cols), float(eps), int(max_iter),
                            int(seed) + k)
         nz = np.flatnonzero(np.abs(w) >= threshold) if threshold > 0 else np.flatnonzero(w)
         out_idx.append(cols[nz])

@@ -157,17 +157,21 @@ class TreeIndex:
         uniq = np.unique(np.stack([r, g]), axis=1)
         return uniq[0], uniq[1]
 
-    def node_problem(self, group: int, offsets: np.ndarray, labels: np.ndarray):
+    def node_problem(self, group: int, offsets: np.ndarray, labels: np.ndarray, label_weights=None):
         """(child ids or slot ids, Y n x K) for the classifiers trained at node ``group``.
 
         At an internal node the children are its child nodes that hold labels; at a leaf
-        they are its slots (one classifier per label in the leaf).
+        they are its slots (one classifier per label in the leaf). Y's values are the
+        positives' weights: ``label_weights`` (aligned with ``labels``, default 1), the
+        largest one where several labels of a sample fall under the same child.
         """
         offsets = np.asarray(offsets, dtype=np.int64)
         n = len(offsets) - 1
         rows = np.repeat(np.arange(n), np.diff(offsets))
+        lw = np.ones(len(labels)) if label_weights is None else np.asarray(label_weights, np.float64)
         src, slots = self.slots_of_labels(np.asarray(labels, dtype=np.int64))
         rows = rows[src]
+        lw = lw[src]
         k = np.searchsorted(self.leaves, group)
         if k < len(self.leaves) and self.leaves[k] == group:
             s0, s1 = self.leaf_start[k], self.leaf_end[k]
@@ -175,6 +179,7 @@ class TreeIndex:
             children = np.arange(s0, s1)
             col = slots[m] - s0
             rows = rows[m]
+            lw = lw[m]
         else:
             gd = int(node_depth([group], self.B)[0])
             leaf, dep = self.slot_leaf[slots], self.slot_depth[slots]
@@ -182,10 +187,16 @@ class TreeIndex:
             anc_child = ancestor_at(leaf[m], dep[m], gd + 1, self.B)
             parent = (anc_child - 1) // self.B
             keep = parent == group
-            rows, anc_child = rows[m][keep], anc_child[keep]
+            rows, anc_child, lw = rows[m][keep], anc_child[keep], lw[m][keep]
             lo, hi = np.searchsorted(self.nodes, [group * self.B + 1, group * self.B + self.B + 1])
             children = self.nodes[lo:hi]
             col = np.searchsorted(children, anc_child)
-        Y = sp.csr_matrix((np.ones(len(rows), dtype=np.float32), (rows, col)), shape=(n, len(children)))
-        Y.data[:] = 1.0
+        K = len(children)
+        if len(rows):
+            key = rows * max(K, 1) + col
+            order = np.lexsort((-lw, key))
+            first = np.concatenate([[True], key[order][1:] != key[order][:-1]])
+            pick = order[first]
+            rows, col, lw = rows[pick], col[pick], lw[pick]
+        Y = sp.csr_matrix((lw.astype(np.float32), (rows, col)), shape=(n, K))
         return children, Y

@@ -1,0 +1,243 @@
+"""EAGLE kernels (Shen et al., ICML 2020): GRLR label embeddings from group-level labels and
+the assignment of each group label to the member(s) it fits.
+
+The work unit is a list of *triples* (label, group, member row) sorted by (label, group,
+sample id): the segment of one (label, group) lists that group's members. X holds the
+members' feature rows (CSR, rows L2-normalized by ingest).
+
+GRLR (Algorithm 1) for every label of a block at once:
+    e_0 = Proj(sum of the members of all the label's groups)
+    e_t = Proj(e_{t-1} + eta Proj(sum over the label's groups of its arg-max member under e_{t-1}))
+Ties inside a group (e.g. a zero embedding) go to the member at position (label mod number of
+tied members) in sample-id order, so different labels of a symmetric group take different
+members (the paper's Figure 1 example) and the result is deterministic.
+
+Assignment (Algorithm 2 and variants): ``hard`` gives each (group, label) to its arg-max
+member (top-c members when the source gave a count c); ``soft`` keeps every member with
+weight min(1, scale * g * softmax_members(tau <x_i, e_k>)), g = group size.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+import scipy.sparse as sp
+from numba import njit
+
+
+def normalize_rows(M: sp.csr_matrix) -> sp.csr_matrix:
+    M = sp.csr_matrix(M, dtype=np.float64)
+    n = np.sqrt(np.asarray(M.multiply(M).sum(axis=1)).ravel())
+    n[n == 0] = 1.0
+    return sp.csr_matrix(sp.diags(1.0 / n) @ M)
+
+
+@njit(cache=True)
+def _triple_dots(eptr, eidx, eval_, lab, xptr, xidx, xval, row):
+    """<e_lab[t], x_row[t]> for every triple t (E rows have sorted indices)."""
+    n = lab.shape[0]
+    out = np.zeros(n, dtype=np.float64)
+    for t in range(n):
+        lo = eptr[lab[t]]
+        hi = eptr[lab[t] + 1]
+        if hi == lo:
+            continue
+        r = row[t]
+        v = 0.0
+        for p in range(xptr[r], xptr[r + 1]):
+            f = xidx[p]
+            a = lo
+            b = hi
+            while a < b:
+                m = (a + b) >> 1
+                if eidx[m] < f:
+                    a = m + 1
+                else:
+                    b = m
+            if a < hi and eidx[a] == f:
+                v += eval_[a] * xval[p]
+        out[t] = v
+    return out
+
+
+@njit(cache=True)
+def _segment_argmax(seg_ptr, scores, lab_id):
+    """Index of the chosen triple of each segment (ties: position lab_id mod #tied) and the
+    sum of the segment maxima."""
+    ns = seg_ptr.shape[0] - 1
+    chosen = np.empty(ns, dtype=np.int64)
+    total = 0.0
+    for s in range(ns):
+        lo = seg_ptr[s]
+        hi = seg_ptr[s + 1]
+        best = scores[lo]
+        for t in range(lo + 1, hi):
+            if scores[t] > best:
+                best = scores[t]
+        nt = 0
+        for t in range(lo, hi):
+            if scores[t] == best:
+                nt += 1
+        pick = lab_id[s] % nt
+        c = 0
+        for t in range(lo, hi):
+            if scores[t] == best:
+                if c == pick:
+                    chosen[s] = t
+                    break
+                c += 1
+        total += best
+    return chosen, total
+
+
+def _segments(lab: np.ndarray, grp: np.ndarray) -> np.ndarray:
+    """Start offsets of the (label, group) runs of sorted triples, with the end appended."""
+    n = len(lab)
+    if n == 0:
+        return np.zeros(1, np.int64)
+    brk = np.flatnonzero((lab[1:] != lab[:-1]) | (grp[1:] != grp[:-1])) + 1
+    return np.concatenate([[0], brk, [n]]).astype(np.int64)
+
+
+def _sum_rows(lab: np.ndarray, row: np.ndarray, X: sp.csr_matrix, n_lab: int) -> sp.csr_matrix:
+    """Per label, the sum of the X rows listed by (lab, row) pairs (repeats counted)."""
+    A = sp.csr_matrix((np.ones(len(lab)), (lab, row)), shape=(n_lab, X.shape[0]))
+    return sp.csr_matrix(A @ X)
+
+
+class Triples:
+    """Sorted (label, group, member row) triples of one block, with their segment structure.
+
+    ``labels`` are local label positions 0..n_lab-1 (``label_ids`` gives the global ids used
+    for tie-breaking); ``rows`` index X.
+    """
+
+    def __init__(self, lab, grp, row, sample_id, n_lab: int, label_ids=None, count=None):
+        lab = np.asarray(lab, np.int64)
+        grp = np.asarray(grp, np.int64)
+        row = np.asarray(row, np.int64)
+        sample_id = np.asarray(sample_id, np.int64)
+        order = np.lexsort((sample_id, grp, lab))
+        self.lab, self.grp, self.row, self.sample_id = lab[order], grp[order], row[order], sample_id[order]
+        self.count = None if count is None else np.asarray(count, np.int64)[order]
+        self.n_lab = int(n_lab)
+        self.label_ids = np.arange(n_lab, dtype=np.int64) if label_ids is None else np.asarray(label_ids, np.int64)
+        self.seg = _segments(self.lab, self.grp)
+        self.seg_lab = self.lab[self.seg[:-1]] if len(self.lab) else np.zeros(0, np.int64)
+
+    def scores(self, E: sp.csr_matrix, X: sp.csr_matrix) -> np.ndarray:
+        E = sp.csr_matrix(E)
+        E.sort_indices()
+        X = sp.csr_matrix(X)
+        i64 = np.int64
+        return _triple_dots(E.indptr.astype(i64), E.indices.astype(i64), E.data.astype(np.float64), self.lab,
+                            X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64), self.row)
+
+    def argmax(self, scores: np.ndarray):
+        return _segment_argmax(self.seg, scores, self.label_ids[self.seg_lab])
+
+
+def grlr_sums(tr: Triples, X: sp.csr_matrix, E: Optional[sp.csr_matrix]):
+    """One GRLR step's additive parts: with E None, the sum of all members per label (e_0's
+    direction); else the sum of each group's arg-max member under E, and the objective
+    sum over the label's groups of the best member's similarity (per label).
+
+    Additive over disjoint sets of (label, group) segments, so a head label's groups can be
+    split across tasks and the parts summed.
+    """
+    if E is None:
+        return _sum_rows(tr.lab, tr.row, X, tr.n_lab), np.zeros(tr.n_lab)
+    s = tr.scores(E, X)
+    chosen, _ = tr.argmax(s)
+    obj = np.bincount(tr.seg_lab, weights=s[chosen], minlength=tr.n_lab)
+    return _sum_rows(tr.lab[chosen], tr.row[chosen], X, tr.n_lab), obj
+
+
+def grlr_update(E: Optional[sp.csr_matrix], G: sp.csr_matrix, eta: float) -> sp.csr_matrix:
+    """e_0 = Proj(G) when E is None, else e_t = Proj(e_{t-1} + eta Proj(G))."""
+    if E is None:
+        return normalize_rows(G)
+    return normalize_rows(E + eta * normalize_rows(G))
+
+
+def grlr_block(tr: Triples, X: sp.csr_matrix, T: int = 20, eta: float = 0.1) -> Tuple[sp.csr_matrix, np.ndarray]:
+    """GRLR for every label of a block. Returns (E, objective) where E is (n_lab x d) CSR and
+    objective[t, k] = sum over label k's groups of max_i <e_t, x_i> for t = 0..T."""
+    G, _ = grlr_sums(tr, X, None)
+    E = grlr_update(None, G, eta)
+    objs = []
+    for _ in range(T):
+        G, obj = grlr_sums(tr, X, E)
+        objs.append(obj)
+        E = grlr_update(E, G, eta)
+    objs.append(grlr_sums(tr, X, E)[1])
+    return E, np.vstack(objs)
+
+
+def assign(tr: Triples, X: sp.csr_matrix, E: sp.csr_matrix, soft: bool = False, tau: float = 30.0,
+           weight_scale: float = 1.0):
+    """(sample_id, label position, weight) pairs of the filtered data set, unique per
+    (sample, label) (a sample reached through several groups keeps its largest weight).
+
+    Hard: each segment's arg-max member, or its top-c members when counts are present.
+    Soft: every member, weight min(1, weight_scale * g * softmax(tau * score)).
+    """
+    s = tr.scores(E, X)
+    if soft:
+        seg = tr.seg
+        size = np.diff(seg)
+        seg_of = np.repeat(np.arange(len(size)), size)
+        mx = np.maximum.reduceat(s, seg[:-1]) if len(s) else s
+        z = np.exp(tau * (s - mx[seg_of]))
+        den = np.add.reduceat(z, seg[:-1]) if len(s) else z
+        w = np.minimum(1.0, weight_scale * size[seg_of] * z / den[seg_of])
+        sid, lab = tr.sample_id, tr.lab
+    elif tr.count is None:
+        chosen, _ = tr.argmax(s)
+        sid, lab, w = tr.sample_id[chosen], tr.lab[chosen], np.ones(len(chosen))
+    else:
+        # top-c members of each segment: order by (segment, -score, tie position)
+        size = np.diff(tr.seg)
+        seg_of = np.repeat(np.arange(len(size)), size)
+        pos = np.arange(len(s)) - tr.seg[seg_of]
+        tie = (pos - tr.label_ids[tr.lab] % np.maximum(size[seg_of], 1)) % np.maximum(size[seg_of], 1)
+        order = np.lexsort((tie, -s, seg_of))
+        rank = np.empty(len(s), np.int64)
+        rank[order] = np.arange(len(s)) - tr.seg[seg_of[order]]
+        keep = rank < np.maximum(tr.count, 1)
+        sid, lab, w = tr.sample_id[keep], tr.lab[keep], np.ones(int(keep.sum()))
+    return dedup_max(sid, lab, w)
+
+
+def dedup_max(sid, lab, w):
+    """Unique (sample, label) pairs keeping the largest weight."""
+    sid = np.asarray(sid, np.int64)
+    lab = np.asarray(lab, np.int64)
+    w = np.asarray(w, np.float64)
+    if len(sid) == 0:
+        return sid, lab, w
+    order = np.lexsort((-w, lab, sid))
+    sid, lab, w = sid[order], lab[order], w[order]
+    first = np.concatenate([[True], (sid[1:] != sid[:-1]) | (lab[1:] != lab[:-1])])
+    return sid[first], lab[first], w[first]
+
+
+# ---- direct rendering of Algorithm 1, for tests -----------------------------------------------
+def grlr_reference(X: np.ndarray, groups: dict, label_groups: dict, label: int, T: int = 20,
+                   eta: float = 0.1) -> np.ndarray:
+    """Algorithm 1 for one label, dense and loop by loop: ``groups`` maps group -> list of
+    member rows (in sample-id order), ``label_groups`` label -> list of its groups."""
+    def proj(v):
+        n = np.linalg.norm(v)
+        return v / n if n > 0 else v
+
+    Mk = label_groups[label]
+    e = proj(sum(X[i] for j in Mk for i in groups[j]))
+    for _ in range(T):
+        acc = np.zeros(X.shape[1])
+        for j in Mk:
+            sc = np.array([X[i] @ e for i in groups[j]])
+            tied = np.flatnonzero(sc == sc.max())
+            acc += X[groups[j][tied[label % len(tied)]]]
+        e = proj(e + eta * proj(acc))
+    return e
