@@ -1,4 +1,4 @@
-"""``xmc-spark`` command line: run, sweep, predict, synth, params."""
+"""``xmc-spark`` command line: run, sweep, make-groups, predict, synth, params."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,17 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     w.add_argument("--values", default="0,0.5,1,2,6,30,1000",
                    help="comma-separated values (default 0,0.5,1,2,6,30,1000)")
     _common(w)
+    g = sub.add_parser("make-groups", help="turn a labelled set into an aggregated one (EAGLE's R-G or C "
+                                           "grouping), keeping the true labels for evaluation")
+    g.add_argument("--train", required=True, help="labelled XC text, svmlight, Parquet or Delta path")
+    g.add_argument("--strategy", choices=["random", "kmeans"], default="random")
+    g.add_argument("--group-size", type=int, default=4, help="random: samples per group (R-G)")
+    g.add_argument("--depth", type=int, default=8, help="kmeans: hierarchical 2-means depth (2^depth groups)")
+    g.add_argument("--merge", choices=["set", "list"], default="set",
+                   help="group labels as a set, or as a list with a count per label (top-count assignment)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", required=True, help="output folder: samples, groups, group_labels, truth, info.json")
+    _common(g)
     p = sub.add_parser("predict", help="score DATA with a saved model")
     p.add_argument("--model", required=True, help="model folder (OUT/model of a run)")
     p.add_argument("--data", required=True, help="XC text, svmlight, Parquet or Delta path")
@@ -87,6 +98,10 @@ def main(argv=None) -> int:
                                  config_path=args.config)
             keep = ("value", "p@1", "p@3", "p@5", "depth@1", "depth@3", "depth@5", "tree_depth", "n_leaves")
             print(json.dumps([{k: r[k] for k in keep if k in r} for r in res["results"]], indent=2))
+        elif args.cmd == "make-groups":
+            from .stages import aggregated
+            print(json.dumps(aggregated.make_groups(spark, args.train, args.out, args.strategy, args.group_size,
+                                                    args.depth, args.seed, args.merge, params.ingest), indent=2))
         elif args.cmd == "predict":
             from . import pipeline
             print(json.dumps(pipeline.predict(spark, args.model, args.data, args.out, params), indent=2))

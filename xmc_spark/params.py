@@ -334,9 +334,34 @@ class MlflowParams(BaseParams):
 
 
 @dataclass
+class EagleParams(BaseParams):
+    """EAGLE, used when the training input is aggregated (group-level labels)."""
+
+    mode: str = "eagle"          # baseline | eagle0 | eagle | soft
+    T: int = 20                  # GRLR iterations (eagle, soft); eagle0 uses 0
+    eta: float = 0.1             # GRLR step
+    tau: float = 30.0            # soft: softmax temperature (0 = baseline with weights)
+    weight_scale: float = 1.0    # soft: weight = min(1, weight_scale * g * softmax)
+    min_weight: float = 1e-3     # soft: pairs below this weight are dropped
+    use_counts: bool = True      # a (group, label) with count c goes to its top-c members
+    head_groups: int = 20000     # labels in more groups than this: GRLR split across tasks
+
+    def validate(self, prefix=""):
+        _check(self.mode in ("baseline", "eagle0", "eagle", "soft"), prefix + "mode",
+               f"must be one of baseline, eagle0, eagle, soft, got {self.mode!r}")
+        _check(self.T >= 0, prefix + "T", "must be >= 0")
+        _check(self.eta > 0, prefix + "eta", "must be > 0")
+        _check(self.tau >= 0, prefix + "tau", "must be >= 0")
+        _check(self.weight_scale > 0, prefix + "weight_scale", "must be > 0")
+        _check(0 <= self.min_weight < 1, prefix + "min_weight", "must be in [0, 1)")
+        _check(self.head_groups >= 1, prefix + "head_groups", "must be >= 1")
+
+
+@dataclass
 class PipelineParams(BaseParams):
     spark: SparkParams = field(default_factory=SparkParams)
     ingest: IngestParams = field(default_factory=IngestParams)
+    eagle: EagleParams = field(default_factory=EagleParams)
     embedding: EmbeddingParams = field(default_factory=EmbeddingParams)
     tree: TreeParams = field(default_factory=TreeParams)
     clusters: ClustersParams = field(default_factory=ClustersParams)

@@ -23,8 +23,8 @@ from .config import dump_params
 from .kernels.tree import TreeIndex
 from .model import KeyedColumns, XMCModel
 from .params import PipelineParams
-from .stages import (evaluation, ingest, label_clusters, label_embedding, label_frequencies, label_tree,
-                     node_training, prediction)
+from .stages import (aggregated, eagle, evaluation, ingest, label_clusters, label_embedding, label_frequencies,
+                     label_tree, node_training, prediction)
 from .storage import read_delta, table_version, write_delta
 from .tracking import Tracker
 
@@ -118,13 +118,36 @@ def train_weights(spark, samples, index: TreeIndex, tables: Path, n_features: in
 
 
 def _ingest(spark, train: str, test: Optional[str], tables: Path, params: PipelineParams, timer: StageTimer):
-    """Ingest TRAIN (and TEST) into ``tables``; returns (info, test info or None, table versions)."""
+    """Ingest TRAIN (and TEST) into ``tables``; returns (info, test info or None, table versions).
+
+    An aggregated TRAIN (group-level labels, see :mod:`.stages.aggregated`) goes through EAGLE
+    here: ``tables/train`` is then its filtered, weighted per-sample training table.
+    """
     with timer.stage("ingest"):
-        info = ingest.run(spark, train, str(tables / "train"), params.ingest)
-        tinfo = None
-        if test:
+        if aggregated.is_aggregated(train):
+            agg = aggregated.read(spark, train, params.ingest)
+            timer.info.update(agg.stats)
+        else:
+            agg = None
+            info = ingest.run(spark, train, str(tables / "train"), params.ingest)
+    if agg is not None:
+        with timer.stage("eagle"):
+            n_buckets = int(spark.conf.get("spark.sql.shuffle.partitions"))
+            train_df, einfo, emb = eagle.run(agg, params.eagle, n_buckets=n_buckets)
+            if emb is not None:
+                write_delta(emb, str(tables / "eagle_embeddings"))
+            write_delta(train_df, str(tables / "train"))
+            timer.info.update(einfo)
+            agg.samples.unpersist()
+        info = agg.info
+    tinfo = None
+    if test:
+        with timer.stage("ingest" if agg is None else "ingest_test"):
+            t0 = timer.seconds.get("ingest", 0.0) if agg is None else 0.0
             tinfo = ingest.run(spark, test, str(tables / "test"), params.ingest,
                                expect_features=info.n_features, expect_labels=info.n_labels)
+        if agg is None:   # one "ingest" figure for train + test, as before
+            timer.seconds["ingest"] = round(timer.seconds["ingest"] + t0, 3)
     versions = {"train": table_version(spark, str(tables / "train"))}
     if test:
         versions["test"] = table_version(spark, str(tables / "test"))

@@ -1,0 +1,166 @@
+"""EAGLE on Spark agrees with the numpy kernels; aggregated input is validated."""
+import json
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from tests.conftest import random_problem, write_xc
+from xmc_spark.kernels.eagle import Triples, assign, grlr_block
+from xmc_spark.local_io import read_xc
+from xmc_spark.params import EagleParams, IngestParams
+from xmc_spark.schemas import IngestError
+from xmc_spark.stages import aggregated, eagle
+
+
+@pytest.fixture(scope="module")
+def agg_dir(tmp_path_factory):
+    """Random groups of 3 over a small labelled set, written as samples.txt + groups.txt.
+
+    Label 0 is put on every group (a head label), label 1 on most."""
+    d = tmp_path_factory.mktemp("agg")
+    X, Y = random_problem(n=90, d=30, L=10, seed=3)
+    write_xc(d / "samples.txt", X, sp.csr_matrix((90, 10)))
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(90)
+    groups = [sorted(perm[i:i + 3].tolist()) for i in range(0, 90, 3)]
+    Yd = Y.toarray() > 0
+    lines = []
+    glabels = []
+    for j, mem in enumerate(groups):
+        labs = set(np.flatnonzero(Yd[mem].any(axis=0)).tolist()) | {0}
+        if j % 5:
+            labs.add(1)
+        glabels.append(sorted(labs))
+        lines.append(",".join(map(str, sorted(labs))) + " " + " ".join(map(str, mem)))
+    (d / "groups.txt").write_text("\n".join(lines) + "\n")
+    return d, groups, glabels
+
+
+def _reference(d, groups, glabels, T, mode="eagle", tau=30.0):
+    Xl, _ = read_xc(str(d / "samples.txt"))
+    lab, grp, row = [], [], []
+    for j, (mem, labs) in enumerate(zip(groups, glabels)):
+        for k in labs:
+            for i in mem:
+                lab.append(k), grp.append(j), row.append(i)
+    tr = Triples(lab, grp, row, row, 10)
+    E, obj = grlr_block(tr, Xl, T=T)
+    sid, lb, w = assign(tr, Xl, E, soft=mode == "soft", tau=tau)
+    return E, obj, sid, lb, w
+
+
+@pytest.mark.parametrize("head_groups", [1000, 12])
+@pytest.mark.parametrize("mode", ["eagle", "soft", "eagle0"])
+def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mode):
+    d, groups, glabels = agg_dir
+    agg = aggregated.read(spark, str(d), IngestParams())
+    assert agg.stats["n_groups"] == 30 and agg.stats["n_samples_without_group"] == 0
+    params = EagleParams(mode=mode, T=6, head_groups=head_groups, min_weight=0.0)
+    train, info, emb = eagle.run(agg, params, n_buckets=3)
+    T = 0 if mode == "eagle0" else 6
+    E, obj, sid, lb, w = _reference(d, groups, glabels, T, mode)
+    if head_groups == 12:
+        assert info["eagle.head_labels"] >= 2          # labels 0 and 1 go the split path
+    got = {int(r["label_idx"]): (np.asarray(r["emb_idx"]), np.asarray(r["emb_val"])) for r in emb.collect()}
+    for k in range(10):
+        ref = E[k].toarray().ravel()
+        row = np.zeros(30)
+        if k in got:
+            row[got[k][0]] = got[k][1]
+        np.testing.assert_allclose(row, ref, atol=1e-6)
+    np.testing.assert_allclose(info["eagle.objective"], obj.sum(axis=1), atol=1e-5)
+    rows = train.collect()
+    pairs = {(r["sample_id"], int(k)): float(x) for r in rows for k, x in zip(r["label_idx"], r["label_weight"])}
+    ref_pairs = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
+    assert set(pairs) == set(ref_pairs)
+    for key, x in ref_pairs.items():
+        assert pairs[key] == pytest.approx(x, abs=1e-5)
+    assert len(rows) == 90
+
+
+def test_baseline_gives_every_member_all_group_labels(spark, agg_dir):
+    d, groups, glabels = agg_dir
+    agg = aggregated.read(spark, str(d), IngestParams())
+    train, info, emb = eagle.run(agg, EagleParams(mode="baseline"), n_buckets=2)
+    assert emb is None
+    got = {r["sample_id"]: sorted(r["label_idx"]) for r in train.collect()}
+    for mem, labs in zip(groups, glabels):
+        for i in mem:
+            assert got[i] == labs
+
+
+def test_diagnostics_against_truth(spark):
+    a = spark.createDataFrame([(0, 1, 1.0), (0, 2, 0.5), (1, 1, 1.0)], "sample_id long, label_idx int, weight double")
+    t = spark.createDataFrame([(0, [1]), (1, [3]), (2, [4])], "sample_id long, label_idx array<int>")
+    m = eagle.diagnostics(a, t)
+    assert m["eagle.pair_precision"] == pytest.approx(100 / 3, abs=1e-3)       # (0,1) of 3 pairs
+    assert m["eagle.pair_recall"] == pytest.approx(100 / 3, abs=1e-3)          # of 3 true pairs
+    assert m["eagle.pair_weighted_precision"] == pytest.approx(100 * 1 / 2.5, abs=1e-3)
+
+
+@pytest.mark.parametrize("groups_txt,msg", [
+    ("1,2 0 1\n3 \n", "groups.txt:2: empty group"),
+    ("1,2 0 x1\n", "groups.txt:1: member id is not a non-negative integer: x1"),
+    ("1,a 0 1\n", "groups.txt:1: label is not 'label' or 'label:count'"),
+    ("1:0 0 1\n", "groups.txt:1: label count must be >= 1"),
+    ("1 0 1\n2 0 77\n", "group_id 1: sample_id 77 is not in the samples"),
+    ("1 0 1 1\n", "group_id 0: sample_id 1 listed 2 times"),
+    ("", "no groups"),
+])
+def test_bad_groups_text(spark, tmp_path, groups_txt, msg):
+    X, Y = random_problem(n=6, d=5, L=4, seed=1)
+    write_xc(tmp_path / "samples.txt", X, Y)
+    (tmp_path / "groups.txt").write_text(groups_txt)
+    with pytest.raises(IngestError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        aggregated.read(spark, str(tmp_path), IngestParams())
+
+
+def test_group_tables_errors_and_counts(spark, tmp_path):
+    from xmc_spark.storage import write_delta
+    X, Y = random_problem(n=6, d=5, L=4, seed=1)
+    write_xc(tmp_path / "s.txt", X, Y)
+    from xmc_spark.stages import ingest
+    ingest.run(spark, str(tmp_path / "s.txt"), str(tmp_path / "samples"), IngestParams())
+    write_delta(spark.createDataFrame([(0, 0), (0, 1), (1, 2), (2, 3)], "group_id long, sample_id long"),
+                str(tmp_path / "groups"))
+    write_delta(spark.createDataFrame([(0, 1), (9, 2)], "group_id long, label_idx int"), str(tmp_path / "group_labels"))
+    with pytest.raises(IngestError, match="group_id 9 has labels but no members"):
+        aggregated.read(spark, str(tmp_path), IngestParams())
+    write_delta(spark.createDataFrame([(0, 1), (1, -2)], "group_id long, label_idx int"), str(tmp_path / "group_labels"))
+    with pytest.raises(IngestError, match="group_id 1: negative label -2"):
+        aggregated.read(spark, str(tmp_path), IngestParams())
+    write_delta(spark.createDataFrame([(0, "a")], "group_id long, label string"), str(tmp_path / "group_labels"))
+    with pytest.raises(IngestError, match="group_labels: wrong schema"):
+        aggregated.read(spark, str(tmp_path), IngestParams())
+    write_delta(spark.createDataFrame([(0, 1), (1, 3)], "group_id long, label_idx int"), str(tmp_path / "group_labels"))
+    agg = aggregated.read(spark, str(tmp_path), IngestParams())
+    # group 2 has no labels, samples 4 and 5 are in no group: kept and counted
+    assert agg.stats == {"n_groups": 3, "n_group_label_pairs": 2, "n_groups_without_labels": 1,
+                         "n_samples_without_group": 2}
+
+
+def test_make_groups_random_and_kmeans(spark, tmp_path):
+    X, Y = random_problem(n=103, d=20, L=8, seed=2)
+    write_xc(tmp_path / "train.txt", X, Y)
+    meta = aggregated.make_groups(spark, str(tmp_path / "train.txt"), str(tmp_path / "r4"), "random", 4, 0, 0,
+                                  "list", IngestParams())
+    assert meta["n_groups"] == 26 and meta["group_size_max"] == 4 and meta["group_size_min"] == 3
+    g = spark.read.format("delta").load(str(tmp_path / "r4" / "groups")).toPandas()
+    assert sorted(g["sample_id"]) == list(range(103))                     # every sample exactly once
+    sizes = g.groupby("group_id").size()
+    assert (sizes == 4).sum() == 25 and (sizes == 3).sum() == 1
+    gl = spark.read.format("delta").load(str(tmp_path / "r4" / "group_labels")).toPandas()
+    Yd = Y.toarray() > 0
+    for gid, mem in g.groupby("group_id")["sample_id"]:
+        want = Yd[mem.to_numpy()].sum(axis=0)
+        got = gl[gl["group_id"] == gid].set_index("label_idx")["count"]
+        assert {int(k): int(v) for k, v in got.items()} == {int(k): int(want[k]) for k in np.flatnonzero(want)}
+    assert json.loads((tmp_path / "r4" / "info.json").read_text())["n_labels"] == 8
+    meta = aggregated.make_groups(spark, str(tmp_path / "train.txt"), str(tmp_path / "c"), "kmeans", 0, 3, 0,
+                                  "set", IngestParams())
+    g = spark.read.format("delta").load(str(tmp_path / "c" / "groups")).toPandas()
+    sizes = g.groupby("group_id").size()
+    assert meta["n_groups"] == 8 and sizes.max() - sizes.min() <= 1 and sorted(g["sample_id"]) == list(range(103))
+    agg = aggregated.read(spark, str(tmp_path / "c"), IngestParams())
+    assert agg.truth is not None and agg.info.n_labels == 8

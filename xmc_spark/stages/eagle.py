@@ -1,0 +1,234 @@
+"""EAGLE on Spark: GRLR label embeddings from group labels, then per-sample labels.
+
+Work is keyed by label. The (label, group, member) triples, each with its member's features,
+are the join group_labels x groups x samples. Labels carried by at most ``eagle.head_groups``
+groups are hashed into buckets and run GRLR to the end inside one task each
+(:func:`~xmc_spark.kernels.eagle.grlr_block`), then assign their groups' labels there too.
+A head label (more groups than that) would put too much on one task, so its (label, group)
+segments are spread over tasks and each GRLR iteration is one Spark job: every task sums its
+arg-max members per label (:func:`~xmc_spark.kernels.eagle.grlr_sums`), the driver adds the
+parts and updates the head embeddings (O(heads x features)), broadcast to the next iteration.
+Both paths compute the same numbers as the kernel on the whole data.
+
+Modes (``eagle.mode``): ``baseline`` (every member gets all its group's labels), ``eagle0``
+(T = 0), ``eagle`` (T = ``eagle.T``), ``soft`` (every member keeps the labels with weight
+min(1, weight_scale * g * softmax(tau <x, e>))); with counts, hard modes give a (group, label)
+of count c to its top-c members.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+import scipy.sparse as sp
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply
+from ..kernels.eagle import Triples, assign, grlr_block, grlr_sums, grlr_update
+from ..params import EagleParams
+from .aggregated import AggregatedInput
+
+log = logging.getLogger("xmc_spark.eagle")
+
+OUT_SCHEMA = ("kind int, sample_id long, label_idx int, weight double, iter int, value double, "
+              "emb_idx array<int>, emb_val array<float>")
+SUMS_SCHEMA = "label_pos int, feature int, value double"
+ASSIGN_KIND, OBJ_KIND, EMB_KIND = 0, 1, 2
+
+
+def _triples_from_arrow(t: pa.Table, n_features: int, use_counts: bool, heads: Optional[np.ndarray] = None):
+    """(Triples, X) of one task's rows: labels as local positions (or positions in ``heads``)."""
+    lab = t.column("label_idx").to_numpy().astype(np.int64)
+    if heads is None:
+        ulab, lpos = np.unique(lab, return_inverse=True)
+    else:
+        ulab, lpos = heads, np.searchsorted(heads, lab)
+    sid = t.column("sample_id").to_numpy().astype(np.int64)
+    usid, first, rpos = np.unique(sid, return_index=True, return_inverse=True)
+    X = csr_from_table(t.take(pa.array(first)), "feature_idx", "feature_val", n_features)
+    cnt = None
+    if use_counts and t.column("count").null_count < t.num_rows:
+        cnt = t.column("count").fill_null(1).to_numpy().astype(np.int64)
+    tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt)
+    return tr, X, ulab
+
+
+def _rows(kind, sample_id=None, label_idx=None, weight=None, it=None, value=None, emb=None) -> pa.Table:
+    n = next(len(a) for a in (sample_id, label_idx, it) if a is not None)
+    def col(a, typ):
+        return pa.array(a, typ) if a is not None else pa.nulls(n, typ)
+    emb_idx, emb_val = (emb if emb is not None else (pa.nulls(n, pa.list_(pa.int32())), pa.nulls(n, pa.list_(pa.float32()))))
+    return pa.table({"kind": pa.array(np.full(n, kind, np.int32)), "sample_id": col(sample_id, pa.int64()),
+                     "label_idx": col(label_idx, pa.int32()), "weight": col(weight, pa.float64()),
+                     "iter": col(it, pa.int32()), "value": col(value, pa.float64()),
+                     "emb_idx": emb_idx, "emb_val": emb_val})
+
+
+def _assign_rows(tr, X, E, ulab, params: EagleParams) -> pa.Table:
+    sid, lab, w = assign(tr, X, E, soft=params.mode == "soft", tau=params.tau, weight_scale=params.weight_scale)
+    keep = w >= params.min_weight
+    return _rows(ASSIGN_KIND, sample_id=sid[keep], label_idx=ulab[lab[keep]].astype(np.int32), weight=w[keep])
+
+
+def _iterations(params: EagleParams) -> int:
+    return 0 if params.mode == "eagle0" else params.T
+
+
+def _block_path(rows: DataFrame, n_features: int, params: EagleParams, n_buckets: int) -> DataFrame:
+    T, eta = _iterations(params), params.eta
+
+    def run_block(t: pa.Table) -> pa.Table:
+        tr, X, ulab = _triples_from_arrow(t, n_features, params.use_counts)
+        E, obj = grlr_block(tr, X, T, eta)
+        idx, val = csr_rows_to_arrays(E)
+        parts = [_assign_rows(tr, X, E, ulab, params),
+                 _rows(OBJ_KIND, it=np.arange(T + 1, dtype=np.int32), value=obj.sum(axis=1)),
+                 _rows(EMB_KIND, label_idx=ulab.astype(np.int32), emb=(idx, val))]
+        return pa.concat_tables(parts)
+
+    keyed = rows.withColumn("_bucket", F.pmod(F.xxhash64("label_idx"), F.lit(n_buckets)))
+    return grouped_apply(keyed, ["_bucket"], run_block, OUT_SCHEMA)
+
+
+def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: EagleParams,
+               n_chunks: int) -> Tuple[DataFrame, np.ndarray, sp.csr_matrix]:
+    """GRLR for head labels with one Spark job per iteration; returns (assignment/objective
+    rows, objective per iteration, E)."""
+    spark = rows.sparkSession
+    sc = spark.sparkContext
+    T, eta = _iterations(params), params.eta
+    # every (label, group) segment whole in one partition; partitions materialized once
+    parts = (rows.withColumn("_chunk", F.pmod(F.xxhash64("label_idx", "group_id"), F.lit(n_chunks)))
+             .repartition(n_chunks, "_chunk").drop("_chunk").localCheckpoint())
+    bheads = sc.broadcast(heads)
+    E = None
+    objs = []
+    for t in range(T + 1):
+        bE = sc.broadcast(E)
+
+        def sums(batches, bE=bE):
+            bl = list(batches)
+            if not bl or sum(b.num_rows for b in bl) == 0:
+                return
+            tb = pa.Table.from_batches(bl)
+            tr, X, _ = _triples_from_arrow(tb, n_features, False, bheads.value)
+            G, obj = grlr_sums(tr, X, bE.value)
+            G = G.tocoo()
+            lp = np.concatenate([G.row, np.arange(len(obj))]).astype(np.int32)
+            ft = np.concatenate([G.col, np.full(len(obj), -1)]).astype(np.int32)
+            yield pa.RecordBatch.from_pydict({"label_pos": lp, "feature": ft,
+                                              "value": np.concatenate([G.data, obj]).astype(np.float64)})
+
+        agg = (parts.mapInArrow(sums, SUMS_SCHEMA).groupBy("label_pos", "feature")
+               .agg(F.sum("value").alias("value")).toPandas())
+        bE.unpersist()
+        g = agg[agg["feature"] >= 0]
+        G = sp.csr_matrix((g["value"].to_numpy(), (g["label_pos"].to_numpy(), g["feature"].to_numpy())),
+                          shape=(len(heads), n_features))
+        if t > 0:
+            o = agg[agg["feature"] < 0]
+            objs.append(float(o["value"].sum()))
+        E = grlr_update(E, G, eta)
+        log.info("EAGLE head labels: iteration %d/%d done (%d labels)", t, T, len(heads))
+    bE = sc.broadcast(E)
+
+    def final(batches, bE=bE):
+        bl = list(batches)
+        if not bl or sum(b.num_rows for b in bl) == 0:
+            return
+        tb = pa.Table.from_batches(bl)
+        tr, X, ulab = _triples_from_arrow(tb, n_features, params.use_counts, bheads.value)
+        _, obj = grlr_sums(tr, X, bE.value)
+        out = pa.concat_tables([_assign_rows(tr, X, bE.value, ulab, params),
+                                _rows(OBJ_KIND, it=np.array([T], np.int32), value=np.array([obj.sum()]))])
+        yield from out.to_batches()
+
+    return parts.mapInArrow(final, OUT_SCHEMA), np.array(objs), E
+
+
+def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8) -> Tuple[DataFrame, Dict, Optional[DataFrame]]:
+    """(training table, diagnostics, label embeddings table or None) from aggregated input.
+
+    The training table has the samples schema plus ``label_weight`` (array<float> aligned with
+    ``label_idx``); every input sample is in it (those that got no label with empty lists).
+    """
+    spark = agg.samples.sparkSession
+    n_features = agg.info.n_features
+    triples = agg.group_labels.join(agg.groups, "group_id")
+    info: Dict = {"eagle.mode": params.mode}
+    emb_df = None
+    if params.mode == "baseline":
+        assigned = triples.select("sample_id", "label_idx", F.lit(1.0).alias("weight")).distinct()
+    else:
+        feats = agg.samples.select("sample_id", "feature_idx", "feature_val")
+        rows = triples.join(feats, "sample_id")
+        per_label = {int(r["label_idx"]): int(r["count"]) for r in
+                     agg.group_labels.groupBy("label_idx").count().filter(F.col("count") > params.head_groups).collect()}
+        heads = np.array(sorted(per_label), dtype=np.int64)
+        info["eagle.head_labels"] = len(heads)
+        T = _iterations(params)
+        if len(heads):
+            hl = spark.createDataFrame([(int(h),) for h in heads], "label_idx int")
+            body = rows.join(F.broadcast(hl), "label_idx", "left_anti")
+            head_rows = rows.join(F.broadcast(hl), "label_idx")
+            n_chunks = max(n_buckets, int(np.ceil(sum(per_label.values()) / max(params.head_groups, 1))))
+            hout, hobj, E = _head_path(head_rows, heads, n_features, params, n_chunks)
+            idx, val = csr_rows_to_arrays(E)
+            head_emb = spark.createDataFrame(
+                pa.table({"label_idx": pa.array(heads.astype(np.int32)), "emb_idx": idx, "emb_val": val}).to_pandas(),
+                "label_idx int, emb_idx array<int>, emb_val array<float>")
+        else:
+            body, hout, hobj, head_emb = rows, None, np.zeros(T), None
+        out = _block_path(body, n_features, params, n_buckets)
+        if hout is not None:
+            out = out.unionByName(hout)
+        out = out.localCheckpoint()                     # one evaluation of every GRLR
+        obj = out.filter(F.col("kind") == OBJ_KIND).groupBy("iter").agg(F.sum("value").alias("v")).collect()
+        trace = np.zeros(T + 1)
+        for r in obj:
+            trace[int(r["iter"])] += float(r["v"])
+        trace[:T] += hobj[:T]
+        info["eagle.objective"] = [round(float(v), 6) for v in trace]
+        assigned = out.filter(F.col("kind") == ASSIGN_KIND).select("sample_id", "label_idx", "weight")
+        emb_df = out.filter(F.col("kind") == EMB_KIND).select(
+            "label_idx", F.col("emb_idx"), F.col("emb_val"))
+        if head_emb is not None:
+            emb_df = emb_df.unionByName(head_emb)
+        log.info("EAGLE (%s, T=%d): objective %s", params.mode, T, info["eagle.objective"])
+    assigned = assigned.localCheckpoint()
+    per_sample = assigned.groupBy("sample_id").agg(
+        F.sort_array(F.collect_list(F.struct("label_idx", "weight"))).alias("_lw"))
+    train = agg.samples.join(per_sample, "sample_id", "left").select(
+        "sample_id", "feature_idx", "feature_val",
+        F.coalesce(F.transform("_lw", lambda x: x["label_idx"]), F.array().cast("array<int>")).alias("label_idx"),
+        "weight",
+        F.coalesce(F.transform("_lw", lambda x: x["weight"].cast("float")),
+                   F.array().cast("array<float>")).alias("label_weight"))
+    s = assigned.agg(F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w"),
+                     F.countDistinct("sample_id").alias("ns")).first()
+    info.update({"eagle.assigned_pairs": int(s["n"]), "eagle.assigned_weight": float(s["w"] or 0.0),
+                 "eagle.labelled_samples": int(s["ns"])})
+    if agg.truth is not None:
+        info.update(diagnostics(assigned, agg.truth))
+    return train, info, emb_df
+
+
+def diagnostics(assigned: DataFrame, truth: DataFrame) -> Dict[str, float]:
+    """Precision and recall (percent) of the assigned (sample, label) pairs against the true
+    per-sample labels; weighted precision counts each pair with its weight."""
+    t = truth.select("sample_id", F.explode("label_idx").alias("label_idx")).withColumn("_true", F.lit(1))
+    j = assigned.join(t, ["sample_id", "label_idx"], "full_outer")
+    r = j.agg(
+        F.sum(F.when(F.col("weight").isNotNull(), 1).otherwise(0)).alias("n_assigned"),
+        F.sum(F.coalesce("weight", F.lit(0.0))).alias("w_assigned"),
+        F.sum(F.when(F.col("weight").isNotNull() & F.col("_true").isNotNull(), 1).otherwise(0)).alias("n_correct"),
+        F.sum(F.when(F.col("_true").isNotNull(), F.coalesce("weight", F.lit(0.0))).otherwise(0.0)).alias("w_correct"),
+        F.sum(F.when(F.col("_true").isNotNull(), 1).otherwise(0)).alias("n_true")).first()
+    na, nt = max(r["n_assigned"] or 0, 1), max(r["n_true"] or 0, 1)
+    return {"eagle.pair_precision": round(100.0 * (r["n_correct"] or 0) / na, 4),
+            "eagle.pair_recall": round(100.0 * (r["n_correct"] or 0) / nt, 4),
+            "eagle.pair_weighted_precision": round(100.0 * (r["w_correct"] or 0) / max(r["w_assigned"] or 0, 1e-12), 4),
+            "eagle.true_pairs": int(r["n_true"] or 0)}
