@@ -4,8 +4,9 @@ Every label has a few prototype features; a sample draws 1 + Poisson(1.5) labels
 law and takes most of its labels' prototype features plus uniform noise features, so the
 problem is learnable and head labels are much more frequent than tail ones. Rows are made
 per partition with vectorized numpy (no per-sample Python), so 1M x 100K x 100K fits one
-laptop. Optionally writes random groups of samples with the union of their labels
-(aggregated labels, for EAGLE).
+laptop. Optionally writes an aggregated copy of the training set to OUT/aggregated: random
+groups of samples carrying the union of their labels (EAGLE's R-G input, see
+:mod:`xmc_spark.stages.aggregated`).
 """
 from __future__ import annotations
 
@@ -121,15 +122,13 @@ def run(spark: SparkSession, out: str, n_train: int, n_test: int, n_labels: int,
             info[name] = str(out_p / name)
         log.info("synth %s: %d samples -> %s", name, n, info[name])
     if group_size > 0:
+        # random groups of group_size samples (EAGLE's R-G), as an aggregated folder
+        from .stages import aggregated, ingest
         train = spark.read.format("delta").load(info["train"]) if fmt == "delta" else generate(
             spark, n_train, n_labels, n_features, seed)
-        # random groups of group_size samples: rank by a seeded hash (R-G grouping of EAGLE)
-        order = Window.orderBy(F.xxhash64("sample_id", F.lit(seed)), "sample_id")
-        members = train.select("sample_id", "label_idx").withColumn(
-            "group_id", F.floor((F.row_number().over(order) - 1) / group_size).cast("long"))
-        write_delta(members.select("group_id", "sample_id"), str(out_p / "groups"))
-        labels = members.select("group_id", F.explode("label_idx").alias("label_idx")).distinct()
-        write_delta(labels, str(out_p / "group_labels"))
-        info["groups"] = str(out_p / "groups")
-        info["group_labels"] = str(out_p / "group_labels")
+        dinfo = ingest.DatasetInfo("synth", "delta", n_train, n_features, n_labels)
+        meta = aggregated.write_groups(train, dinfo, str(out_p / "aggregated"), "random", group_size, 0, seed, "set",
+                                       source="synth")
+        info["aggregated"] = str(out_p / "aggregated")
+        info["n_groups"] = meta["n_groups"]
     return info

@@ -126,3 +126,36 @@ def test_sweep_over_lambda_with_nested_mlflow_runs(tmp_path):
     assert sorted(c.data.params["tree.lambda_prime"] for c in children) == ["0.0", "1000.0"]
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(parent[0].info.run_id)}
     assert {"sweep.json", "sweep.png"} <= arts
+
+
+def test_make_groups_then_run_eagle(tmp_path):
+    from tests.conftest import random_problem, write_xc
+
+    X, Y = random_problem(n=400, d=60, L=12, seed=9)
+    write_xc(tmp_path / "train.txt", X[:320], Y[:320])
+    write_xc(tmp_path / "test.txt", X[320:], Y[320:])
+    r = cli("make-groups", "--train", str(tmp_path / "train.txt"), "--strategy", "random", "--group-size", "4",
+            "--out", str(tmp_path / "r4"), *_spark_fast(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads((tmp_path / "r4" / "info.json").read_text())
+    assert info["n_groups"] == 80 and info["group_size_min"] == info["group_size_max"] == 4
+    out = tmp_path / "run"
+    r = cli("run", "--train", str(tmp_path / "r4"), "--test", str(tmp_path / "test.txt"), "--out", str(out),
+            "--set", "mlflow.enabled=false", "--set", "eagle.mode=soft", "--set", "eagle.tau=10",
+            "--set", "tree.max_leaf_size=4", *_spark_fast(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert {"ingest", "eagle", "ingest_test", "train"} <= set(m["seconds"])
+    assert m["n_train"] == 320 and m["n_groups"] == 80 and m["eagle.mode"] == "soft"
+    assert len(m["eagle.objective"]) == 21 and all(v > 0 for v in m["eagle.objective"])
+    assert 0 < m["eagle.pair_precision"] <= 100 and 0 < m["eagle.pair_recall"] <= 100
+    assert m["p@1"] > 40
+    assert (out / "tables" / "eagle_embeddings" / "_delta_log").is_dir()
+    # a bad group file stops with the file, the line and the problem, exit 2
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_xc(bad / "samples.txt", X[:8], Y[:8])
+    (bad / "groups.txt").write_text("1 0 1\n2 3 99\n")
+    r = cli("run", "--train", str(bad), "--out", str(tmp_path / "o2"), "--set", "mlflow.enabled=false",
+            *_spark_fast(), cwd=tmp_path)
+    assert r.returncode == 2 and "group_id 1: sample_id 99 is not in the samples" in r.stderr

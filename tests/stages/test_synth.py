@@ -16,10 +16,10 @@ def test_synth_sizes_ranges_power_law_and_groups(spark, tmp_path):
     share = counts[:10].sum() / counts.sum()                    # Zipf(1) over 200 labels: H(10)/H(200) = 0.50
     assert 0.4 < share < 0.6 and counts[0] > 20 * np.median(counts)
     assert all(len(set(l)) == len(l) for l in train.label_idx)   # no duplicate labels in a row
-    groups = spark.read.format("delta").load(info["groups"]).toPandas()
+    groups = spark.read.format("delta").load(info["aggregated"] + "/groups").toPandas()
     assert sorted(groups.sample_id) == list(range(3000))         # every sample in exactly one group
     assert set(groups.groupby("group_id").size()) == {4}
-    gl = spark.read.format("delta").load(info["group_labels"]).toPandas()
+    gl = spark.read.format("delta").load(info["aggregated"] + "/group_labels").toPandas()
     merged = groups.merge(train[["sample_id", "label_idx"]], on="sample_id").explode("label_idx").dropna()
     expect = set(zip(merged.group_id, merged.label_idx.astype(int)))
     assert set(zip(gl.group_id, gl.label_idx)) == expect

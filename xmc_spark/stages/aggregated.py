@@ -244,6 +244,13 @@ def make_groups(spark: SparkSession, train: str, out: str, strategy: str, group_
     if strategy == "kmeans" and not 0 <= depth <= 24:
         raise IngestError(f"--depth must be in [0, 24], got {depth}")
     samples, info = ingest.read_samples(spark, train, params)
+    return write_groups(samples, info, out, strategy, group_size, depth, seed, merge, source=train)
+
+
+def write_groups(samples: DataFrame, info, out: str, strategy: str, group_size: int, depth: int, seed: int,
+                 merge: str, source: str = "") -> dict:
+    """Group the labelled ``samples`` and write the aggregated folder OUT (see make_groups)."""
+    train = source
     samples = samples.cache()
     groups = (random_groups(samples, group_size, seed) if strategy == "random"
               else kmeans_groups(samples, info.n_samples, info.n_features, depth, seed)).cache()

@@ -1,0 +1,163 @@
+"""EAGLE results table: P@1/3/5 of oracle, baseline, eagle0, eagle and soft on aggregated
+versions of XC data sets (R-4, R-10 random groups; C = hierarchical k-means groups), seed 0.
+
+Run on demand (one Spark session, MLflow off):
+
+    python benchmarks/eagle_table.py --data ../shared/data/bibtex --depth 8
+    python benchmarks/eagle_table.py --data ../shared/data/delicious --depth 9
+
+For ``soft`` the temperature tau is chosen on a validation split of the TRAINING GROUPS (one
+group in five held out, by a seeded hash): a model is trained on the other groups for each
+candidate tau and scored at group level on the held-out groups (a group's score for a label
+is the best score over its members; P@1 against the group's labels). The test set is never
+used for the choice. Prints a markdown table and writes OUT/eagle_<set>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from xmc_spark import pipeline  # noqa: E402
+from xmc_spark.params import PipelineParams  # noqa: E402
+from xmc_spark.session import get_spark  # noqa: E402
+from xmc_spark.stages import aggregated  # noqa: E402
+
+MODES = ["baseline", "eagle0", "eagle", "soft"]
+
+
+def run(spark, train, test, out, base: PipelineParams, **overrides):
+    p = base
+    for k, v in overrides.items():
+        p = p.set_dotted(k.replace("__", "."), v)
+    t = time.perf_counter()
+    m = pipeline.run(spark, str(train), str(test) if test else None, str(out), p)
+    m["wall"] = time.perf_counter() - t
+    return m
+
+
+def validation_split(spark, agg_dir: Path, out: Path, seed: int = 0):
+    """OUT/{samples,groups,group_labels,info.json} with 4/5 of the groups; returns the held-out
+    groups as {group: (member sample ids, label set)}."""
+    from pyspark.sql import functions as F
+    from xmc_spark.storage import write_delta
+    r = lambda n: spark.read.format("delta").load(str(agg_dir / n))  # noqa: E731
+    groups, labels, samples = r("groups"), r("group_labels"), r("samples")
+    held = F.pmod(F.xxhash64("group_id", F.lit(seed + 7)), F.lit(5)) == 0
+    tg = groups.filter(~held)
+    write_delta(tg, str(out / "groups"))
+    write_delta(labels.join(tg.select("group_id").distinct(), "group_id"), str(out / "group_labels"))
+    write_delta(samples.join(tg.select("sample_id").distinct(), "sample_id"), str(out / "samples"))
+    shutil.copy(agg_dir / "info.json", out / "info.json")
+    hg = groups.filter(held).toPandas()
+    hl = labels.join(groups.filter(held).select("group_id").distinct(), "group_id").toPandas()
+    val = {}
+    for g, mem in hg.groupby("group_id")["sample_id"]:
+        val[int(g)] = (mem.to_numpy(), set(hl.loc[hl["group_id"] == g, "label_idx"].astype(int)))
+    X = samples.filter(F.col("sample_id").isin([int(s) for m, _ in val.values() for s in m])).toPandas()
+    return val, X
+
+
+def group_p1(model_dir: Path, val, Xdf, n_features: int) -> float:
+    """Group-level P@1 on held-out groups: best member score per label, top label vs group labels."""
+    import scipy.sparse as sp
+    from xmc_spark.model import XMCModel
+    model = XMCModel.load(str(model_dir))
+    Xdf = Xdf.sort_values("sample_id")
+    ids = Xdf["sample_id"].to_numpy()
+    ind = [np.asarray(a, np.int32) for a in Xdf["feature_idx"]]
+    dat = [np.asarray(a, np.float32) for a in Xdf["feature_val"]]
+    ptr = np.concatenate([[0], np.cumsum([len(a) for a in ind])])
+    X = sp.csr_matrix((np.concatenate(dat), np.concatenate(ind), ptr), shape=(len(ids), n_features))
+    lab, sc = model.predict(X, topk=5)
+    pos = {int(s): i for i, s in enumerate(ids)}
+    hits = 0
+    for mem, labels in val.values():
+        best = {}
+        for s in mem:
+            i = pos[int(s)]
+            for k, v in zip(lab[i], sc[i]):
+                if k >= 0 and v > best.get(int(k), -1):
+                    best[int(k)] = v
+        if best:
+            top = max(best.items(), key=lambda kv: (kv[1], -kv[0]))[0]
+            hits += top in labels
+    return 100.0 * hits / max(len(val), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--depth", type=int, required=True, help="k-means grouping depth (C setting)")
+    ap.add_argument("--settings", default="R-4,R-10,C")
+    ap.add_argument("--taus", default="3,10,30")
+    ap.add_argument("--work", default="/tmp/xmc-eagle-bench")
+    ap.add_argument("--leaf", type=int, default=100)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    data = Path(args.data)
+    work = Path(args.work) / data.name
+    work.mkdir(parents=True, exist_ok=True)
+    base = PipelineParams().set_dotted("mlflow.enabled", False).set_dotted("tree.max_leaf_size", args.leaf)
+    spark = get_spark(base.spark)
+    train, test = data / "train.txt", data / "test.txt"
+    results = {"oracle": run(spark, train, test, work / "oracle", base)}
+    print(f"oracle: {results['oracle']['p@1']:.2f}", flush=True)
+    taus = [float(t) for t in args.taus.split(",")]
+    for setting in args.settings.split(","):
+        d = work / setting
+        if setting.startswith("R-"):
+            meta = aggregated.make_groups(spark, str(train), str(d / "data"), "random", int(setting[2:]), 0, 0, "set",
+                                          base.ingest)
+        else:
+            meta = aggregated.make_groups(spark, str(train), str(d / "data"), "kmeans", 0, args.depth, 0, "set",
+                                          base.ingest)
+        res = {"groups": meta}
+        for mode in ["baseline", "eagle0", "eagle"]:
+            res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=mode)
+            print(f"{setting} {mode}: {res[mode]['p@1']:.2f}", flush=True)
+        # tau on a validation split of the training groups
+        val, Xv = validation_split(spark, d / "data", d / "val_data")
+        scores = {}
+        for tau in taus:
+            run(spark, d / "val_data", None, d / f"val_tau{tau:g}", base, eagle__mode="soft", eagle__tau=tau)
+            scores[tau] = group_p1(d / f"val_tau{tau:g}" / "model", val, Xv, meta["n_features"])
+            print(f"{setting} soft tau={tau:g}: validation group P@1 {scores[tau]:.2f}", flush=True)
+        tau = max(scores, key=lambda t: (scores[t], -t))
+        res["soft"] = run(spark, d / "data", test, d / "soft", base, eagle__mode="soft", eagle__tau=tau)
+        res["soft"]["tau"] = tau
+        res["validation"] = {str(k): v for k, v in scores.items()}
+        print(f"{setting} soft (tau={tau:g}): {res['soft']['p@1']:.2f}", flush=True)
+        results[setting] = res
+    (Path(args.work) / f"eagle_{data.name}.json").write_text(json.dumps(results, indent=2, default=str))
+
+    o = results["oracle"]
+    print(f"\n{data.name} (oracle {o['p@1']:.2f} / {o['p@3']:.2f} / {o['p@5']:.2f}), P@1 / P@3 / P@5:\n")
+    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | best vs baseline | gap closed | "
+          "eagle s / train s | pair precision / recall (eagle) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for setting in args.settings.split(","):
+        r = results[setting]
+        f = lambda m: f"{r[m]['p@1']:.2f} / {r[m]['p@3']:.2f} / {r[m]['p@5']:.2f}"  # noqa: E731
+        best = max(["eagle0", "eagle", "soft"], key=lambda m: r[m]["p@1"])
+        b = r["baseline"]["p@1"]
+        gap = o["p@1"] - b
+        closed = 100 * (r[best]["p@1"] - b) / gap if gap > 0 else float("nan")
+        e = r["eagle"]
+        print(f"| {setting} | {r['groups']['n_groups']} | {f('baseline')} | {f('eagle0')} | {f('eagle')} | "
+              f"{f('soft')} ({r['soft']['tau']:g}) | {best} {r[best]['p@1'] - b:+.2f} | {closed:.0f}% | "
+              f"{e['seconds'].get('eagle', 0):.1f} / {e['seconds']['train']:.1f} | "
+              f"{e.get('eagle.pair_precision', 0):.1f} / {e.get('eagle.pair_recall', 0):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
