@@ -344,7 +344,8 @@ class EagleParams(BaseParams):
     weight_scale: float = 1.0    # soft: weight = min(1, weight_scale * g * softmax)
     min_weight: float = 1e-3     # soft: pairs below this weight are dropped
     use_counts: bool = True      # a (group, label) with count c goes to its top-c members
-    head_groups: int = 20000     # labels in more groups than this: GRLR split across tasks
+    head_groups: int = 0         # labels in more groups than this: GRLR split across tasks
+                                 # (0: auto, the (group, label) pairs over the task count)
 
     def validate(self, prefix=""):
         _check(self.mode in ("baseline", "eagle0", "eagle", "soft"), prefix + "mode",
@@ -354,7 +355,7 @@ class EagleParams(BaseParams):
         _check(self.tau >= 0, prefix + "tau", "must be >= 0")
         _check(self.weight_scale > 0, prefix + "weight_scale", "must be > 0")
         _check(0 <= self.min_weight < 1, prefix + "min_weight", "must be in [0, 1)")
-        _check(self.head_groups >= 1, prefix + "head_groups", "must be >= 1")
+        _check(self.head_groups >= 0, prefix + "head_groups", "must be >= 0 (0 = auto)")
 
 
 @dataclass

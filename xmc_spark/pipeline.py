@@ -133,12 +133,15 @@ def _ingest(spark, train: str, test: Optional[str], tables: Path, params: Pipeli
     if agg is not None:
         with timer.stage("eagle"):
             n_buckets = int(spark.conf.get("spark.sql.shuffle.partitions"))
-            train_df, einfo, emb = eagle.run(agg, params.eagle, n_buckets=n_buckets)
+            train_df, einfo, emb, assigned = eagle.run(agg, params.eagle, n_buckets=n_buckets)
             if emb is not None:
                 write_delta(emb, str(tables / "eagle_embeddings"))
             write_delta(train_df, str(tables / "train"))
             timer.info.update(einfo)
-            agg.samples.unpersist()
+        if agg.truth is not None:       # evaluation of the assignment, not part of EAGLE's cost
+            with timer.stage("eagle_diagnostics"):
+                timer.info.update(eagle.diagnostics(assigned, agg.truth))
+        agg.samples.unpersist()
         info = agg.info
     tinfo = None
     if test:

@@ -56,7 +56,7 @@ def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mod
     agg = aggregated.read(spark, str(d), IngestParams())
     assert agg.stats["n_groups"] == 30 and agg.stats["n_samples_without_group"] == 0
     params = EagleParams(mode=mode, T=6, head_groups=head_groups, min_weight=0.0)
-    train, info, emb = eagle.run(agg, params, n_buckets=3)
+    train, info, emb, _ = eagle.run(agg, params, n_buckets=3)
     T = 0 if mode == "eagle0" else 6
     E, obj, sid, lb, w = _reference(d, groups, glabels, T, mode)
     if head_groups == 12:
@@ -81,7 +81,7 @@ def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mod
 def test_baseline_gives_every_member_all_group_labels(spark, agg_dir):
     d, groups, glabels = agg_dir
     agg = aggregated.read(spark, str(d), IngestParams())
-    train, info, emb = eagle.run(agg, EagleParams(mode="baseline"), n_buckets=2)
+    train, info, emb, _ = eagle.run(agg, EagleParams(mode="baseline"), n_buckets=2)
     assert emb is None
     got = {r["sample_id"]: sorted(r["label_idx"]) for r in train.collect()}
     for mem, labs in zip(groups, glabels):

@@ -33,30 +33,26 @@ def normalize_rows(M: sp.csr_matrix) -> sp.csr_matrix:
 
 
 @njit(cache=True)
-def _triple_dots(eptr, eidx, eval_, lab, xptr, xidx, xval, row):
-    """<e_lab[t], x_row[t]> for every triple t (E rows have sorted indices)."""
+def _triple_dots(eptr, eidx, eval_, lab, xptr, xidx, xval, row, n_cols):
+    """<e_lab[t], x_row[t]> for every triple t. Triples come sorted by label: each label's
+    embedding is scattered once into a dense buffer, so the cost is nnz(E) + sum of nnz(x)."""
     n = lab.shape[0]
     out = np.zeros(n, dtype=np.float64)
-    for t in range(n):
-        lo = eptr[lab[t]]
-        hi = eptr[lab[t] + 1]
-        if hi == lo:
-            continue
-        r = row[t]
-        v = 0.0
-        for p in range(xptr[r], xptr[r + 1]):
-            f = xidx[p]
-            a = lo
-            b = hi
-            while a < b:
-                m = (a + b) >> 1
-                if eidx[m] < f:
-                    a = m + 1
-                else:
-                    b = m
-            if a < hi and eidx[a] == f:
-                v += eval_[a] * xval[p]
-        out[t] = v
+    dense = np.zeros(n_cols, dtype=np.float64)
+    t = 0
+    while t < n:
+        k = lab[t]
+        for p in range(eptr[k], eptr[k + 1]):
+            dense[eidx[p]] = eval_[p]
+        while t < n and lab[t] == k:
+            r = row[t]
+            v = 0.0
+            for p in range(xptr[r], xptr[r + 1]):
+                v += dense[xidx[p]] * xval[p]
+            out[t] = v
+            t += 1
+        for p in range(eptr[k], eptr[k + 1]):
+            dense[eidx[p]] = 0.0
     return out
 
 
@@ -127,11 +123,11 @@ class Triples:
 
     def scores(self, E: sp.csr_matrix, X: sp.csr_matrix) -> np.ndarray:
         E = sp.csr_matrix(E)
-        E.sort_indices()
         X = sp.csr_matrix(X)
         i64 = np.int64
         return _triple_dots(E.indptr.astype(i64), E.indices.astype(i64), E.data.astype(np.float64), self.lab,
-                            X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64), self.row)
+                            X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64), self.row,
+                            max(E.shape[1], X.shape[1]))
 
     def argmax(self, scores: np.ndarray):
         return _segment_argmax(self.seg, scores, self.label_ids[self.seg_lab])

@@ -149,8 +149,10 @@ def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: Eagl
     return parts.mapInArrow(final, OUT_SCHEMA), np.array(objs), E
 
 
-def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8) -> Tuple[DataFrame, Dict, Optional[DataFrame]]:
-    """(training table, diagnostics, label embeddings table or None) from aggregated input.
+def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8):
+    """(training table, info, label embeddings table or None, assigned pairs) from aggregated
+    input; the assigned (sample_id, label_idx, weight) pairs are checkpointed, for
+    :func:`diagnostics`.
 
     The training table has the samples schema plus ``label_weight`` (array<float> aligned with
     ``label_idx``); every input sample is in it (those that got no label with empty lists).
@@ -165,16 +167,18 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8) -> Tuple[
     else:
         feats = agg.samples.select("sample_id", "feature_idx", "feature_val")
         rows = triples.join(feats, "sample_id")
+        head_groups = params.head_groups or max(1, -(-agg.stats["n_group_label_pairs"] // max(n_buckets, 1)))
         per_label = {int(r["label_idx"]): int(r["count"]) for r in
-                     agg.group_labels.groupBy("label_idx").count().filter(F.col("count") > params.head_groups).collect()}
+                     agg.group_labels.groupBy("label_idx").count().filter(F.col("count") > head_groups).collect()}
         heads = np.array(sorted(per_label), dtype=np.int64)
+        info["eagle.head_groups"] = int(head_groups)
         info["eagle.head_labels"] = len(heads)
         T = _iterations(params)
         if len(heads):
             hl = spark.createDataFrame([(int(h),) for h in heads], "label_idx int")
             body = rows.join(F.broadcast(hl), "label_idx", "left_anti")
             head_rows = rows.join(F.broadcast(hl), "label_idx")
-            n_chunks = max(n_buckets, int(np.ceil(sum(per_label.values()) / max(params.head_groups, 1))))
+            n_chunks = max(n_buckets, int(np.ceil(sum(per_label.values()) / head_groups)))
             hout, hobj, E = _head_path(head_rows, heads, n_features, params, n_chunks)
             idx, val = csr_rows_to_arrays(E)
             head_emb = spark.createDataFrame(
@@ -186,10 +190,16 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8) -> Tuple[
         if hout is not None:
             out = out.unionByName(hout)
         out = out.localCheckpoint()                     # one evaluation of every GRLR
-        obj = out.filter(F.col("kind") == OBJ_KIND).groupBy("iter").agg(F.sum("value").alias("v")).collect()
+        # one small job: the objective per iteration and the assignment counts
+        summary = out.filter(F.col("kind") != EMB_KIND).groupBy("kind", "iter").agg(
+            F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w"), F.sum("value").alias("v")).collect()
         trace = np.zeros(T + 1)
-        for r in obj:
-            trace[int(r["iter"])] += float(r["v"])
+        for r in summary:
+            if r["kind"] == OBJ_KIND:
+                trace[int(r["iter"])] += float(r["v"])
+            else:
+                info["eagle.assigned_pairs"] = int(r["n"])
+                info["eagle.assigned_weight"] = round(float(r["w"] or 0.0), 4)
         trace[:T] += hobj[:T]
         info["eagle.objective"] = [round(float(v), 6) for v in trace]
         assigned = out.filter(F.col("kind") == ASSIGN_KIND).select("sample_id", "label_idx", "weight")
@@ -198,7 +208,10 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8) -> Tuple[
         if head_emb is not None:
             emb_df = emb_df.unionByName(head_emb)
         log.info("EAGLE (%s, T=%d): objective %s", params.mode, T, info["eagle.objective"])
-    assigned = assigned.localCheckpoint()
+    if params.mode == "baseline":
+        assigned = assigned.localCheckpoint()
+        s = assigned.agg(F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w")).first()
+        info.update({"eagle.assigned_pairs": int(s["n"]), "eagle.assigned_weight": float(s["w"] or 0.0)})
     per_sample = assigned.groupBy("sample_id").agg(
         F.sort_array(F.collect_list(F.struct("label_idx", "weight"))).alias("_lw"))
     train = agg.samples.join(per_sample, "sample_id", "left").select(
@@ -207,13 +220,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8) -> Tuple[
         "weight",
         F.coalesce(F.transform("_lw", lambda x: x["weight"].cast("float")),
                    F.array().cast("array<float>")).alias("label_weight"))
-    s = assigned.agg(F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w"),
-                     F.countDistinct("sample_id").alias("ns")).first()
-    info.update({"eagle.assigned_pairs": int(s["n"]), "eagle.assigned_weight": float(s["w"] or 0.0),
-                 "eagle.labelled_samples": int(s["ns"])})
-    if agg.truth is not None:
-        info.update(diagnostics(assigned, agg.truth))
-    return train, info, emb_df
+    return train, info, emb_df, assigned
 
 
 def diagnostics(assigned: DataFrame, truth: DataFrame) -> Dict[str, float]:
