@@ -93,6 +93,12 @@ def _block_path(rows: DataFrame, n_features: int, params: EagleParams, n_buckets
     return grouped_apply(keyed, ["_bucket"], run_block, OUT_SCHEMA)
 
 
+def _partition_table(batches) -> Optional[pa.Table]:
+    """A whole partition as one Arrow table (segments must not be cut at batch ends)."""
+    bl = [b for b in batches if b.num_rows]
+    return pa.Table.from_batches(bl) if bl else None
+
+
 def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: EagleParams,
                n_chunks: int) -> Tuple[DataFrame, np.ndarray, sp.csr_matrix]:
     """GRLR for head labels with one Spark job per iteration; returns (assignment/objective
@@ -110,10 +116,9 @@ def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: Eagl
         bE = sc.broadcast(E)
 
         def sums(batches, bE=bE):
-            bl = list(batches)
-            if not bl or sum(b.num_rows for b in bl) == 0:
+            tb = _partition_table(batches)
+            if tb is None:
                 return
-            tb = pa.Table.from_batches(bl)
             tr, X, _ = _triples_from_arrow(tb, n_features, False, bheads.value)
             G, obj = grlr_sums(tr, X, bE.value)
             G = G.tocoo()
@@ -136,10 +141,9 @@ def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: Eagl
     bE = sc.broadcast(E)
 
     def final(batches, bE=bE):
-        bl = list(batches)
-        if not bl or sum(b.num_rows for b in bl) == 0:
+        tb = _partition_table(batches)
+        if tb is None:
             return
-        tb = pa.Table.from_batches(bl)
         tr, X, ulab = _triples_from_arrow(tb, n_features, params.use_counts, bheads.value)
         _, obj = grlr_sums(tr, X, bE.value)
         out = pa.concat_tables([_assign_rows(tr, X, bE.value, ulab, params),
