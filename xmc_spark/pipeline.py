@@ -188,6 +188,8 @@ def _fit_and_score(spark, data_tables: Path, out_p: Path, info, tinfo, versions:
     (out_p / "config.yaml").write_text(dump_params(params))
     tracker.log_metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})
     tracker.log_metrics(metrics["seconds"], prefix="seconds.")
+    if "eagle.objective" in metrics:
+        tracker.log_series("eagle.objective", metrics["eagle.objective"])
     tracker.log_params({f"table_version.{k}": v for k, v in versions.items()})
     tracker.log_artifact(str(out_p / "metrics.json"))
     tracker.log_artifact(str(out_p / "config.yaml"))

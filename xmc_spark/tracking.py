@@ -51,6 +51,12 @@ class Tracker:
                      if isinstance(v, (int, float))}
             self._mlflow.log_metrics(clean)
 
+    def log_series(self, name: str, values) -> None:
+        """One metric with a step per value (e.g. an objective per iteration)."""
+        if self._mlflow:
+            for step, v in enumerate(values):
+                self._mlflow.log_metric(name.replace("@", "_at_"), float(v), step=step)
+
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
         if self._mlflow:
             if os.path.isdir(path):

@@ -141,7 +141,9 @@ def test_make_groups_then_run_eagle(tmp_path):
     assert info["n_groups"] == 80 and info["group_size_min"] == info["group_size_max"] == 4
     out = tmp_path / "run"
     r = cli("run", "--train", str(tmp_path / "r4"), "--test", str(tmp_path / "test.txt"), "--out", str(out),
-            "--set", "mlflow.enabled=false", "--set", "eagle.mode=soft", "--set", "eagle.tau=10",
+            "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts", "--set", "mlflow.log_model=false",
+            "--set", "eagle.mode=soft", "--set", "eagle.tau=10",
             "--set", "tree.max_leaf_size=4", *_spark_fast(), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((out / "metrics.json").read_text())
@@ -151,6 +153,12 @@ def test_make_groups_then_run_eagle(tmp_path):
     assert 0 < m["eagle.pair_precision"] <= 100 and 0 < m["eagle.pair_recall"] <= 100
     assert m["p@1"] > 40
     assert (out / "tables" / "eagle_embeddings" / "_delta_log").is_dir()
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    client = mlflow.MlflowClient()
+    hist = client.get_metric_history(m["mlflow_run_id"], "eagle.objective")
+    assert [h.step for h in hist] == list(range(21))
+    assert client.get_run(m["mlflow_run_id"]).data.metrics["eagle.pair_precision"] == m["eagle.pair_precision"]
     # a bad group file stops with the file, the line and the problem, exit 2
     bad = tmp_path / "bad"
     bad.mkdir()
