@@ -159,11 +159,3 @@ def test_make_groups_then_run_eagle(tmp_path):
     hist = client.get_metric_history(m["mlflow_run_id"], "eagle.objective")
     assert [h.step for h in hist] == list(range(21))
     assert client.get_run(m["mlflow_run_id"]).data.metrics["eagle.pair_precision"] == m["eagle.pair_precision"]
-    # a bad group file stops with the file, the line and the problem, exit 2
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    write_xc(bad / "samples.txt", X[:8], Y[:8])
-    (bad / "groups.txt").write_text("1 0 1\n2 3 99\n")
-    r = cli("run", "--train", str(bad), "--out", str(tmp_path / "o2"), "--set", "mlflow.enabled=false",
-            *_spark_fast(), cwd=tmp_path)
-    assert r.returncode == 2 and "group_id 1: sample_id 99 is not in the samples" in r.stderr
