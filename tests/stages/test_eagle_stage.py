@@ -50,7 +50,7 @@ def _reference(d, groups, glabels, T, mode="eagle", tau=30.0):
     return E, obj, sid, lb, w
 
 
-@pytest.mark.parametrize("mode,head_groups", [("eagle", 1000), ("eagle", 12), ("soft", 12), ("eagle0", 1000)])
+@pytest.mark.parametrize("mode,head_groups", [("eagle", 1000), ("soft", 12)])
 def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mode):
     d, groups, glabels = agg_dir
     agg = aggregated.read(spark, str(d), IngestParams())
