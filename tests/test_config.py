@@ -69,3 +69,8 @@ def test_tree_lambda_key_and_lambda_prime(tmp_path):
     f.write_text("tree:\n  lambda: 0.5\n  lam: 0.5\n")
     with pytest.raises(ConfigError, match="are the same"):
         load_params(str(f))
+
+
+def test_sweep_rejects_keys_it_cannot_vary():
+    from xmc_spark.cli import main
+    assert main(["sweep", "--train", "x", "--out", "y", "--key", "eagle.tau", "--values", "1,2"]) == 2

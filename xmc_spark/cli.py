@@ -80,6 +80,10 @@ def main(argv=None) -> int:
     if args.cmd == "params":
         print(dump_params(params), end="")
         return 0
+    if args.cmd == "sweep" and args.key.split(".")[0] in ("ingest", "eagle", "spark", "mlflow"):
+        print(f"xmc-spark: config error: sweep runs ingest (and EAGLE) once, so it cannot sweep '{args.key}': "
+              "use one `xmc-spark run` per value", file=sys.stderr)
+        return 2
     from .session import get_spark
     spark = get_spark(params.spark)
     try:

@@ -228,6 +228,10 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
     MLflow run; the parent run gets the results table (sweep.json) and, with a test set, a
     precision-vs-expected-depth plot (sweep.png).
     """
+    if key.split(".")[0] in ("ingest", "eagle", "spark", "mlflow"):
+        from .params import ConfigError
+        raise ConfigError(f"sweep runs ingest (and EAGLE) once, so it cannot sweep '{key}': "
+                          "use one `xmc-spark run` per value")
     out_p = Path(out)
     tables = out_p / "tables"
     tables.mkdir(parents=True, exist_ok=True)
@@ -244,8 +248,10 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
             child = Tracker(params.mlflow)
             with child.run(run_name=name, nested=True, tags={"xmc_spark.sweep": key}):
                 child.log_params(child_params.flat())
+                ctimer = StageTimer()
+                ctimer.info.update(timer.info)      # input facts (aggregated stats, EAGLE diagnostics)
                 m = _fit_and_score(spark, tables, out_p / name, info, tinfo, versions, train, child_params,
-                                   StageTimer(), child, config_path)
+                                   ctimer, child, config_path)
             results.append({"key": key, "value": v, **{k: x for k, x in m.items() if not isinstance(x, dict)},
                             "seconds": m["seconds"]})
         (out_p / "sweep.json").write_text(json.dumps(results, indent=2))
