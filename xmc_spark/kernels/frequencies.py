@@ -146,24 +146,34 @@ def replay_round(mask: np.ndarray, label: np.ndarray, mass: np.ndarray, candidat
         S |= 1 << bit_of[i]
 
 
-def f_tilde_greedy_rounds(offsets, labels, n_labels: int, p=None, k: int = 12):
-    """Algorithm 1 by rounds on in-memory data: what the Spark stage does, minus Spark.
+def greedy_by_rounds(n_labels: int, f: np.ndarray, k: int, mask_table, on_round=None):
+    """Algorithm 1 by rounds. ``mask_table(selected, cand_bit)`` returns one round's
+    (mask, label, mass) table over the remaining contexts (:func:`mask_counts` summed over
+    the data, in memory or on Spark); ``f`` (the marginal counts) seeds the first candidates.
 
     Returns (f_tilde, number of rounds).
     """
     out = np.zeros(n_labels)
     selected = np.zeros(n_labels, dtype=bool)
-    counts = marginal(offsets, labels, n_labels, p)
+    counts = np.asarray(f, np.float64).copy()
     rounds = 0
     while True:
         cand = top_candidates(counts, k)
         cand_bit = np.zeros(n_labels, dtype=np.int64)
         cand_bit[cand] = 1 << np.arange(len(cand), dtype=np.int64)
-        m, lab, w = mask_counts(offsets, labels, p, selected, cand_bit)
+        m, lab, w = mask_table(selected.copy(), cand_bit)
         rounds += 1
         done, counts = replay_round(m, lab, w, cand, n_labels, out, selected)
+        if on_round is not None:
+            on_round(rounds, selected, out)
         if done:
             return out, rounds
+
+
+def f_tilde_greedy_rounds(offsets, labels, n_labels: int, p=None, k: int = 12):
+    """Algorithm 1 by rounds on in-memory data: what the Spark stage does, minus Spark."""
+    return greedy_by_rounds(n_labels, marginal(offsets, labels, n_labels, p), k,
+                            lambda sel, bits: mask_counts(offsets, labels, p, sel, bits))
 
 
 def label_frequencies(offsets, labels, n_labels: int, f_tilde: str = "marginal", p=None):

@@ -43,17 +43,12 @@ def _sum_vector(labels: DataFrame, n_labels: int, fn) -> np.ndarray:
 
 def _greedy(labels: DataFrame, n_labels: int, f: np.ndarray, k: int) -> Tuple[np.ndarray, int]:
     sc = labels.sparkSession.sparkContext
-    out = np.zeros(n_labels)
-    selected = np.zeros(n_labels, dtype=bool)
-    counts = f.copy()
-    rounds = 0
-    while True:
-        cand = K.top_candidates(counts, k)
-        cand_bit = np.zeros(n_labels, dtype=np.int64)
-        cand_bit[cand] = 1 << np.arange(len(cand), dtype=np.int64)
-        b = sc.broadcast((selected.copy(), cand_bit))
 
-        def part(batches, b=b):
+    def mask_table(selected, cand_bit):
+        """One round: (mask, label, mass) summed over the remaining contexts by Spark."""
+        b = sc.broadcast((selected, cand_bit))
+
+        def part(batches):
             sel, bits = b.value
             for batch in batches:
                 off, val = list_offsets_values(pa.Table.from_batches([batch]), "label_idx")
@@ -64,13 +59,13 @@ def _greedy(labels: DataFrame, n_labels: int, f: np.ndarray, k: int) -> Tuple[np
         t = (labels.mapInArrow(part, _MASK_SCHEMA).groupBy("mask", "label_idx")
              .agg(F.sum("mass").alias("mass")).toPandas())
         b.unpersist()
-        rounds += 1
-        done, counts = K.replay_round(t["mask"].to_numpy(np.int64), t["label_idx"].to_numpy(np.int64),
-                                      t["mass"].to_numpy(np.float64), cand, n_labels, out, selected)
+        return (t["mask"].to_numpy(np.int64), t["label_idx"].to_numpy(np.int64), t["mass"].to_numpy(np.float64))
+
+    def progress(rounds, selected, out):
         log.info("greedy f-tilde round %d: %d labels picked, %.0f mass assigned", rounds, int(selected.sum()),
                  out.sum())
-        if done:
-            return out, rounds
+
+    return K.greedy_by_rounds(n_labels, f, k, mask_table, progress)
 
 
 def run(samples: DataFrame, n_labels: int, params: TreeParams) -> Tuple[np.ndarray, np.ndarray, dict]:
