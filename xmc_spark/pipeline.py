@@ -65,8 +65,9 @@ def weights_to_columns(t: pa.Table, n_cols: int):
 
 
 def train_model(spark, train_table: str, tables: Path, n_features: int, n_labels: int,
-                params: PipelineParams, timer: StageTimer) -> XMCModel:
-    """PIFA, tree and node training from a samples Delta table; writes their tables."""
+                params: PipelineParams, timer: StageTimer, label_counts=None) -> XMCModel:
+    """PIFA, tree and node training from a samples Delta table; writes their tables.
+    ``label_counts`` (training label frequencies), when given, spare the frequency stage a pass."""
     samples = read_delta(spark, train_table)
     with timer.stage("embedding"):
         emb = label_embedding.run(samples, n_features, n_labels, params.embedding,
@@ -75,7 +76,7 @@ def train_model(spark, train_table: str, tables: Path, n_features: int, n_labels
     f = ft = None
     if params.tree.effective_lambda > 0:
         with timer.stage("frequencies"):
-            f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree)
+            f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree, label_counts)
             timer.info.update({f"frequencies.{k}": v for k, v in finfo.items()})
     with timer.stage("tree"):
         tree = label_tree.run(read_delta(spark, str(tables / "label_embeddings")), n_labels, n_features, params.tree,
@@ -164,9 +165,11 @@ def _fit_and_score(spark, data_tables: Path, out_p: Path, info, tinfo, versions:
     OUT/metrics.json and OUT/config.yaml and log them to the current MLflow run."""
     tables = out_p / "tables"
     tables.mkdir(parents=True, exist_ok=True)
-    model = train_model(spark, str(data_tables / "train"), tables, info.n_features, info.n_labels, params, timer)
+    counts = evaluation.label_counts(read_delta(spark, str(data_tables / "train")), info.n_labels)
+    model = train_model(spark, str(data_tables / "train"), tables, info.n_features, info.n_labels, params, timer,
+                        label_counts=counts)
     model.meta.update({"train": source, "n_train": info.n_samples})
-    model.label_counts = evaluation.label_counts(read_delta(spark, str(data_tables / "train")), info.n_labels)
+    model.label_counts = counts
     model.save(str(out_p / "model"))
     metrics: Dict = {"n_train": info.n_samples, "n_labels": info.n_labels, "n_features": info.n_features,
                      "tree_depth": model.index.depth, "n_leaves": int(len(model.index.leaves)),

@@ -68,11 +68,15 @@ def _greedy(labels: DataFrame, n_labels: int, f: np.ndarray, k: int) -> Tuple[np
     return K.greedy_by_rounds(n_labels, f, k, mask_table, progress)
 
 
-def run(samples: DataFrame, n_labels: int, params: TreeParams) -> Tuple[np.ndarray, np.ndarray, dict]:
-    """(f, f_tilde, info) from the training samples' label lists (context frequency 1 each)."""
+def run(samples: DataFrame, n_labels: int, params: TreeParams, f=None) -> Tuple[np.ndarray, np.ndarray, dict]:
+    """(f, f_tilde, info) from the training samples' label lists (context frequency 1 each).
+
+    ``f``, the label counts, may be passed in when the caller already has them."""
     labels = samples.select("label_idx").cache()
     try:
-        f = _sum_vector(labels, n_labels, lambda off, val: np.bincount(val, minlength=n_labels).astype(np.float64))
+        if f is None:
+            f = _sum_vector(labels, n_labels, lambda off, val: np.bincount(val, minlength=n_labels).astype(np.float64))
+        f = np.asarray(f, np.float64)
         info = {"f_tilde": params.f_tilde}
         if params.f_tilde == "marginal":
             bf = labels.sparkSession.sparkContext.broadcast(f)
