@@ -153,7 +153,7 @@ class XMCModel:
     def tree_arrays(self):
         """The unpadded tree for :func:`tree_search`: (child_ptr, node W csc, slot_ptr,
         slot W csc, slot_label, n_labels) over compact nodes (0 = root, heap order)."""
-        if getattr(self, "_tree_arrays", None) is not None:
+        if self._tree_arrays is not None:
             return self._tree_arrays
         ix = self.index
         nodes = ix.nodes if len(ix.nodes) else np.zeros(1, np.int64)

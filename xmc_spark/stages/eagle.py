@@ -170,7 +170,6 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8):
         assigned = triples.select("sample_id", "label_idx", F.lit(1.0).alias("weight")).distinct()
     else:
         feats = agg.samples.select("sample_id", "feature_idx", "feature_val")
-        rows = triples.join(feats, "sample_id")
         head_groups = params.head_groups or max(1, -(-agg.stats["n_group_label_pairs"] // max(n_buckets, 1)))
         per_label = {int(r["label_idx"]): int(r["count"]) for r in
                      agg.group_labels.groupBy("label_idx").count().filter(F.col("count") > head_groups).collect()}
@@ -180,8 +179,9 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8):
         T = _iterations(params)
         if len(heads):
             hl = spark.createDataFrame([(int(h),) for h in heads], "label_idx int")
-            body = rows.join(F.broadcast(hl), "label_idx", "left_anti")
-            head_rows = rows.join(F.broadcast(hl), "label_idx")
+            # split the narrow triples first, so each feature join runs once on its part
+            body = triples.join(F.broadcast(hl), "label_idx", "left_anti").join(feats, "sample_id")
+            head_rows = triples.join(F.broadcast(hl), "label_idx").join(feats, "sample_id")
             n_chunks = max(n_buckets, int(np.ceil(sum(per_label.values()) / head_groups)))
             hout, hobj, E = _head_path(head_rows, heads, n_features, params, n_chunks)
             idx, val = csr_rows_to_arrays(E)
@@ -189,7 +189,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8):
                 pa.table({"label_idx": pa.array(heads.astype(np.int32)), "emb_idx": idx, "emb_val": val}).to_pandas(),
                 "label_idx int, emb_idx array<int>, emb_val array<float>")
         else:
-            body, hout, hobj, head_emb = rows, None, np.zeros(T), None
+            body, hout, hobj, head_emb = triples.join(feats, "sample_id"), None, np.zeros(T), None
         out = _block_path(body, n_features, params, n_buckets)
         if hout is not None:
             out = out.unionByName(hout)
