@@ -1,7 +1,13 @@
-"""spark-submit entry point: score a file or table with a saved model (``xmc-spark predict``)."""
+"""spark-submit entry point of the pipeline's predict stage (see xmc_spark.stage_jobs).
+
+    spark-submit --py-files xmc_spark-0.1.0-py3-none-any.whl jobs/predict.py --run-key 2026-11-25 \
+        --config conf/emr.yaml [--train ... --test ...] [--set key=value ...]
+
+Arguments are those of `xmc-spark stage predict`; no algorithm code lives here.
+"""
 import sys
 
 from xmc_spark.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["predict", *sys.argv[1:]]))
+    sys.exit(main(["stage", "predict", *sys.argv[1:]]))

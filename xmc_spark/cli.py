@@ -9,6 +9,7 @@ import sys
 from .config import dump_params, load_params
 from .params import ConfigError
 from .schemas import IngestError
+from .storage import RunKeyError, StageOrderError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -46,6 +47,14 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", required=True, help="output folder: samples, groups, group_labels, truth, info.json")
     _common(g)
+    st = sub.add_parser("stage", help="run one pipeline stage (or all) for a run key over Delta tables under "
+                                      "paths.root (what jobs/<stage>.py and the Airflow DAG run)")
+    st.add_argument("name", choices=["ingest", "eagle", "tree", "train", "predict", "evaluate", "all"])
+    st.add_argument("--run-key", required=True, help="the run's key, e.g. the logical date 2026-11-25")
+    st.add_argument("--train", help="ingest: XC text, svmlight, Parquet, Delta or aggregated folder")
+    st.add_argument("--test", help="ingest: test set (optional; predict/evaluate need it)")
+    st.add_argument("--root", help="tables and models root (default: paths.root of the config)")
+    _common(st)
     p = sub.add_parser("predict", help="score DATA with a saved model")
     p.add_argument("--model", required=True, help="model folder (OUT/model of a run)")
     p.add_argument("--data", required=True, help="XC text, svmlight, Parquet or Delta path")
@@ -106,6 +115,14 @@ def main(argv=None) -> int:
             from .stages import aggregated
             print(json.dumps(aggregated.make_groups(spark, args.train, args.out, args.strategy, args.group_size,
                                                     args.depth, args.seed, args.merge, params.ingest), indent=2))
+        elif args.cmd == "stage":
+            from . import stage_jobs
+            if args.name == "all":
+                res = stage_jobs.run_all(spark, args.run_key, params, args.train, args.test, args.root, args.config)
+            else:
+                res = stage_jobs.run_stage(spark, args.name, args.run_key, params, args.train, args.test, args.root,
+                                           args.config)
+            print(json.dumps(res, indent=2, default=str))
         elif args.cmd == "predict":
             from . import pipeline
             print(json.dumps(pipeline.predict(spark, args.model, args.data, args.out, params), indent=2))
@@ -114,7 +131,7 @@ def main(argv=None) -> int:
             info = synth.run(spark, args.out, n_train=args.n_train, n_test=args.n_test, n_labels=args.labels,
                              n_features=args.features, fmt=args.format, group_size=args.groups, seed=args.seed)
             print(json.dumps(info, indent=2))
-    except (IngestError, ConfigError) as e:
+    except (IngestError, ConfigError, StageOrderError, RunKeyError) as e:
         print(f"xmc-spark: error: {e}", file=sys.stderr)
         return 2
     finally:

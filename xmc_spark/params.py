@@ -330,7 +330,9 @@ class MlflowParams(BaseParams):
     artifact_location: str = "mlruns/artifacts"
     experiment: str = "xmc-spark"
     run_name: str = ""
-    log_model: bool = True
+    log_model: bool = True          # the model as an MLflow pyfunc model (loads without Spark)
+    registered_model: str = "xmc-spark"   # register the logged model under this name ("" = do not)
+    alias: str = "candidate"        # and point this alias at the new version ("" = none)
 
 
 @dataclass
@@ -359,8 +361,20 @@ class EagleParams(BaseParams):
 
 
 @dataclass
+class PathsParams(BaseParams):
+    """Where the stage jobs keep their Delta tables (ROOT/tables/<name>, partitioned by run key)
+    and model folders (ROOT/models/<run key>, local roots only). Per environment (conf/)."""
+
+    root: str = "runs/pipeline"
+
+    def validate(self, prefix=""):
+        _check(bool(self.root.strip()), prefix + "root", "must not be empty")
+
+
+@dataclass
 class PipelineParams(BaseParams):
     spark: SparkParams = field(default_factory=SparkParams)
+    paths: PathsParams = field(default_factory=PathsParams)
     ingest: IngestParams = field(default_factory=IngestParams)
     eagle: EagleParams = field(default_factory=EagleParams)
     embedding: EmbeddingParams = field(default_factory=EmbeddingParams)

@@ -25,7 +25,7 @@ from .model import KeyedColumns, XMCModel
 from .params import PipelineParams
 from .stages import (aggregated, eagle, evaluation, ingest, label_clusters, label_embedding, label_frequencies,
                      label_tree, node_training, prediction)
-from .storage import read_delta, table_version, write_delta
+from .storage import Tables
 from .tracking import Tracker
 
 log = logging.getLogger("xmc_spark.pipeline")
@@ -64,65 +64,123 @@ def weights_to_columns(t: pa.Table, n_cols: int):
     return out[0], out[1]
 
 
-def train_model(spark, train_table: str, tables: Path, n_features: int, n_labels: int,
-                params: PipelineParams, timer: StageTimer, label_counts=None) -> XMCModel:
-    """PIFA, tree and node training from a samples Delta table; writes their tables.
-    ``label_counts`` (training label frequencies), when given, spare the frequency stage a pass."""
-    samples = read_delta(spark, train_table)
+def build_tree(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams, timer: StageTimer,
+               label_counts=None) -> TreeIndex:
+    """PIFA label embeddings, label frequencies (interpolated splits only) and the label tree;
+    writes ``label_embeddings`` and ``tree``. ``label_counts`` (training label frequencies),
+    when given, spare the frequency stage a pass."""
+    spark = samples.sparkSession
     with timer.stage("embedding"):
         emb = label_embedding.run(samples, n_features, n_labels, params.embedding,
                                   n_buckets=int(spark.conf.get("spark.sql.shuffle.partitions")))
-        write_delta(emb, str(tables / "label_embeddings"))
+        tables.write("label_embeddings", emb)
     f = ft = None
     if params.tree.effective_lambda > 0:
         with timer.stage("frequencies"):
             f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree, label_counts)
             timer.info.update({f"frequencies.{k}": v for k, v in finfo.items()})
     with timer.stage("tree"):
-        tree = label_tree.run(read_delta(spark, str(tables / "label_embeddings")), n_labels, n_features, params.tree,
-                              f, ft)
-        rows = tree.toPandas()                        # O(labels): the tree lives in the model too
-        write_delta(tree, str(tables / "tree"))
-        index = TreeIndex(rows["label_idx"].to_numpy(), rows["node"].to_numpy(), n_labels, params.tree.nr_splits)
+        tree = label_tree.run(tables.read("label_embeddings"), n_labels, n_features, params.tree, f, ft)
+        tables.write("tree", tree)
+        index = tree_index(tables.read("tree").toPandas(), n_labels, params)   # O(labels)
         log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)
+    return index
+
+
+def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams) -> TreeIndex:
+    return TreeIndex(rows["label_idx"].to_numpy(), rows["node"].to_numpy(), n_labels, params.tree.nr_splits)
+
+
+def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int, params: PipelineParams,
+                      timer: StageTimer) -> XMCModel:
+    """Node classifiers for ``index``, then ``clusters.rounds`` of overlapping clusters + retraining;
+    writes ``weights`` and ``slots`` (the label -> leaf assignment the final weights belong to)."""
+    spark = samples.sparkSession
     with timer.stage("train"):
-        model = train_weights(spark, samples, index, tables, n_features, params)
+        model = train_weights(samples, index, tables, n_features, params)
     rounds = params.clusters.rounds if params.clusters.lam > 1 else 0
     for r in range(rounds):
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
-            matched = label_clusters.matcher(samples, model, params.clusters.beam_size)
-            write_delta(matched, str(tables / "matcher"))
+            tables.write("matcher", label_clusters.matcher(samples, model, params.clusters.beam_size))
             current = spark.createDataFrame(
                 pd.DataFrame({"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf}))
-            slots = label_clusters.project(samples, read_delta(spark, str(tables / "matcher")), current,
-                                           params.clusters.lam).toPandas()
-            write_delta(spark.createDataFrame(slots), str(tables / "clusters"))
-            index = TreeIndex(slots["label_idx"].to_numpy(), slots["node"].to_numpy(), n_labels,
+            slots = label_clusters.project(samples, tables.read("matcher"), current, params.clusters.lam).toPandas()
+            tables.write("clusters", spark.createDataFrame(slots))
+            index = TreeIndex(slots["label_idx"].to_numpy(), slots["node"].to_numpy(), index.n_labels,
                               params.tree.nr_splits)
             log.info("overlapping clusters (lambda=%d): %s", params.clusters.lam,
                      label_clusters.cluster_stats(index.slot_label, index.slot_leaf))
         with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
-            model = train_weights(spark, samples, index, tables, n_features, params)
+            model = train_weights(samples, index, tables, n_features, params)
+    tables.write("slots", spark.createDataFrame(pd.DataFrame(
+        {"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf.astype(np.int64)})))
     return model
 
 
-def train_weights(spark, samples, index: TreeIndex, tables: Path, n_features: int,
-                  params: PipelineParams) -> XMCModel:
+def train_model(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams,
+                timer: StageTimer, label_counts=None) -> XMCModel:
+    """PIFA, tree and node training from a samples DataFrame; writes their tables."""
+    index = build_tree(samples, tables, n_features, n_labels, params, timer, label_counts)
+    return train_classifiers(samples, index, tables, n_features, params, timer)
+
+
+def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, params: PipelineParams) -> XMCModel:
     """Train every node's classifiers for ``index``; write the weights table; build the model."""
     w = node_training.run(samples, index, n_features, params.train).cache()
-    n_cols = n_features + (1 if params.train.bias > 0 else 0)
-    node_w, slot_w = weights_to_columns(to_arrow(w), n_cols)
-    write_delta(w, str(tables / "weights"))
+    tables.write("weights", w)
     w.unpersist()
+    return model_from_weights(tables.read("weights"), index, n_features, params)
+
+
+def model_from_weights(weights, index: TreeIndex, n_features: int, params: PipelineParams) -> XMCModel:
+    n_cols = n_features + (1 if params.train.bias > 0 else 0)
+    node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
     return XMCModel(index, node_w, slot_w, n_features, bias=params.train.bias, normalize=params.ingest.normalize,
                     pred_params=params.predict)
 
 
-def _ingest(spark, train: str, test: Optional[str], tables: Path, params: PipelineParams, timer: StageTimer):
+def model_from_tables(tables: Tables, n_features: int, n_labels: int, params: PipelineParams) -> XMCModel:
+    """The model a train stage left in ``tables`` (``slots`` + ``weights``)."""
+    index = tree_index(tables.read("slots").toPandas(), n_labels, params)
+    return model_from_weights(tables.read("weights"), index, n_features, params)
+
+
+def ingest_train(spark, tables: Tables, train: str, params: PipelineParams):
+    """Validate TRAIN and write ``train``; an aggregated TRAIN (group-level labels, see
+    :mod:`.stages.aggregated`) is validated only (the EAGLE stage writes ``train``).
+    Returns (DatasetInfo, aggregated stats or None)."""
+    if aggregated.is_aggregated(train):
+        agg = aggregated.read(spark, train, params.ingest)
+        agg.samples.unpersist()
+        return agg.info, agg.stats
+    return ingest.run(spark, train, tables.path("train"), params.ingest, run_key=tables.run_key), None
+
+
+def run_eagle(spark, tables: Tables, agg, params: PipelineParams, timer: StageTimer) -> None:
+    """EAGLE on validated aggregated input: writes ``train`` (and ``eagle_embeddings``)."""
+    with timer.stage("eagle"):
+        n_buckets = int(spark.conf.get("spark.sql.shuffle.partitions"))
+        train_df, einfo, emb, assigned = eagle.run(agg, params.eagle, n_buckets=n_buckets)
+        if emb is not None:
+            tables.write("eagle_embeddings", emb)
+        tables.write("train", train_df)
+        timer.info.update(einfo)
+    if agg.truth is not None:       # evaluation of the assignment, not part of EAGLE's cost
+        with timer.stage("eagle_diagnostics"):
+            timer.info.update(eagle.diagnostics(assigned, agg.truth))
+    agg.samples.unpersist()
+
+
+def ingest_test(spark, tables: Tables, test: str, info, params: PipelineParams):
+    return ingest.run(spark, test, tables.path("test"), params.ingest, expect_features=info.n_features,
+                      expect_labels=info.n_labels, run_key=tables.run_key)
+
+
+def _ingest(spark, train: str, test: Optional[str], tables: Tables, params: PipelineParams, timer: StageTimer):
     """Ingest TRAIN (and TEST) into ``tables``; returns (info, test info or None, table versions).
 
-    An aggregated TRAIN (group-level labels, see :mod:`.stages.aggregated`) goes through EAGLE
-    here: ``tables/train`` is then its filtered, weighted per-sample training table.
+    An aggregated TRAIN goes through EAGLE here: ``tables/train`` is then its filtered,
+    weighted per-sample training table.
     """
     with timer.stage("ingest"):
         if aggregated.is_aggregated(train):
@@ -130,44 +188,45 @@ def _ingest(spark, train: str, test: Optional[str], tables: Path, params: Pipeli
             timer.info.update(agg.stats)
         else:
             agg = None
-            info = ingest.run(spark, train, str(tables / "train"), params.ingest)
+            info, _ = ingest_train(spark, tables, train, params)
     if agg is not None:
-        with timer.stage("eagle"):
-            n_buckets = int(spark.conf.get("spark.sql.shuffle.partitions"))
-            train_df, einfo, emb, assigned = eagle.run(agg, params.eagle, n_buckets=n_buckets)
-            if emb is not None:
-                write_delta(emb, str(tables / "eagle_embeddings"))
-            write_delta(train_df, str(tables / "train"))
-            timer.info.update(einfo)
-        if agg.truth is not None:       # evaluation of the assignment, not part of EAGLE's cost
-            with timer.stage("eagle_diagnostics"):
-                timer.info.update(eagle.diagnostics(assigned, agg.truth))
-        agg.samples.unpersist()
+        run_eagle(spark, tables, agg, params, timer)
         info = agg.info
     tinfo = None
     if test:
         with timer.stage("ingest" if agg is None else "ingest_test"):
             t0 = timer.seconds.get("ingest", 0.0) if agg is None else 0.0
-            tinfo = ingest.run(spark, test, str(tables / "test"), params.ingest,
-                               expect_features=info.n_features, expect_labels=info.n_labels)
+            tinfo = ingest_test(spark, tables, test, info, params)
         if agg is None:   # one "ingest" figure for train + test, as before
             timer.seconds["ingest"] = round(timer.seconds["ingest"] + t0, 3)
-    versions = {"train": table_version(spark, str(tables / "train"))}
+    versions = {"train": tables.version("train")}
     if test:
-        versions["test"] = table_version(spark, str(tables / "test"))
+        versions["test"] = tables.version("test")
     return info, tinfo, versions
 
 
-def _fit_and_score(spark, data_tables: Path, out_p: Path, info, tinfo, versions: Dict, source: str,
+def predict_table(tables: Tables, model: XMCModel, params: PipelineParams, source: str = "test") -> None:
+    """Beam search over ``source``: writes ``predictions``."""
+    tables.write("predictions", prediction.run(tables.read(source), model, params.predict.beam_size,
+                                               params.predict.topk))
+
+
+def evaluate_table(tables: Tables, model: XMCModel, n_train: int, params: PipelineParams,
+                   source: str = "test") -> Dict[str, float]:
+    m = evaluation.run(tables.read("predictions"), tables.read(source), model.label_counts, n_train, params.eval,
+                       label_depth=model.label_depth())
+    return {k: round(v, 4) for k, v in m.items()}
+
+
+def _fit_and_score(spark, data_tables: Tables, out_p: Path, info, tinfo, versions: Dict, source: str,
                    params: PipelineParams, timer: StageTimer, tracker: Tracker,
                    config_path: Optional[str] = None) -> Dict:
     """Train on ``data_tables``/train, save OUT/model, score ``data_tables``/test; write
     OUT/metrics.json and OUT/config.yaml and log them to the current MLflow run."""
-    tables = out_p / "tables"
-    tables.mkdir(parents=True, exist_ok=True)
-    counts = evaluation.label_counts(read_delta(spark, str(data_tables / "train")), info.n_labels)
-    model = train_model(spark, str(data_tables / "train"), tables, info.n_features, info.n_labels, params, timer,
-                        label_counts=counts)
+    tables = Tables(spark, out_p / "tables")
+    train_df = data_tables.read("train")
+    counts = evaluation.label_counts(train_df, info.n_labels)
+    model = train_model(train_df, tables, info.n_features, info.n_labels, params, timer, label_counts=counts)
     model.meta.update({"train": source, "n_train": info.n_samples})
     model.label_counts = counts
     model.save(str(out_p / "model"))
@@ -176,12 +235,11 @@ def _fit_and_score(spark, data_tables: Path, out_p: Path, info, tinfo, versions:
                      **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf),
                      **timer.info}
     if tinfo is not None:
-        test_df = read_delta(spark, str(data_tables / "test"))
         with timer.stage("predict"):
-            preds = prediction.run(test_df, model, params.predict.beam_size, params.predict.topk)
-            write_delta(preds, str(tables / "predictions"))
+            tables.write("predictions", prediction.run(
+                data_tables.read("test"), model, params.predict.beam_size, params.predict.topk))
         with timer.stage("evaluate"):
-            m = evaluation.run(read_delta(spark, str(tables / "predictions")), test_df, model.label_counts,
+            m = evaluation.run(tables.read("predictions"), data_tables.read("test"), model.label_counts,
                                info.n_samples, params.eval, label_depth=model.label_depth())
         metrics.update({k: round(v, 4) for k, v in m.items()})
         metrics["n_test"] = tinfo.n_samples
@@ -199,7 +257,7 @@ def _fit_and_score(spark, data_tables: Path, out_p: Path, info, tinfo, versions:
     if config_path:
         tracker.log_artifact(config_path, "conf")
     if params.mlflow.log_model:
-        tracker.log_artifact(str(out_p / "model"), "model")
+        tracker.log_model(str(out_p / "model"))
     if tracker.run_id:
         metrics["mlflow_run_id"] = tracker.run_id
         (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -211,8 +269,7 @@ def run(spark, train: str, test: Optional[str], out: str, params: PipelineParams
         config_path: Optional[str] = None) -> Dict:
     """Run every stage; write OUT/metrics.json and OUT/model; track in MLflow."""
     out_p = Path(out)
-    tables = out_p / "tables"
-    tables.mkdir(parents=True, exist_ok=True)
+    tables = Tables(spark, out_p / "tables")
     timer = StageTimer()
     tracker = Tracker(params.mlflow)
     with tracker.run(run_name=params.mlflow.run_name or out_p.name):
@@ -236,8 +293,7 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
         raise ConfigError(f"sweep runs ingest (and EAGLE) once, so it cannot sweep '{key}': "
                           "use one `xmc-spark run` per value")
     out_p = Path(out)
-    tables = out_p / "tables"
-    tables.mkdir(parents=True, exist_ok=True)
+    tables = Tables(spark, out_p / "tables")
     timer = StageTimer()
     tracker = Tracker(params.mlflow)
     results = []
@@ -293,22 +349,19 @@ def predict(spark, model_dir: str, data: str, out: str, params: PipelineParams) 
     has labels, metrics.json."""
     model = XMCModel.load(model_dir)
     model.pred_params = dataclasses.replace(model.pred_params, search=params.predict.search)
-    out_p = Path(out)
-    tables = out_p / "tables"
-    tables.mkdir(parents=True, exist_ok=True)
+    tables = Tables(spark, Path(out) / "tables")
     ing = dataclasses.replace(params.ingest, normalize=model.normalize)   # rows as the model was trained
-    info = ingest.run(spark, data, str(tables / "input"), ing, expect_features=model.n_features,
+    info = ingest.run(spark, data, tables.path("input"), ing, expect_features=model.n_features,
                       expect_labels=model.n_labels)
-    df = read_delta(spark, str(tables / "input"))
-    preds = prediction.run(df, model, params.predict.beam_size, params.predict.topk)
-    write_delta(preds, str(tables / "predictions"))
-    result = {"n_samples": info.n_samples, "predictions": str(tables / "predictions")}
+    df = tables.read("input")
+    predict_table(tables, model, params, source="input")
+    result = {"n_samples": info.n_samples, "predictions": tables.path("predictions")}
     has_labels = df.filter(F.size("label_idx") > 0).limit(1).count() > 0
     if has_labels:
         n_train = int(model.meta.get("n_train", info.n_samples))
         counts = model.label_counts if model.label_counts is not None else evaluation.label_counts(df, model.n_labels)
-        m = evaluation.run(read_delta(spark, str(tables / "predictions")), df, counts, n_train, params.eval,
+        m = evaluation.run(tables.read("predictions"), df, counts, n_train, params.eval,
                            label_depth=model.label_depth())
         result.update({k: round(v, 4) for k, v in m.items()})
-    (out_p / "metrics.json").write_text(json.dumps(result, indent=2))
+    (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))
     return result

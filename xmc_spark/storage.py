@@ -1,11 +1,40 @@
-"""Readers and writers of Delta tables (atomic overwrite) and output folders."""
+"""Readers and writers of Delta tables (atomic overwrite) and output folders.
+
+A table is either a whole Delta table (one run per output folder, ``xmc-spark run``) or, with a
+*run key* (the stage jobs: ``xmc-spark stage NAME --run-key 2026-11-25``), the partition
+``run_key = KEY`` of a table shared by all runs. A run-keyed write replaces only that partition,
+in one Delta commit (``replaceWhere``): a rerun for the same key is idempotent, other keys are
+untouched, and a write that fails leaves the previous version of the table intact.
+"""
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
+from typing import Optional
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 
 log = logging.getLogger("xmc_spark.storage")
+
+RUN_KEY = "run_key"
+_RUN_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+-]{0,63}$")
+
+
+class RunKeyError(ValueError):
+    """A run key that cannot name a partition."""
+
+
+class StageOrderError(RuntimeError):
+    """A stage ran before the stage whose output it reads."""
+
+
+def check_run_key(key: str) -> str:
+    if not isinstance(key, str) or not _RUN_KEY_RE.match(key):
+        raise RunKeyError(f"run key {key!r} must be 1-64 characters of letters, digits and _ . : + - "
+                          "(e.g. the logical date 2026-11-25)")
+    return key
 
 
 def is_delta(spark: SparkSession, path: str) -> bool:
@@ -16,21 +45,55 @@ def is_delta(spark: SparkSession, path: str) -> bool:
         return False
 
 
-def write_delta(df: DataFrame, path: str, replace_where: str | None = None) -> None:
+def write_delta(df: DataFrame, path: str, run_key: Optional[str] = None, where: Optional[str] = None) -> None:
     """Overwrite a Delta table in one commit: a failed write leaves the previous version intact.
 
-    With ``replace_where`` only the matching rows (e.g. one run date) are replaced.
+    With ``run_key`` the table is partitioned by ``run_key`` and only that key's rows are
+    replaced (further narrowed by the SQL predicate ``where``, e.g. ``stage = 'tree'``).
     """
-    w = df.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
-    if replace_where:
-        w = w.option("replaceWhere", replace_where)
-    w.save(path)
+    if run_key is None:
+        df.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
+        return
+    check_run_key(run_key)
+    cond = f"{RUN_KEY} = '{run_key}'" + (f" AND ({where})" if where else "")
+    (df.withColumn(RUN_KEY, F.lit(run_key)).write.format("delta").mode("overwrite")
+       .partitionBy(RUN_KEY).option("replaceWhere", cond).option("mergeSchema", "true").save(path))
+    log.info("wrote %s [%s]", path, cond)
 
 
-def read_delta(spark: SparkSession, path: str) -> DataFrame:
-    return spark.read.format("delta").load(path)
+def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None) -> DataFrame:
+    df = spark.read.format("delta").load(path)
+    if run_key is None:
+        return df
+    return df.filter(F.col(RUN_KEY) == check_run_key(run_key)).drop(RUN_KEY)
 
 
 def table_version(spark: SparkSession, path: str) -> int:
     from delta.tables import DeltaTable
     return int(DeltaTable.forPath(spark, path).history(1).select("version").first()[0])
+
+
+class Tables:
+    """The named Delta tables of one run: ``ROOT/<name>``, optionally one run key's partition."""
+
+    def __init__(self, spark: SparkSession, root, run_key: Optional[str] = None):
+        self.spark = spark
+        self.root = str(root).rstrip("/")
+        self.run_key = check_run_key(run_key) if run_key is not None else None
+        if "://" not in self.root and not self.root.startswith("dbfs:"):
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def write(self, name: str, df: DataFrame, where: Optional[str] = None) -> None:
+        write_delta(df, self.path(name), self.run_key, where)
+
+    def read(self, name: str) -> DataFrame:
+        return read_delta(self.spark, self.path(name), self.run_key)
+
+    def version(self, name: str) -> int:
+        return table_version(self.spark, self.path(name))
+
+    def exists(self, name: str) -> bool:
+        return is_delta(self.spark, self.path(name))

@@ -44,7 +44,12 @@ def test_run_and_predict_on_bibtex(bibtex, tmp_path):
     assert run.data.params["tree.max_leaf_size"] == "100"
     assert abs(run.data.metrics["p_at_1"] - m["p@1"]) < 1e-6
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
-    assert {"metrics.json", "config.yaml", "model"} <= arts
+    assert {"metrics.json", "config.yaml"} <= arts
+    assert run.data.params["table_version.train"] == "0"
+
+    # the pyfunc model is registered under the configured name, alias -> this run
+    version = mlflow.MlflowClient().get_model_version_by_alias("xmc-spark", "candidate")
+    assert version.run_id == run.info.run_id
 
     # predict with the saved model reproduces the run's metrics
     r2 = cli("predict", "--model", str(out / "model"), "--data", str(bibtex / "test.txt"), "--out",

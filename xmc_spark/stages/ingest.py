@@ -266,10 +266,12 @@ def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Opti
 
 
 def run(spark: SparkSession, path: str, out_table: str, params: IngestParams, fmt: Optional[str] = None,
-        expect_features: Optional[int] = None, expect_labels: Optional[int] = None) -> DatasetInfo:
-    """Validate ``path`` and (only if it is valid) overwrite the Delta table ``out_table``."""
+        expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
+        run_key: Optional[str] = None) -> DatasetInfo:
+    """Validate ``path`` and (only if it is valid) overwrite the Delta table ``out_table``
+    (with ``run_key``: only that key's partition)."""
     df, info = read_samples(spark, path, params, fmt, expect_features, expect_labels)
-    write_delta(df, out_table)
+    write_delta(df, out_table, run_key=run_key)
     log.info("ingested %s (%s): %d samples, %d features, %d labels -> %s",
              path, info.fmt, info.n_samples, info.n_features, info.n_labels, out_table)
     return info

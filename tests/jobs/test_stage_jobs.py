@@ -1,0 +1,100 @@
+"""The stage jobs: run-keyed Delta tables, idempotent reruns, failed stages, one MLflow run a key."""
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import random_problem, write_xc
+from xmc_spark import pipeline, stage_jobs
+from xmc_spark.params import PipelineParams
+from xmc_spark.schemas import IngestError
+from xmc_spark.storage import RunKeyError, StageOrderError, Tables, read_delta, table_version
+
+K1, K2 = "2026-11-24", "2026-11-25"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, spark):
+    d = tmp_path_factory.mktemp("stagejobs")
+    X, Y = random_problem(n=160, d=40, L=12, seed=11)
+    write_xc(d / "train.txt", X[:120], Y[:120])
+    write_xc(d / "test.txt", X[120:], Y[120:])
+    write_xc(d / "train_small.txt", X[:90], Y[:90])
+    params = PipelineParams().set_dotted("tree.max_leaf_size", 4) \
+        .set_dotted("mlflow.tracking_uri", f"sqlite:///{d}/mlflow.db") \
+        .set_dotted("mlflow.artifact_location", str(d / "artifacts")) \
+        .set_dotted("mlflow.registered_model", "") \
+        .set_dotted("paths.root", str(d / "root"))
+    res = stage_jobs.run_all(spark, K1, params, str(d / "train.txt"), str(d / "test.txt"))
+    return d, params, res
+
+
+def test_stages_in_order_equal_the_one_process_pipeline(env, spark):
+    d, params, res = env
+    assert list(res) == list(stage_jobs.STAGES)
+    assert res["eagle"] == {"skipped": True, "seconds": res["eagle"]["seconds"],
+                            "mlflow_run_id": res["eagle"]["mlflow_run_id"]}
+    whole = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "whole"),
+                         params.set_dotted("mlflow.enabled", False))
+    for k in ("p@1", "p@3", "p@5", "ndcg@3", "psp@5", "depth@1"):
+        assert res["evaluate"][k] == pytest.approx(whole[k]), k
+    tables = Tables(spark, d / "root" / "tables", K1)
+    metrics = {r["metric"]: r["value"] for r in tables.read("metrics").collect()}
+    assert metrics["p@1"] == pytest.approx(whole["p@1"])
+    # the train stage left a model folder that scores like the one-process model
+    from xmc_spark.model import XMCModel
+    from xmc_spark.local_io import read_xc
+    Xt, _ = read_xc(str(d / "test.txt"))
+    a, _ = XMCModel.load(res["train"]["model_dir"]).predict(Xt)
+    b, _ = XMCModel.load(str(d / "whole" / "model")).predict(Xt)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_all_stages_share_one_mlflow_run_with_table_versions(env):
+    d, params, res = env
+    ids = {r["mlflow_run_id"] for r in res.values()}
+    assert len(ids) == 1
+    import mlflow
+    mlflow.set_tracking_uri(params.mlflow.tracking_uri)
+    run = mlflow.get_run(ids.pop())
+    assert run.data.tags["xmc_spark.run_key"] == K1
+    assert run.data.params["tree.max_leaf_size"] == "4" and run.data.params["input.train"].endswith("train.txt")
+    assert {"table_version.tree.train", "table_version.train.tree", "table_version.predict.weights",
+            "table_version.evaluate.predictions"} <= set(run.data.params)
+    assert run.data.metrics["p_at_1"] == pytest.approx(res["evaluate"]["p@1"])
+    assert {"seconds.ingest", "seconds.tree", "seconds.train", "seconds.evaluate"} <= set(run.data.metrics)
+
+
+def test_rerun_replaces_only_its_key_and_a_failed_stage_leaves_the_table(env, spark):
+    d, params, res = env
+    path = str(d / "root" / "tables" / "train")
+    # a second key beside K1
+    stage_jobs.run_stage(spark, "ingest", K2, params, str(d / "train_small.txt"))
+    counts = {r["run_key"]: r["count"] for r in read_delta(spark, path).groupBy("run_key").count().collect()}
+    assert counts == {K1: 120, K2: 90}
+    before = sorted(read_delta(spark, path, K1).collect())
+    v = table_version(spark, path)
+    # rerun K1: same rows, one new version, K2 untouched
+    stage_jobs.run_stage(spark, "ingest", K1, params, str(d / "train.txt"), str(d / "test.txt"))
+    assert table_version(spark, path) > v
+    assert sorted(read_delta(spark, path, K1).collect()) == before
+    assert read_delta(spark, path, K2).count() == 90
+    # a failing rerun (bad input) writes nothing: same version, same rows
+    bad = d / "bad.txt"
+    bad.write_text("2 40 12\n1 3:1\n2 5:nan\n")
+    v = table_version(spark, path)
+    with pytest.raises(IngestError, match=r"bad.txt:3: feature value is NaN"):
+        stage_jobs.run_stage(spark, "ingest", K1, params, str(bad))
+    assert table_version(spark, path) == v
+    assert sorted(read_delta(spark, path, K1).collect()) == before
+    # the stage's facts for K1 are still those of the good run
+    info = Tables(spark, d / "root" / "tables", K1).read("stage_info").filter("stage = 'ingest'").first()
+    assert json.loads(info["info"])["n_train"] == 120
+
+
+def test_stage_order_and_run_key_errors(env, spark):
+    d, params, _ = env
+    with pytest.raises(StageOrderError, match="needs the output of stage 'ingest' for run key 2026-01-01"):
+        stage_jobs.run_stage(spark, "tree", "2026-01-01", params)
+    with pytest.raises(RunKeyError, match="run key"):
+        stage_jobs.run_stage(spark, "ingest", "x' OR '1'='1", params, str(d / "train.txt"))

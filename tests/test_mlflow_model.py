@@ -1,0 +1,81 @@
+"""The MLflow pyfunc model: logged, registered with an alias, loaded in a process without Spark."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+
+from tests.conftest import random_problem
+from xmc_spark.mlflow_model import frame_to_csr, score_frame
+from xmc_spark.model import XMCModel
+from xmc_spark.params import TreeParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _frame(X):
+    X = sp.csr_matrix(X)
+    return pd.DataFrame({"sample_id": np.arange(X.shape[0]) + 100,
+                         "feature_idx": [X.indices[X.indptr[i]:X.indptr[i + 1]].tolist() for i in range(X.shape[0])],
+                         "feature_val": [X.data[X.indptr[i]:X.indptr[i + 1]].tolist() for i in range(X.shape[0])]})
+
+
+def test_frame_to_csr_normalizes_and_names_bad_rows():
+    f = pd.DataFrame({"feature_idx": [[0, 2], [], [1]], "feature_val": [[3.0, 4.0], [], [2.0]]})
+    X = frame_to_csr(f, 3, normalize=True)
+    np.testing.assert_allclose(X.toarray(), [[0.6, 0, 0.8], [0, 0, 0], [0, 1, 0]], rtol=1e-6)
+    np.testing.assert_allclose(frame_to_csr(f, 3, normalize=False).toarray()[0], [3, 0, 4])
+    with pytest.raises(ValueError, match=r"input row 1: feature id out of range \[0, 3\): feature_idx 3"):
+        frame_to_csr(pd.DataFrame({"feature_idx": [[0], [3]], "feature_val": [[1.0], [1.0]]}), 3, True)
+    with pytest.raises(ValueError, match="input row 0: feature value is NaN"):
+        frame_to_csr(pd.DataFrame({"feature_idx": [[0]], "feature_val": [[float("nan")]]}), 3, True)
+    with pytest.raises(ValueError, match="input row 1: feature_idx and feature_val have different lengths"):
+        frame_to_csr(pd.DataFrame({"feature_idx": [[0], [1, 2]], "feature_val": [[1.0], [1.0]]}), 3, True)
+    with pytest.raises(ValueError, match="lacks column"):
+        frame_to_csr(pd.DataFrame({"x": [1]}), 3, True)
+
+
+def test_pyfunc_logged_registered_and_loaded_without_spark(tmp_path):
+    import mlflow
+
+    from xmc_spark.kernels.sparse import l2_normalize_rows
+    X, Y = random_problem(n=150, seed=4)
+    X = sp.csr_matrix(l2_normalize_rows(X), dtype=np.float32)   # ingested rows
+    model = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
+    model.save(str(tmp_path / "model"))
+    frame = _frame(X[:40] * 3.0)                      # raw rows: the pyfunc normalizes like ingest
+    want = score_frame(model, frame, topk=3)
+    labels, _ = model.predict(X[:40], topk=3)         # X is already normalized
+    assert [list(r) for r in want["labels"]] == [[int(v) for v in r if v >= 0] for r in labels]
+
+    from xmc_spark.mlflow_model import log_model
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("t")
+    with mlflow.start_run() as run:
+        model_uri, version = log_model(str(tmp_path / "model"), "xmc-test", "champion")
+    assert version == 1
+    mv = mlflow.MlflowClient().get_model_version_by_alias("xmc-test", "champion")
+    assert mv.run_id == run.info.run_id
+    frame.to_json(tmp_path / "frame.json", orient="records")
+    check = f"""
+import sys, json
+sys.modules["pyspark"] = None            # importing Spark would fail
+import mlflow, pandas as pd
+mlflow.set_tracking_uri("{uri}")
+m = mlflow.pyfunc.load_model("models:/xmc-test@champion")
+out = m.predict(pd.read_json("{tmp_path / 'frame.json'}", orient="records"), params={{"topk": 3}})
+print(json.dumps({{"ids": out["sample_id"].tolist(), "labels": [list(map(int, x)) for x in out["labels"]],
+                  "scores": [list(map(float, x)) for x in out["scores"]]}}))
+"""
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["ids"] == list(range(100, 140))
+    assert got["labels"] == [list(map(int, x)) for x in want["labels"]]
+    np.testing.assert_allclose(np.concatenate(got["scores"]), np.concatenate(want["scores"]), rtol=1e-6)
