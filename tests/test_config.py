@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from xmc_spark.config import load_params
@@ -48,10 +50,61 @@ def test_config_env_substitution(tmp_path, monkeypatch):
         load_params(str(f))
 
 
-def test_shipped_confs_load():
-    from pathlib import Path
-    for f in sorted((Path(__file__).resolve().parents[1] / "conf").glob("*.yaml")):
-        load_params(str(f))
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def test_shipped_confs_load(monkeypatch):
+    import yaml
+    assert sorted(f.name for f in CONF.glob("*.yaml")) == ["databricks.yaml", "emr.yaml", "local.yaml"]
+    # local.yaml is the embedded default, verbatim
+    assert load_params(str(CONF / "local.yaml")) == PipelineParams()
+    monkeypatch.setenv("XMC_BUCKET", "team-bucket")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    for env in ("databricks", "emr"):
+        raw = yaml.safe_load((CONF / f"{env}.yaml").read_text())
+        # environment files hold Spark, paths and MLflow settings only: no algorithm params
+        assert set(raw) == {"spark", "paths", "mlflow"}, env
+        p = load_params(str(CONF / f"{env}.yaml"))
+        assert p.spark.master == "" and not p.spark.delta_from_maven
+        assert p.tree == PipelineParams().tree
+    emr = load_params(str(CONF / "emr.yaml"))
+    assert emr.paths.root == "s3://team-bucket/xmc-spark" and emr.mlflow.tracking_uri == "https://mlflow.example.com"
+    dbx = load_params(str(CONF / "databricks.yaml"))
+    assert dbx.paths.root == "/Volumes/main/xmc/runs" and dbx.mlflow.registered_model == "main.xmc.xmc_spark"
+    monkeypatch.delenv("XMC_BUCKET")
+    with pytest.raises(ConfigError, match="environment variable XMC_BUCKET is not set"):
+        load_params(str(CONF / "emr.yaml"))
+
+
+def test_configs_layer_in_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("XMC_BUCKET", "b")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://m")
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("tree:\n  max_leaf_size: 8\nspark:\n  conf:\n    spark.executor.memory: 30g\n")
+    p = load_params([str(CONF / "emr.yaml"), str(exp)], ["train.C=2"])
+    assert p.tree.max_leaf_size == 8 and p.train.C == 2.0 and p.paths.root == "s3://b/xmc-spark"
+    # mappings merge key by key: the experiment's executor memory, the environment's other Spark conf
+    assert p.spark.conf["spark.executor.memory"] == "30g" and p.spark.conf["spark.sql.shuffle.partitions"] == "200"
+
+
+def test_secrets_from_the_environment_are_masked(tmp_path, monkeypatch, capsys):
+    import logging
+    from xmc_spark import secrets
+    from xmc_spark.cli import main
+    monkeypatch.setenv("XMC_S3_SECRET_KEY", "s3cr3t-value-42")
+    monkeypatch.setenv("XMC_BUCKET_NAME", "plain-bucket")
+    f = tmp_path / "c.yaml"
+    f.write_text("spark:\n  conf:\n    spark.hadoop.fs.s3a.secret.key: ${XMC_S3_SECRET_KEY}\n"
+                 "paths:\n  root: s3://${XMC_BUCKET_NAME}/x\n")
+    p = load_params(str(f))
+    assert p.spark.conf["spark.hadoop.fs.s3a.secret.key"] == "s3cr3t-value-42"   # Spark gets the value
+    assert main(["params", "--config", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "s3cr3t-value-42" not in out and "spark.hadoop.fs.s3a.secret.key: '***'" in out
+    assert "plain-bucket" in out                      # not a secret-looking name: shown
+    rec = logging.LogRecord("x", logging.INFO, "f", 1, "conf %s", ("token=s3cr3t-value-42",), None)
+    secrets.RedactingFilter().filter(rec)
+    assert rec.getMessage() == "conf token=***"
 
 
 def test_tree_lambda_key_and_lambda_prime(tmp_path):

@@ -13,7 +13,9 @@ from .storage import RunKeyError, StageOrderError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config (sections as printed by `xmc-spark params`)")
+    p.add_argument("--config", action="append", default=[],
+                   help="YAML config (sections as printed by `xmc-spark params`); repeatable, later files win "
+                        "(e.g. --config conf/emr.yaml --config experiment.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. tree.max_leaf_size=10 (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -81,6 +83,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("py4j", "mlflow", "alembic", "urllib3", "numba"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from .secrets import install_log_filter
+    install_log_filter()
     try:
         params = load_params(args.config, args.set)
     except ConfigError as e:

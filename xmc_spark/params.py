@@ -327,6 +327,7 @@ class EvalParams(BaseParams):
 class MlflowParams(BaseParams):
     enabled: bool = True
     tracking_uri: str = "sqlite:///mlruns/mlflow.db"
+    registry_uri: str = ""          # model registry ("" = the tracking store; Databricks UC: databricks-uc)
     artifact_location: str = "mlruns/artifacts"
     experiment: str = "xmc-spark"
     run_name: str = ""

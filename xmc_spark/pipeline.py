@@ -49,6 +49,13 @@ class StageTimer:
         return {**self.seconds, "total": round(time.perf_counter() - self._t0, 3)}
 
 
+def shuffle_partitions(spark) -> int:
+    """Task count for our own bucketing: spark.sql.shuffle.partitions, or the default
+    parallelism when the platform sets it to ``auto`` (Databricks)."""
+    v = str(spark.conf.get("spark.sql.shuffle.partitions", "auto"))
+    return int(v) if v.isdigit() else int(spark.sparkContext.defaultParallelism)
+
+
 def weights_to_columns(t: pa.Table, n_cols: int):
     """Weights table (as Arrow) -> (node KeyedColumns, slot KeyedColumns), no per-row Python."""
     is_leaf = np.asarray(t.column("is_leaf").to_numpy(zero_copy_only=False), dtype=bool)
@@ -72,7 +79,7 @@ def build_tree(samples, tables: Tables, n_features: int, n_labels: int, params: 
     spark = samples.sparkSession
     with timer.stage("embedding"):
         emb = label_embedding.run(samples, n_features, n_labels, params.embedding,
-                                  n_buckets=int(spark.conf.get("spark.sql.shuffle.partitions")))
+                                  n_buckets=shuffle_partitions(spark))
         tables.write("label_embeddings", emb)
     f = ft = None
     if params.tree.effective_lambda > 0:
@@ -159,7 +166,7 @@ def ingest_train(spark, tables: Tables, train: str, params: PipelineParams):
 def run_eagle(spark, tables: Tables, agg, params: PipelineParams, timer: StageTimer) -> None:
     """EAGLE on validated aggregated input: writes ``train`` (and ``eagle_embeddings``)."""
     with timer.stage("eagle"):
-        n_buckets = int(spark.conf.get("spark.sql.shuffle.partitions"))
+        n_buckets = shuffle_partitions(spark)
         train_df, einfo, emb, assigned = eagle.run(agg, params.eagle, n_buckets=n_buckets)
         if emb is not None:
             tables.write("eagle_embeddings", emb)
@@ -254,8 +261,7 @@ def _fit_and_score(spark, data_tables: Tables, out_p: Path, info, tinfo, version
     tracker.log_params({f"table_version.{k}": v for k, v in versions.items()})
     tracker.log_artifact(str(out_p / "metrics.json"))
     tracker.log_artifact(str(out_p / "config.yaml"))
-    if config_path:
-        tracker.log_artifact(config_path, "conf")
+    tracker.log_configs(config_path)
     if params.mlflow.log_model:
         tracker.log_model(str(out_p / "model"))
     if tracker.run_id:

@@ -98,8 +98,7 @@ def run_stage(spark, name: str, run_key: str, params: PipelineParams, train: Opt
         seconds = {k: v for k, v in st.timer.total().items() if k != "total"}
         tracker.log_metrics({**seconds, name: st.timer.total()["total"]}, prefix="seconds.")
         tracker.log_params({f"table_version.{name}.{t}": v for t, v in st.read_versions.items()})
-        if config_path:
-            tracker.log_artifact(config_path, "conf")
+        tracker.log_configs(config_path)
     info["seconds"] = st.timer.total()["total"]
     if tracker.run_id:
         info["mlflow_run_id"] = tracker.run_id

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Optional
 
 from .params import MlflowParams
+from .secrets import redact
 
 log = logging.getLogger("xmc_spark.tracking")
 
@@ -26,7 +27,7 @@ class Tracker:
         mlflow = self._setup()
         with mlflow.start_run(run_name=run_name or self.params.run_name or None, nested=nested, tags=tags) as r:
             self.run_id = r.info.run_id
-            log.info("MLflow run %s (%s)", r.info.run_id, self.params.tracking_uri)
+            log.info("MLflow run %s (%s)", r.info.run_id, redact(self.params.tracking_uri))
             yield self
 
     def _setup(self):
@@ -37,6 +38,8 @@ class Tracker:
         if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
             os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
         mlflow.set_tracking_uri(uri)
+        if self.params.registry_uri:
+            mlflow.set_registry_uri(self.params.registry_uri)
         if mlflow.get_experiment_by_name(self.params.experiment) is None:
             loc = self.params.artifact_location
             if loc and "://" not in loc:
@@ -57,7 +60,7 @@ class Tracker:
         found = mlflow.search_runs(
             experiment_names=[self.params.experiment], output_format="list", order_by=["attributes.start_time DESC"],
             filter_string=f"tags.`xmc_spark.run_key` = '{run_key}' and tags.`xmc_spark.root` = '{esc}'")
-        want = {k: str(v)[:6000] for k, v in params.items()}
+        want = {k: redact(str(v))[:6000] for k, v in params.items()}
         run_id = None
         for r in found:
             if all(r.data.params.get(k, v) == v for k, v in want.items()):
@@ -70,13 +73,13 @@ class Tracker:
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (self.params.run_name or run_key),
                               tags=None if run_id else tags) as r:
             self.run_id = r.info.run_id
-            log.info("MLflow run %s (%s) for run key %s", r.info.run_id, self.params.tracking_uri, run_key)
+            log.info("MLflow run %s (%s) for run key %s", r.info.run_id, redact(self.params.tracking_uri), run_key)
             self.log_params({k: v for k, v in want.items() if k not in r.data.params})
             yield self
 
     def log_params(self, params: Dict[str, Any]) -> None:
         if self._mlflow:
-            self._mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})
+            self._mlflow.log_params({k: redact(str(v))[:6000] for k, v in params.items()})
 
     def log_metrics(self, metrics: Dict[str, float], prefix: str = "") -> None:
         if self._mlflow:
@@ -105,6 +108,11 @@ class Tracker:
             if version is not None:
                 self._mlflow.set_tags({"xmc_spark.registered_model": self.params.registered_model,
                                        "xmc_spark.model_version": str(version)})
+
+    def log_configs(self, paths) -> None:
+        """The config files as given (``${VAR}`` unexpanded), under ``conf/``."""
+        for p in [paths] if isinstance(paths, str) else (paths or []):
+            self.log_artifact(p, "conf")
 
     def set_tags(self, tags: Dict[str, str]) -> None:
         if self._mlflow:

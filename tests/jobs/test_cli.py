@@ -10,8 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(*args, cwd=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def cli(*args, cwd=None, env=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "xmc_spark.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=1200)
 
@@ -24,10 +24,14 @@ def _spark_fast():
 
 def test_run_and_predict_on_bibtex(bibtex, tmp_path):
     out = tmp_path / "run"
+    conf = tmp_path / "env.yaml"          # a secret from the environment: used, never logged
+    conf.write_text("spark:\n  app_name: xmc-${XMC_TEST_TOKEN}\n")
     r = cli("run", "--train", str(bibtex / "train.txt"), "--test", str(bibtex / "test.txt"), "--out", str(out),
-            "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
-            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts", *_spark_fast(), cwd=tmp_path)
+            "--config", str(conf), "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts", *_spark_fast(), cwd=tmp_path,
+            env={"XMC_TEST_TOKEN": "tok-5ecret-77"})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "tok-5ecret-77" not in r.stderr + r.stdout + (out / "config.yaml").read_text()
     m = json.loads((out / "metrics.json").read_text())
     for k in ["p@1", "p@3", "p@5", "ndcg@1", "ndcg@3", "ndcg@5", "psp@1", "psp@3", "psp@5", "n_train", "n_test",
               "n_labels", "seconds"]:
@@ -42,6 +46,7 @@ def test_run_and_predict_on_bibtex(bibtex, tmp_path):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     run = mlflow.get_run(m["mlflow_run_id"])
     assert run.data.params["tree.max_leaf_size"] == "100"
+    assert run.data.params["spark.app_name"] == "xmc-***"
     assert abs(run.data.metrics["p_at_1"] - m["p@1"]) < 1e-6
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"metrics.json", "config.yaml"} <= arts
