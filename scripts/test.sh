@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up (a .venv with the package, local Spark + Delta, test tools) and run the test suite.
+# Set up (a .venv with the package, local Spark + Delta, test tools; .venv-airflow with Airflow for the
+# DAG test) and run the test suite.
 # Needs Python >= 3.10 and Java 17 on PATH. Real data tests read ../shared/data beside the clone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh "local,test"
+source scripts/_airflow_venv.sh
 exec .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -1,0 +1,2 @@
+"""xmc-spark: extreme multi-label classification on Apache Spark."""
+__version__ = "0.1.0"

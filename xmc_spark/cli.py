@@ -11,6 +11,8 @@ from .params import ConfigError
 from .schemas import IngestError
 from .storage import RunKeyError, StageOrderError
 
+log = logging.getLogger("xmc_spark.cli")
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", default=[],
@@ -97,7 +99,9 @@ def main(argv=None) -> int:
         print(f"xmc-spark: config error: sweep runs ingest (and EAGLE) once, so it cannot sweep '{args.key}': "
               "use one `xmc-spark run` per value", file=sys.stderr)
         return 2
+    from . import __version__
     from .session import get_spark
+    log.info("xmc-spark %s (%s): %s", __version__, __file__.rsplit("/", 2)[0], args.cmd)
     spark = get_spark(params.spark)
     try:
         if args.cmd == "run":

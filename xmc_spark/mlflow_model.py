@@ -105,8 +105,11 @@ def log_model(model_dir: str, registered_model: str = "", alias: str = "", name:
         inputs=Schema([ColSpec(c.type, c.name, required=c.name != "sample_id") for c in signature.inputs.inputs]),
         outputs=signature.outputs, params=signature.params)
     pkg = str(Path(__file__).resolve().parent)
+    import inspect
+    where = {"name": name} if "name" in inspect.signature(mlflow.pyfunc.log_model).parameters \
+        else {"artifact_path": name}                      # MLflow 2.x
     info = mlflow.pyfunc.log_model(
-        name=name, python_model=_python_model_class()(), artifacts={"xmc_model": model_dir}, code_paths=[pkg],
+        **where, python_model=_python_model_class()(), artifacts={"xmc_model": model_dir}, code_paths=[pkg],
         signature=signature, input_example=example,
         pip_requirements=[f"numpy=={np.__version__}", f"scipy=={scipy.__version__}",
                           f"pandas=={pd.__version__}", f"pyarrow=={pa.__version__}",

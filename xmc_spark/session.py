@@ -15,6 +15,19 @@ DELTA_CONF = {
 }
 
 
+def under_spark_submit() -> bool:
+    """True in a Python driver started by spark-submit (its JVM is already running)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def delta_package() -> str:
+    """The Maven coordinate of the Delta jars matching the installed delta-spark and pyspark
+    (what ``delta_from_maven`` adds; pass it to ``spark-submit --packages``)."""
+    from delta import configure_spark_with_delta_pip
+    from pyspark.sql import SparkSession
+    return configure_spark_with_delta_pip(SparkSession.builder)._options["spark.jars.packages"]
+
+
 def get_spark(params: SparkParams | None = None):
     """SparkSession with Delta Lake configured.
 
@@ -26,6 +39,10 @@ def get_spark(params: SparkParams | None = None):
     from pyspark.sql import SparkSession
 
     params = params or SparkParams()
+    if under_spark_submit():
+        # spark-submit already chose the master and resolved --packages/--jars: its flags win
+        log.info("launched by spark-submit: master and packages come from its command line")
+        params = SparkParams(**{**params.to_dict(), "master": "", "delta_from_maven": False})
     if params.master.startswith("local"):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
-from numba import njit
+from .jit import njit
 
 
 def _centroids(Z: sp.csr_matrix, assign: np.ndarray, k: int) -> np.ndarray:
@@ -21,7 +21,7 @@ def _centroids(Z: sp.csr_matrix, assign: np.ndarray, k: int) -> np.ndarray:
     return C / n
 
 
-@njit(cache=True)
+@njit()
 def _greedy_balanced(scores, caps):
     """Assign rows to columns by descending score, each column taking at most caps[j] rows."""
     m, k = scores.shape

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
-from numba import njit
+from .jit import njit
 
 POST_PROCESSORS = {"l3-hinge": 0, "l2-hinge": 1, "sigmoid": 2}
 
 
-@njit(cache=True)
+@njit()
 def _transform(v, post):
     if post == 2:
         return 1.0 / (1.0 + np.exp(-v))
@@ -26,7 +26,7 @@ def _transform(v, post):
     return np.exp(-h * h * h)
 
 
-@njit(cache=True)
+@njit()
 def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
     """w_node . x_i: scan w against the dense copy of x, or, when w has many more non-zeros
     than x (upper tree levels), binary-search each of x's features in w's sorted indices."""
@@ -53,7 +53,7 @@ def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
     return v
 
 
-@njit(cache=True)
+@njit()
 def _beam_layer(xptr, xidx, xval, n_cols, prev_nodes, prev_scores, child_ptr, wptr, widx, wval,
                 passthrough, out_k, slot_label, post):
     n = prev_nodes.shape[0]
@@ -178,7 +178,7 @@ def exhaustive_scores(X: sp.csr_matrix, layers, slot_label: np.ndarray, n_labels
     return out / np.maximum(cnt, 1)[None, :]
 
 
-@njit(cache=True)
+@njit()
 def _tree_search(xptr, xidx, xval, n_cols, child_ptr, wptr, widx, wval, slot_ptr, sptr, sidx, sval,
                  slot_label, n_labels, beam, topk, post, adaptive):
     """Beam search on the unpadded tree: a leaf scores its labels at its own depth.

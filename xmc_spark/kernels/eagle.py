@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 import scipy.sparse as sp
-from numba import njit
+from .jit import njit
 
 
 def normalize_rows(M: sp.csr_matrix) -> sp.csr_matrix:
@@ -32,7 +32,7 @@ def normalize_rows(M: sp.csr_matrix) -> sp.csr_matrix:
     return sp.csr_matrix(sp.diags(1.0 / n) @ M)
 
 
-@njit(cache=True)
+@njit()
 def _triple_dots(eptr, eidx, eval_, lab, xptr, xidx, xval, row, n_cols):
     """<e_lab[t], x_row[t]> for every triple t. Triples come sorted by label: each label's
     embedding is scattered once into a dense buffer, so the cost is nnz(E) + sum of nnz(x)."""
@@ -56,7 +56,7 @@ def _triple_dots(eptr, eidx, eval_, lab, xptr, xidx, xval, row, n_cols):
     return out
 
 
-@njit(cache=True)
+@njit()
 def _segment_argmax(seg_ptr, scores, lab_id):
     """Index of the chosen triple of each segment (ties: position lab_id mod #tied) and the
     sum of the segment maxima."""

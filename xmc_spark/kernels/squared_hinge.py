@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
-from numba import njit
+from .jit import njit
 
 
-@njit(cache=True)
+@njit()
 def _dcd_l2svm(indptr, indices, data, y, Ci, n_features, eps, max_iter, seed):
     n = y.shape[0]
     w = np.zeros(n_features, dtype=np.float64)
