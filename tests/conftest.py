@@ -36,7 +36,7 @@ def spark(tmp_path_factory):
     from xmc_spark.params import SparkParams
     from xmc_spark.session import get_spark
 
-    params = SparkParams(master="local[2]")
+    params = SparkParams(master="local[2,2]")   # 2 attempts a task (tests/stages/test_faults.py)
     params.conf.update({"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
                         "spark.driver.memory": "2g",
                         "spark.sql.warehouse.dir": str(tmp_path_factory.mktemp("warehouse"))})

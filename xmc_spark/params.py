@@ -184,6 +184,7 @@ class SparkParams(BaseParams):
     app_name: str = "xmc-spark"
     delta_from_maven: bool = True   # add Delta's jars through spark.jars.packages
     log_level: str = "WARN"
+    progress_seconds: float = 15.0  # log running Spark stages' task counts this often (0 = off)
     conf: Dict[str, Any] = field(default_factory=lambda: {
         "spark.sql.shuffle.partitions": "8",
         "spark.default.parallelism": "4",

@@ -23,6 +23,7 @@ from .config import dump_params
 from .kernels.tree import TreeIndex
 from .model import KeyedColumns, XMCModel
 from .params import PipelineParams
+from .progress import spark_progress
 from .stages import (aggregated, eagle, evaluation, ingest, label_clusters, label_embedding, label_frequencies,
                      label_tree, node_training, prediction)
 from .storage import Tables
@@ -32,7 +33,8 @@ log = logging.getLogger("xmc_spark.pipeline")
 
 
 class StageTimer:
-    def __init__(self):
+    def __init__(self, progress_seconds: float = 15.0):
+        self.progress_seconds = progress_seconds
         self.seconds: Dict[str, float] = {}
         self.info: Dict[str, object] = {}     # stage facts for metrics.json (e.g. greedy rounds)
         self._t0 = time.perf_counter()
@@ -41,7 +43,8 @@ class StageTimer:
     def stage(self, name: str):
         t = time.perf_counter()
         log.info("stage %s: start", name)
-        yield
+        with spark_progress(name, self.progress_seconds):
+            yield
         self.seconds[name] = round(time.perf_counter() - t, 3)
         log.info("stage %s: done in %.1fs", name, self.seconds[name])
 
@@ -276,7 +279,7 @@ def run(spark, train: str, test: Optional[str], out: str, params: PipelineParams
     """Run every stage; write OUT/metrics.json and OUT/model; track in MLflow."""
     out_p = Path(out)
     tables = Tables(spark, out_p / "tables")
-    timer = StageTimer()
+    timer = StageTimer(params.spark.progress_seconds)
     tracker = Tracker(params.mlflow)
     with tracker.run(run_name=params.mlflow.run_name or out_p.name):
         tracker.log_params(params.flat())
@@ -300,7 +303,7 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
                           "use one `xmc-spark run` per value")
     out_p = Path(out)
     tables = Tables(spark, out_p / "tables")
-    timer = StageTimer()
+    timer = StageTimer(params.spark.progress_seconds)
     tracker = Tracker(params.mlflow)
     results = []
     with tracker.run(run_name=params.mlflow.run_name or out_p.name, tags={"xmc_spark.sweep": key}):
@@ -313,7 +316,7 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
             child = Tracker(params.mlflow)
             with child.run(run_name=name, nested=True, tags={"xmc_spark.sweep": key}):
                 child.log_params(child_params.flat())
-                ctimer = StageTimer()
+                ctimer = StageTimer(params.spark.progress_seconds)
                 ctimer.info.update(timer.info)      # input facts (aggregated stats, EAGLE diagnostics)
                 m = _fit_and_score(spark, tables, out_p / name, info, tinfo, versions, train, child_params,
                                    ctimer, child, config_path)

@@ -60,7 +60,7 @@ class StageRun:
         self.spark, self.name, self.run_key, self.params = spark, name, run_key, params
         self.root = (root or params.paths.root).rstrip("/")
         self.tables = Tables(spark, f"{self.root}/tables", run_key)
-        self.timer = pipeline.StageTimer()
+        self.timer = pipeline.StageTimer(params.spark.progress_seconds)
         self.read_versions: Dict[str, int] = {}
 
     def info(self, stage: str) -> Dict:

@@ -29,6 +29,7 @@ from pyspark.sql import functions as F
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply
 from ..kernels.eagle import Triples, assign, grlr_block, grlr_sums, grlr_update
 from ..params import EagleParams
+from ..progress import worker_progress
 from .aggregated import AggregatedInput
 
 log = logging.getLogger("xmc_spark.eagle")
@@ -87,6 +88,7 @@ def _block_path(rows: DataFrame, n_features: int, params: EagleParams, n_buckets
         parts = [_assign_rows(tr, X, E, ulab, params),
                  _rows(OBJ_KIND, it=np.arange(T + 1, dtype=np.int32), value=obj.sum(axis=1)),
                  _rows(EMB_KIND, label_idx=ulab.astype(np.int32), emb=(idx, val))]
+        worker_progress("eagle", labels=len(ulab), group_label_member_triples=t.num_rows)
         return pa.concat_tables(parts)
 
     keyed = rows.withColumn("_bucket", F.pmod(F.xxhash64("label_idx"), F.lit(n_buckets)))

@@ -19,6 +19,7 @@ from pyspark.sql import functions as F
 from ..arrow_utils import list_array, list_offsets_values
 from ..params import IngestParams
 from ..schemas import SAMPLES_SCHEMA, IngestError, check_samples_columns
+from ..progress import worker_progress
 from ..storage import is_delta, write_delta
 
 log = logging.getLogger("xmc_spark.ingest")
@@ -82,10 +83,11 @@ def _parse_tokens(df: DataFrame, one_based: bool) -> DataFrame:
     shift = 1 if one_based else 0
     return (df
             .withColumn("_labs", lab)
-            .withColumn("label_idx", F.transform("_labs", lambda x: x.try_cast("int")))
+            # SQL try_cast (Spark >= 3.2; Column.try_cast is 4.x-only): NULL for a non-number
+            .withColumn("label_idx", F.expr("transform(_labs, x -> try_cast(x AS INT))"))
             .withColumn("_badtok", F.exists("_ft", lambda t: F.size(F.split(t, ":")) != 2))
-            .withColumn("feature_idx", F.transform("_ft", lambda t: F.substring_index(t, ":", 1).try_cast("int") - F.lit(shift)))
-            .withColumn("feature_val", F.transform("_ft", lambda t: F.substring_index(t, ":", -1).try_cast("float"))))
+            .withColumn("feature_idx", F.expr(f"transform(_ft, t -> try_cast(substring_index(t, ':', 1) AS INT) - {shift})"))
+            .withColumn("feature_val", F.expr("transform(_ft, t -> try_cast(substring_index(t, ':', -1) AS FLOAT))")))
 
 
 def _error_column(n_features: Optional[int], n_labels: Optional[int]):
@@ -127,6 +129,7 @@ def _finish(df: DataFrame, normalize: bool) -> DataFrame:
         for b in batches:
             t = pa.Table.from_batches([b])
             yield from finish_batch(t, normalize).to_batches()
+            worker_progress("ingest", rows=t.num_rows)
 
     if "weight" not in df.columns:
         df = df.withColumn("weight", F.lit(1.0).cast("float"))

@@ -29,7 +29,7 @@ def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
             [pa.array(np.repeat(ids, ok.sum(axis=1))), pa.array(leaves[ok]),
              pa.array(scores[ok].astype(np.float32))], names=["sample_id", "leaf", "score"])
 
-    return map_with_model(samples, model, match, MATCHER_SCHEMA)
+    return map_with_model(samples, model, match, MATCHER_SCHEMA, kind="matcher")
 
 
 def project(samples: DataFrame, matched: DataFrame, current: DataFrame, lam: int, n_buckets: int = 8) -> DataFrame:

@@ -13,6 +13,7 @@ from ..kernels.sparse import append_bias
 from ..kernels.tree import TreeIndex
 from ..model import train_group
 from ..params import TrainParams
+from ..progress import worker_progress
 from ..schemas import WEIGHTS_SCHEMA
 
 log = logging.getLogger("xmc_spark.train")
@@ -54,6 +55,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
         lw = list_offsets_values(t, "label_weight")[1] if weighted else None
         is_leaf, children, W = train_group(ix, group, X, off, labels, params, weights, lw)
         idx, val = csr_rows_to_arrays(W.T.tocsr())
+        worker_progress("train", nodes=1, classifiers=len(children), node_samples=X.shape[0])
         return pa.table({"is_leaf": pa.array(np.full(len(children), is_leaf)),
                          "key": pa.array(np.asarray(children, np.int64)), "w_idx": idx, "w_val": val})
 

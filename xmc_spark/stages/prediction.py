@@ -7,10 +7,11 @@ from pyspark.sql import DataFrame
 
 from ..arrow_utils import csr_from_table, list_array
 from ..model import XMCModel
+from ..progress import worker_progress
 from ..schemas import PREDICTIONS_SCHEMA
 
 
-def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str) -> DataFrame:
+def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind: str = "predict") -> DataFrame:
     """Broadcast ``model`` once and call ``score(model, table, X)`` on every Arrow batch."""
     model.layers()  # build once on the driver, ship with the broadcast
     bmodel = samples.sparkSession.sparkContext.broadcast(model)
@@ -21,6 +22,7 @@ def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str) -> D
         for b in batches:
             t = pa.Table.from_batches([b])
             yield score(m, t, csr_from_table(t, "feature_idx", "feature_val", n_features))
+            worker_progress(kind, rows_scored=t.num_rows)
 
     return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(fn, schema)
 

@@ -1,0 +1,79 @@
+"""Faults: a task that fails on its first attempt is retried by Spark and the result is the same;
+a write whose tasks keep failing leaves the previous table version intact.
+
+The test session runs on ``local[2,2]``: every task may be attempted twice (spark.task.maxFailures).
+"""
+import json
+import sys
+
+import numpy as np
+import pytest
+from pyspark import TaskContext
+from pyspark import cloudpickle
+
+from tests.conftest import random_problem, write_xc
+from xmc_spark import pipeline
+from xmc_spark.params import PipelineParams
+from xmc_spark.stages import ingest, node_training, prediction
+from xmc_spark.storage import read_delta, table_version
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the injected functions travel to the workers
+
+
+def _first_attempt_fails(fn, marker):
+    def flaky(*args, **kwargs):
+        tc = TaskContext.get()
+        if tc is not None and tc.attemptNumber() == 0 and tc.partitionId() == 0:
+            with open(marker, "a") as f:
+                f.write(f"{tc.stageId()}:{tc.partitionId()}\n")
+            raise RuntimeError("injected failure on the first attempt")
+        return fn(*args, **kwargs)
+    return flaky
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults")
+    X, Y = random_problem(n=160, d=40, L=12, seed=5)
+    write_xc(d / "train.txt", X[:120], Y[:120])
+    write_xc(d / "test.txt", X[120:], Y[120:])
+    return d
+
+
+def _run(spark, d, out):
+    params = PipelineParams().set_dotted("tree.max_leaf_size", 4).set_dotted("mlflow.enabled", False)
+    m = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(out), params)
+    w = sorted((r["is_leaf"], r["key"], tuple(r["w_idx"]), tuple(np.round(r["w_val"], 6)))
+               for r in read_delta(spark, str(out / "tables" / "weights")).collect())
+    return m, w
+
+
+def test_retried_tasks_give_the_same_model_and_metrics(spark, data, tmp_path, monkeypatch):
+    assert spark.sparkContext.master == "local[2,2]"
+    clean_m, clean_w = _run(spark, data, tmp_path / "clean")
+    marker = tmp_path / "failures.txt"
+    # node training and beam-search prediction each lose their first task attempt
+    monkeypatch.setattr(node_training, "train_group", _first_attempt_fails(node_training.train_group, marker))
+    monkeypatch.setattr(prediction, "worker_progress", _first_attempt_fails(prediction.worker_progress, marker))
+    faulty_m, faulty_w = _run(spark, data, tmp_path / "faulty")
+    failures = marker.read_text().splitlines()
+    assert len(failures) >= 2, failures                 # the faults did happen (train, predict)
+    assert faulty_w == clean_w
+    for k in ("p@1", "p@3", "p@5", "ndcg@5", "psp@3", "depth@1"):
+        assert faulty_m[k] == clean_m[k], k
+
+
+def test_a_write_whose_tasks_keep_failing_leaves_the_table(spark, data, tmp_path, monkeypatch):
+    from xmc_spark.params import IngestParams
+    out = str(tmp_path / "tbl")
+    ingest.run(spark, str(data / "train.txt"), out, IngestParams())
+    v, before = table_version(spark, out), sorted(read_delta(spark, out).collect())
+
+    def always(*a, **k):
+        raise RuntimeError("injected failure on every attempt")
+
+    monkeypatch.setattr(ingest, "finish_batch", always)
+    with pytest.raises(Exception, match="injected failure on every attempt"):
+        ingest.run(spark, str(data / "test.txt"), out, IngestParams())
+    assert table_version(spark, out) == v
+    assert sorted(read_delta(spark, out).collect()) == before

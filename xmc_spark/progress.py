@@ -1,0 +1,93 @@
+"""Progress of long stages, in the driver's log and the executors' logs.
+
+- Driver: while a pipeline stage runs, a daemon thread polls Spark's status tracker every
+  ``spark.progress_seconds`` and logs the running Spark stages' task counts
+  ("train: Spark stage 41: 5/8 tasks done, 2 running"), so a terminal, the spark-submit
+  driver log and the Airflow task log all show that work is moving.
+- Executors: kernels call :func:`worker_progress` with counts (rows scored, labels trained);
+  each Python worker logs its running totals to its stderr (the executor log; the terminal in
+  local mode) on the first call and then at most every 30 s (executor environment variable
+  ``XMC_SPARK_PROGRESS_SECONDS``, e.g. ``spark.executorEnv.XMC_SPARK_PROGRESS_SECONDS``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Dict
+
+log = logging.getLogger("xmc_spark.progress")
+
+INTERVAL_ENV = "XMC_SPARK_PROGRESS_SECONDS"
+
+
+@contextmanager
+def spark_progress(label: str, interval: float):
+    """Log the task progress of running Spark stages every ``interval`` s while the block runs."""
+    from pyspark import SparkContext
+    sc = SparkContext._active_spark_context
+    if sc is None or interval <= 0:
+        yield
+        return
+    stop = threading.Event()
+
+    def poll():
+        tracker = sc.statusTracker()
+        while not stop.wait(interval):
+            try:
+                for sid in sorted(tracker.getActiveStageIds()):
+                    info = tracker.getStageInfo(sid)
+                    if info is not None and info.numTasks:
+                        log.info("%s: Spark stage %d: %d/%d tasks done, %d running", label, sid,
+                                 info.numCompletedTasks, info.numTasks, info.numActiveTasks)
+            except Exception:   # noqa: BLE001 - the context is stopping: reporting is best effort
+                return
+
+    t = threading.Thread(target=poll, name=f"xmc-progress-{label}", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=5)
+
+
+_totals: Dict[str, Dict[str, int]] = {}
+_last: Dict[str, float] = {}
+_worker_log = None
+
+
+def _get_worker_log() -> logging.Logger:
+    global _worker_log
+    if _worker_log is None:
+        _worker_log = logging.getLogger("xmc_spark.task")
+        if not _worker_log.handlers:
+            h = logging.StreamHandler(sys.stderr)
+            h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            _worker_log.addHandler(h)
+            _worker_log.setLevel(logging.INFO)
+            _worker_log.propagate = False
+    return _worker_log
+
+
+def worker_progress(kind: str, **counts: int) -> None:
+    """Add ``counts`` to this worker's totals for ``kind``; log them on the first call and then
+    at most once per interval (``XMC_SPARK_PROGRESS_SECONDS``, default 30)."""
+    tot = _totals.setdefault(kind, {})
+    for k, v in counts.items():
+        tot[k] = tot.get(k, 0) + int(v)
+    now = time.monotonic()
+    interval = float(os.environ.get(INTERVAL_ENV, "30"))
+    if kind not in _last or now - _last[kind] >= interval:
+        _last[kind] = now
+        try:
+            from pyspark import TaskContext
+            tc = TaskContext.get()
+            where = f" (partition {tc.partitionId()}, attempt {tc.attemptNumber()})" if tc else ""
+        except Exception:  # noqa: BLE001
+            where = ""
+        _get_worker_log().info("%s: %s so far in worker %d%s", kind,
+                               ", ".join(f"{v} {k}" for k, v in tot.items()), os.getpid(), where)
