@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     from . import __version__
     from .session import get_spark
     log.info("xmc-spark %s (%s): %s", __version__, __file__.rsplit("/", 2)[0], args.cmd)
+    from pyspark.sql import SparkSession
+    owner = SparkSession.getActiveSession() is None     # stop only a session this call started
     spark = get_spark(params.spark)
     try:
         if args.cmd == "run":
@@ -143,7 +145,8 @@ def main(argv=None) -> int:
         print(f"xmc-spark: error: {e}", file=sys.stderr)
         return 2
     finally:
-        spark.stop()
+        if owner:
+            spark.stop()
     return 0
 
 

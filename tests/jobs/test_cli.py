@@ -1,4 +1,5 @@
-"""The real CLI end to end (subprocesses: a fresh JVM each, as a user would run it)."""
+"""The real CLI end to end: subprocesses (a fresh JVM each, as a user runs it) for the bibtex run,
+exit codes and params; main() in this process on the test session for the longer commands."""
 import json
 import os
 import subprocess
@@ -22,7 +23,14 @@ def _spark_fast():
             ' "spark.databricks.delta.snapshotPartitions": "2"}']
 
 
-def test_run_and_predict_on_bibtex(bibtex, tmp_path):
+def main_in_process(*args):
+    """The CLI's main() in this process, on the test session (which it leaves running): for
+    tests that exercise a command's logic rather than the process (those use ``cli``)."""
+    from xmc_spark.cli import main
+    return main(list(args))
+
+
+def test_run_and_predict_on_bibtex(bibtex, tmp_path, spark):
     out = tmp_path / "run"
     conf = tmp_path / "env.yaml"          # a secret from the environment: used, never logged
     conf.write_text("spark:\n  app_name: xmc-${XMC_TEST_TOKEN}\n")
@@ -57,9 +65,8 @@ def test_run_and_predict_on_bibtex(bibtex, tmp_path):
     assert version.run_id == run.info.run_id
 
     # predict with the saved model reproduces the run's metrics
-    r2 = cli("predict", "--model", str(out / "model"), "--data", str(bibtex / "test.txt"), "--out",
-             str(tmp_path / "pred"), "--set", "mlflow.enabled=false", *_spark_fast(), cwd=tmp_path)
-    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert main_in_process("predict", "--model", str(out / "model"), "--data", str(bibtex / "test.txt"), "--out",
+                           str(tmp_path / "pred"), "--set", "mlflow.enabled=false") == 0
     pm = json.loads((tmp_path / "pred" / "metrics.json").read_text())
     assert pm["p@1"] == pytest.approx(m["p@1"]) and pm["p@5"] == pytest.approx(m["p@5"])
 
@@ -85,17 +92,16 @@ def test_params_skeleton_round_trips(tmp_path):
     assert r2.returncode == 0 and "max_leaf_size: 7" in r2.stdout
 
 
-def test_run_with_overlapping_clusters(tmp_path):
+def test_run_with_overlapping_clusters(tmp_path, spark):
     from tests.conftest import random_problem, write_xc
 
     X, Y = random_problem(n=300, d=60, L=30, seed=11)
     write_xc(tmp_path / "train.txt", X[:240], Y[:240])
     write_xc(tmp_path / "test.txt", X[240:], Y[240:])
     out = tmp_path / "run"
-    r = cli("run", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"), "--out", str(out),
-            "--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4", "--set", "clusters.lam=2",
-            "--set", "clusters.beam_size=2", *_spark_fast(), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert main_in_process("run", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"),
+                           "--out", str(out), "--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4",
+                           "--set", "clusters.lam=2", "--set", "clusters.beam_size=2") == 0
     m = json.loads((out / "metrics.json").read_text())
     assert {"clusters", "retrain"} <= set(m["seconds"])
     assert m["n_labels"] <= m["n_slots"] <= 2 * m["n_labels"] and m["copies_per_label_max"] <= 2
@@ -103,7 +109,7 @@ def test_run_with_overlapping_clusters(tmp_path):
     assert (out / "tables" / "clusters" / "_delta_log").is_dir()
 
 
-def test_sweep_over_lambda_with_nested_mlflow_runs(tmp_path):
+def test_sweep_over_lambda_with_nested_mlflow_runs(tmp_path, spark):
     from tests.conftest import random_problem, write_xc
 
     X, Y = random_problem(n=300, d=60, L=40, seed=5)
@@ -111,11 +117,11 @@ def test_sweep_over_lambda_with_nested_mlflow_runs(tmp_path):
     write_xc(tmp_path / "test.txt", X[240:], Y[240:])
     out = tmp_path / "sweep"
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
-    r = cli("sweep", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"), "--out", str(out),
-            "--values", "0,1000", "--set", "tree.max_leaf_size=3", "--set", "tree.f_tilde=greedy",
-            "--set", "predict.search=adaptive", "--set", f"mlflow.tracking_uri={uri}",
-            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts", *_spark_fast(), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert main_in_process("sweep", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"),
+                           "--out", str(out), "--values", "0,1000", "--set", "tree.max_leaf_size=3",
+                           "--set", "tree.f_tilde=greedy", "--set", "predict.search=adaptive",
+                           "--set", f"mlflow.tracking_uri={uri}", "--set", "mlflow.log_model=false",
+                           "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts") == 0
     res = json.loads((out / "sweep.json").read_text())
     assert [x["value"] for x in res] == ["0", "1000"]
     balanced, fano = res
@@ -138,24 +144,22 @@ def test_sweep_over_lambda_with_nested_mlflow_runs(tmp_path):
     assert {"sweep.json", "sweep.png"} <= arts
 
 
-def test_make_groups_then_run_eagle(tmp_path):
+def test_make_groups_then_run_eagle(tmp_path, spark):
     from tests.conftest import random_problem, write_xc
 
     X, Y = random_problem(n=400, d=60, L=12, seed=9)
     write_xc(tmp_path / "train.txt", X[:320], Y[:320])
     write_xc(tmp_path / "test.txt", X[320:], Y[320:])
-    r = cli("make-groups", "--train", str(tmp_path / "train.txt"), "--strategy", "random", "--group-size", "4",
-            "--out", str(tmp_path / "r4"), *_spark_fast(), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert main_in_process("make-groups", "--train", str(tmp_path / "train.txt"), "--strategy", "random",
+                           "--group-size", "4", "--out", str(tmp_path / "r4")) == 0
     info = json.loads((tmp_path / "r4" / "info.json").read_text())
     assert info["n_groups"] == 80 and info["group_size_min"] == info["group_size_max"] == 4
     out = tmp_path / "run"
-    r = cli("run", "--train", str(tmp_path / "r4"), "--test", str(tmp_path / "test.txt"), "--out", str(out),
-            "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
-            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts", "--set", "mlflow.log_model=false",
-            "--set", "eagle.mode=soft", "--set", "eagle.tau=10",
-            "--set", "tree.max_leaf_size=4", *_spark_fast(), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert main_in_process("run", "--train", str(tmp_path / "r4"), "--test", str(tmp_path / "test.txt"),
+                           "--out", str(out), "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+                           "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts",
+                           "--set", "mlflow.log_model=false", "--set", "eagle.mode=soft", "--set", "eagle.tau=10",
+                           "--set", "tree.max_leaf_size=4") == 0
     m = json.loads((out / "metrics.json").read_text())
     assert {"ingest", "eagle", "ingest_test", "train"} <= set(m["seconds"])
     assert m["n_train"] == 320 and m["n_groups"] == 80 and m["eagle.mode"] == "soft"
