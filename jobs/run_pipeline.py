@@ -1,10 +1,10 @@
 """spark-submit entry point for the whole pipeline.
 
-    spark-submit --py-files xmc_spark.zip jobs/run_pipeline.py \
-        --train s3://bucket/train.txt --test s3://bucket/test.txt --out s3://bucket/runs/2026-11-25 \
-        --config conf/local.yaml --set spark.master=
+    spark-submit --py-files xmc_spark-0.1.0-py3-none-any.whl jobs/run_pipeline.py \
+        --train /data/train.txt --test /data/test.txt --out /data/runs/2026-11-25 --config conf/emr.yaml
 
-All arguments are those of ``xmc-spark run``; no algorithm code lives here.
+All arguments are those of ``xmc-spark run`` (spark-submit's --master and --packages win over the
+config's); no algorithm code lives here. The per-stage jobs are jobs/<stage>.py.
 """
 import sys
 

@@ -19,7 +19,8 @@ evaluate    ``predictions``, ``test``, ``train``        ``metrics``
 Every stage also writes its row of ``stage_info`` (sizes, facts, seconds) that later stages
 read. A rerun of a stage for the same key replaces its own partitions in one Delta commit
 each; a stage that fails leaves the tables as they were. All stages of one key log into one
-MLflow run (tag ``xmc_spark.run_key``), with the Delta version of every table they read.
+MLflow run (tag ``xmc_spark.run_key``), with the Delta version of every table they read (tags
+``table_version.<stage>.<table>``).
 ``stage all`` runs the six in order in one process.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pyspark.sql import functions as F
 
 from . import pipeline
 from .params import ConfigError, PipelineParams
-from .stages import aggregated, evaluation
+from .stages import aggregated, evaluation, label_clusters
 from .storage import StageOrderError, Tables
 from .tracking import Tracker
 
@@ -43,6 +44,10 @@ log = logging.getLogger("xmc_spark.stage")
 
 STAGES = ("ingest", "eagle", "tree", "train", "predict", "evaluate")
 # the config sections each stage depends on (logged as that stage's MLflow params)
+# the tables each stage writes (partition run_key = KEY)
+OUTPUTS = {"ingest": ("train", "test"), "eagle": ("train", "eagle_embeddings"), "tree": ("label_embeddings", "tree"),
+           "train": ("weights", "slots", "matcher", "clusters"), "predict": ("predictions",),
+           "evaluate": ("metrics",)}
 SECTIONS = {"ingest": ("ingest",), "eagle": ("eagle",), "tree": ("embedding", "tree"),
             "train": ("train", "clusters", "predict"), "predict": ("predict",), "evaluate": ("eval",)}
 
@@ -52,7 +57,8 @@ def _is_local(root: str) -> bool:
 
 
 class StageRun:
-    """One stage for one run key: its tables, recorded facts and MLflow run."""
+    """One stage for one run key: its tables (inputs pinned to the versions the upstream stages
+    recorded), the facts it records, its MLflow run."""
 
     def __init__(self, spark, name: str, run_key: str, params: PipelineParams, root: Optional[str] = None):
         if name not in STAGES:
@@ -61,28 +67,39 @@ class StageRun:
         self.root = (root or params.paths.root).rstrip("/")
         self.tables = Tables(spark, f"{self.root}/tables", run_key)
         self.timer = pipeline.StageTimer(params.spark.progress_seconds)
-        self.read_versions: Dict[str, int] = {}
+        self._infos: Dict[str, Dict] = {}
+        if self.tables.exists("stage_info"):
+            for r in self.tables.read("stage_info").select("stage", "info").collect():
+                self._infos[r["stage"]] = json.loads(r["info"])
+        for upstream in STAGES[:STAGES.index(name)]:          # later producers win (eagle's train)
+            self.tables.pins.update(self._infos.get(upstream, {}).get("tables", {}))
+        self.tables.reads.clear()
+        self._before = {t: self._version(t) for t in OUTPUTS[name]}
+
+    def _version(self, table: str) -> Optional[int]:
+        return self.tables.version(table) if self.tables.exists(table) else None
 
     def info(self, stage: str) -> Dict:
         """Facts stage ``stage`` recorded for this run key (raises if it has not run)."""
-        rows = []
-        if self.tables.exists("stage_info"):
-            rows = self.tables.read("stage_info").filter(F.col("stage") == stage).select("info").collect()
-        if not rows:
+        if stage not in self._infos:
             raise StageOrderError(f"stage '{self.name}' needs the output of stage '{stage}' for run key "
                                   f"{self.run_key} under {self.root}: run `xmc-spark stage {stage}` first")
-        return json.loads(rows[0]["info"])
+        return self._infos[stage]
 
     def read(self, name: str):
-        """A table of this run key, recording the Delta version read (for reproducibility)."""
-        self.read_versions[name] = self.tables.version(name)
         return self.tables.read(name)
 
     def record(self, info: Dict) -> None:
+        """The stage's commit point: its facts and the versions of the tables it wrote, in one
+        Delta commit that also drops the records of the stages after it (they must rerun on the
+        new output). Until this commit, readers see the previous run's versions."""
+        written = {t: v for t in OUTPUTS[self.name] if (v := self._version(t)) is not None and v != self._before[t]}
+        info = {**info, "tables": written}
         row = self.spark.createDataFrame(
             [(self.name, json.dumps(info), float(self.timer.total()["total"]))],
             "stage string, info string, seconds double")
-        self.tables.write("stage_info", row, where=f"stage = '{self.name}'")
+        later = ", ".join(f"'{s}'" for s in STAGES[STAGES.index(self.name):])
+        self.tables.write("stage_info", row, where=f"stage IN ({later})")
 
 
 def run_stage(spark, name: str, run_key: str, params: PipelineParams, train: Optional[str] = None,
@@ -92,12 +109,15 @@ def run_stage(spark, name: str, run_key: str, params: PipelineParams, train: Opt
     log.info("stage %s for run key %s under %s", name, run_key, st.root)
     tracker = Tracker(params.mlflow)
     logged = {k: v for k, v in params.flat().items() if k.split(".")[0] in SECTIONS[name]}
+    if name == "ingest":
+        logged.update({"input.train": train or "", "input.test": test or ""})
     with tracker.run_for_key(run_key, st.root, logged):
         info = _STAGE_FUNCS[name](st, train, test, tracker)
         st.record(info)
         seconds = {k: v for k, v in st.timer.total().items() if k != "total"}
         tracker.log_metrics({**seconds, name: st.timer.total()["total"]}, prefix="seconds.")
-        tracker.log_params({f"table_version.{name}.{t}": v for t, v in st.read_versions.items()})
+        # tags, not params: a rerun of the stage reads newer versions into the same MLflow run
+        tracker.set_tags({f"table_version.{name}.{t}": str(v) for t, v in st.tables.reads.items()})
         tracker.log_configs(config_path)
     info["seconds"] = st.timer.total()["total"]
     if tracker.run_id:
@@ -127,7 +147,6 @@ def _ingest(st: StageRun, train, test, tracker) -> Dict:
     out = {"train": train, "test": test, "aggregated": agg_stats is not None, "n_train": info.n_samples,
            "n_features": info.n_features, "n_labels": info.n_labels,
            "n_test": tinfo.n_samples if tinfo else None, **(agg_stats or {})}
-    tracker.log_params({"input.train": train, "input.test": test or ""})
     tracker.log_metrics({k: v for k, v in out.items() if k.startswith("n_") and v is not None})
     return out
 
@@ -164,7 +183,7 @@ def _train(st: StageRun, train, test, tracker) -> Dict:
     model.meta.update({"train": ing["train"], "n_train": ing["n_train"], "run_key": st.run_key})
     model.label_counts = evaluation.label_counts(samples, ing["n_labels"])
     info = {"tree_depth": int(model.index.depth), "n_leaves": int(len(model.index.leaves)),
-            **pipeline.label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
+            **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
     tracker.log_metrics(info)
     tmp = Path(tempfile.mkdtemp(prefix="xmc-model-"))
     try:
@@ -181,9 +200,7 @@ def _train(st: StageRun, train, test, tracker) -> Dict:
 
 
 def _model(st: StageRun, ing: Dict):
-    model = pipeline.model_from_tables(st.tables, ing["n_features"], ing["n_labels"], st.params)
-    st.read_versions.update({"slots": st.tables.version("slots"), "weights": st.tables.version("weights")})
-    return model
+    return pipeline.model_from_tables(st.tables, ing["n_features"], ing["n_labels"], st.params)
 
 
 def _predict(st: StageRun, train, test, tracker) -> Dict:
@@ -192,7 +209,6 @@ def _predict(st: StageRun, train, test, tracker) -> Dict:
         raise ConfigError(f"stage predict: run key {st.run_key} was ingested without --test")
     model = _model(st, ing)
     with st.timer.stage("predict"):
-        st.read_versions["test"] = st.tables.version("test")
         pipeline.predict_table(st.tables, model, st.params)
     return {"n_test": ing["n_test"]}
 
@@ -202,7 +218,6 @@ def _evaluate(st: StageRun, train, test, tracker) -> Dict:
     model = _model(st, ing)
     model.label_counts = evaluation.label_counts(st.read("train"), ing["n_labels"])
     with st.timer.stage("evaluate"):
-        st.read_versions.update({t: st.tables.version(t) for t in ("predictions", "test")})
         metrics = pipeline.evaluate_table(st.tables, model, ing["n_train"], st.params)
     rows = st.spark.createDataFrame(sorted(metrics.items()), "metric string, value double")
     st.tables.write("metrics", rows)

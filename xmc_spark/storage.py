@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -61,8 +61,13 @@ def write_delta(df: DataFrame, path: str, run_key: Optional[str] = None, where: 
     log.info("wrote %s [%s]", path, cond)
 
 
-def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None) -> DataFrame:
-    df = spark.read.format("delta").load(path)
+def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
+               version: Optional[int] = None) -> DataFrame:
+    """A Delta table (at ``version``, Delta time travel, when given), one run key's rows."""
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", int(version))
+    df = reader.load(path)
     if run_key is None:
         return df
     return df.filter(F.col(RUN_KEY) == check_run_key(run_key)).drop(RUN_KEY)
@@ -74,12 +79,21 @@ def table_version(spark: SparkSession, path: str) -> int:
 
 
 class Tables:
-    """The named Delta tables of one run: ``ROOT/<name>``, optionally one run key's partition."""
+    """The named Delta tables of one run: ``ROOT/<name>``, optionally one run key's partition.
 
-    def __init__(self, spark: SparkSession, root, run_key: Optional[str] = None):
+    ``pins`` maps table names to the Delta version to read (the version an upstream stage
+    recorded when it finished), so a stage reads its inputs as the last *successful* run of the
+    stage that produced them left them, even if a later run of that stage failed half-way;
+    ``reads`` records the version of every table read (for MLflow).
+    """
+
+    def __init__(self, spark: SparkSession, root, run_key: Optional[str] = None,
+                 pins: Optional[Dict[str, int]] = None):
         self.spark = spark
         self.root = str(root).rstrip("/")
         self.run_key = check_run_key(run_key) if run_key is not None else None
+        self.pins: Dict[str, int] = dict(pins or {})
+        self.reads: Dict[str, int] = {}
         if "://" not in self.root and not self.root.startswith("dbfs:"):
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
@@ -88,9 +102,13 @@ class Tables:
 
     def write(self, name: str, df: DataFrame, where: Optional[str] = None) -> None:
         write_delta(df, self.path(name), self.run_key, where)
+        self.pins.pop(name, None)                 # this run's own output from now on
 
     def read(self, name: str) -> DataFrame:
-        return read_delta(self.spark, self.path(name), self.run_key)
+        version = self.pins.get(name)
+        if self.run_key is not None:
+            self.reads[name] = version if version is not None else self.version(name)
+        return read_delta(self.spark, self.path(name), self.run_key, version)
 
     def version(self, name: str) -> int:
         return table_version(self.spark, self.path(name))

@@ -63,9 +63,34 @@ def test_all_stages_share_one_mlflow_run_with_table_versions(env):
     assert run.data.tags["xmc_spark.run_key"] == K1
     assert run.data.params["tree.max_leaf_size"] == "4" and run.data.params["input.train"].endswith("train.txt")
     assert {"table_version.tree.train", "table_version.train.tree", "table_version.predict.weights",
-            "table_version.evaluate.predictions"} <= set(run.data.params)
+            "table_version.evaluate.predictions"} <= set(run.data.tags)
     assert run.data.metrics["p_at_1"] == pytest.approx(res["evaluate"]["p@1"])
     assert {"seconds.ingest", "seconds.tree", "seconds.train", "seconds.evaluate"} <= set(run.data.metrics)
+
+
+def test_a_stage_failing_half_way_leaves_later_stages_on_the_last_good_output(env, spark, monkeypatch):
+    d, params, res = env
+    tables = Tables(spark, d / "root" / "tables", K1)
+    before = sorted(tables.read("predictions").collect())
+    weights_v = tables.version("weights")
+    write = Tables.write
+
+    def crash_before_slots(self, name, df, where=None):
+        if name == "slots":
+            raise RuntimeError("crash after the weights, before the slots")
+        return write(self, name, df, where)
+
+    monkeypatch.setattr(Tables, "write", crash_before_slots)
+    with pytest.raises(RuntimeError, match="crash after the weights"):
+        stage_jobs.run_stage(spark, "train", K1, params.set_dotted("train.C", 0.01))   # different weights
+    monkeypatch.undo()
+    assert tables.version("weights") > weights_v          # the failed run did overwrite the weights partition
+    # predict reads the weights at the version the last successful train stage recorded
+    info = stage_jobs.run_stage(spark, "predict", K1, params)
+    assert sorted(tables.read("predictions").collect()) == before
+    import mlflow
+    mlflow.set_tracking_uri(params.mlflow.tracking_uri)
+    assert mlflow.get_run(info["mlflow_run_id"]).data.tags["table_version.predict.weights"] == str(weights_v)
 
 
 def test_rerun_replaces_only_its_key_and_a_failed_stage_leaves_the_table(env, spark):
