@@ -12,6 +12,9 @@ log = logging.getLogger("xmc_spark")
 DELTA_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    # pandas <-> Spark through Arrow (Spark 3.5's default is off; its row path rejects numpy
+    # scalars inside list columns)
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
 }
 
 
