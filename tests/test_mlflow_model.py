@@ -79,3 +79,19 @@ print(json.dumps({{"ids": out["sample_id"].tolist(), "labels": [list(map(int, x)
     assert got["ids"] == list(range(100, 140))
     assert got["labels"] == [list(map(int, x)) for x in want["labels"]]
     np.testing.assert_allclose(np.concatenate(got["scores"]), np.concatenate(want["scores"]), rtol=1e-6)
+
+
+def test_package_source_from_a_folder_and_from_a_wheel(tmp_path):
+    import zipfile
+    import xmc_spark
+    from xmc_spark.mlflow_model import package_source
+    here = Path(xmc_spark.__file__).parent
+    assert package_source(str(here / "mlflow_model.py"), str(tmp_path)) == str(here.resolve())
+    whl = tmp_path / "xmc_spark-0.1.0-py3-none-any.whl"       # as under spark-submit --py-files
+    with zipfile.ZipFile(whl, "w") as z:
+        for f in here.rglob("*.py"):
+            z.write(f, "xmc_spark/" + f.relative_to(here).as_posix())
+    out = Path(package_source(str(whl / "xmc_spark" / "mlflow_model.py"), str(tmp_path / "x")))
+    assert out == tmp_path / "x" / "xmc_spark"
+    assert (out / "mlflow_model.py").read_bytes() == (here / "mlflow_model.py").read_bytes()
+    assert (out / "kernels" / "beam_search.py").is_file()

@@ -12,6 +12,9 @@ Optional inference params: ``topk``, ``beam_size``.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -68,6 +71,26 @@ def score_frame(model, frame: pd.DataFrame, topk: Optional[int] = None, beam_siz
     return out
 
 
+def package_source(module_file: str, tmp: str) -> str:
+    """The folder of the xmc_spark package, for MLflow's ``code_paths``. Imported from a wheel
+    or zip (``spark-submit --py-files``) the package is not a folder: its files are extracted
+    into ``tmp`` first."""
+    pkg = Path(module_file).parent
+    if pkg.is_dir():
+        return str(pkg.resolve())
+    archive = next((p for p in pkg.parents if p.is_file()), None)
+    if archive is None or not zipfile.is_zipfile(archive):
+        raise FileNotFoundError(f"cannot find the xmc_spark package files at {pkg}")
+    inner = pkg.relative_to(archive).as_posix().rstrip("/") + "/"
+    with zipfile.ZipFile(archive) as z:
+        members = [n for n in z.namelist() if n.startswith(inner) and not n.endswith("/")]
+        for n in members:
+            dest = Path(tmp) / "xmc_spark" / n[len(inner):]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(z.read(n))
+    return str(Path(tmp) / "xmc_spark")
+
+
 def _python_model_class():
     import mlflow.pyfunc
 
@@ -104,7 +127,8 @@ def log_model(model_dir: str, registered_model: str = "", alias: str = "", name:
     signature = ModelSignature(    # sample_id is optional: it (like any extra column) passes through
         inputs=Schema([ColSpec(c.type, c.name, required=c.name != "sample_id") for c in signature.inputs.inputs]),
         outputs=signature.outputs, params=signature.params)
-    pkg = str(Path(__file__).resolve().parent)
+    tmp = tempfile.mkdtemp(prefix="xmc-code-")
+    pkg = package_source(__file__, tmp)
     import inspect
     where = {"name": name} if "name" in inspect.signature(mlflow.pyfunc.log_model).parameters \
         else {"artifact_path": name}                      # MLflow 2.x
@@ -115,6 +139,7 @@ def log_model(model_dir: str, registered_model: str = "", alias: str = "", name:
                           f"pandas=={pd.__version__}", f"pyarrow=={pa.__version__}",
                           f"numba=={__import__('numba').__version__}", f"pyyaml=={__import__('yaml').__version__}",
                           f"mlflow=={mlflow.__version__}"])
+    shutil.rmtree(tmp, ignore_errors=True)
     version = None
     if registered_model:
         mv = mlflow.register_model(info.model_uri, registered_model)

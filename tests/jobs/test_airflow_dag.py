@@ -91,3 +91,29 @@ def test_airflow_built_spark_submit_runs_the_ingest_job_from_the_wheel(tmp_path,
     from xmc_spark.storage import read_delta
     assert read_delta(spark, str(tmp_path / "runs" / "pipeline" / "tables" / "train"), DS).count() == 30
     assert read_delta(spark, str(tmp_path / "runs" / "pipeline" / "tables" / "test"), DS).count() == 10
+
+
+def test_spark_submit_runs_the_whole_pipeline_from_the_wheel(tmp_path, wheel):
+    """jobs/run_pipeline.py under spark-submit --py-files wheel: every stage, and the pyfunc
+    model logged from code that lives inside the wheel."""
+    from xmc_spark.session import delta_package
+    X, Y = random_problem(n=90, d=20, L=6, seed=2)
+    write_xc(tmp_path / "train.txt", X[:70], Y[:70])
+    write_xc(tmp_path / "test.txt", X[70:], Y[70:])
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [str(Path(sys.executable).parent / "spark-submit"), "--master", "local[2]", "--packages", delta_package(),
+           "--py-files", str(wheel), str(ROOT / "jobs" / "run_pipeline.py"),
+           "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"), "--out", str(tmp_path / "out"),
+           "--set", "tree.max_leaf_size=3", "--set", f"mlflow.tracking_uri={uri}",
+           "--set", f"mlflow.artifact_location={tmp_path}/artifacts",
+           "--set", "spark.conf={\"spark.sql.shuffle.partitions\": \"2\", \"spark.ui.showConsoleProgress\": \"false\"}"]
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert f"({wheel})" in r.stdout + r.stderr
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["n_train"] == 70 and m["n_test"] == 20 and m["p@1"] > 0
+    import mlflow
+    mlflow.set_tracking_uri(uri)
+    assert mlflow.MlflowClient().get_model_version_by_alias("xmc-spark", "candidate").run_id == m["mlflow_run_id"]
