@@ -74,6 +74,18 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
 
 
 def table_version(spark: SparkSession, path: str) -> int:
+    """The latest committed version of a Delta table: the highest ``_delta_log/NNN.json``, found
+    with one file-system listing (no Spark job); Delta's history as the fallback."""
+    try:
+        jvm = spark.sparkContext._jvm
+        log_dir = jvm.org.apache.hadoop.fs.Path(path.rstrip("/") + "/_delta_log")
+        fs = log_dir.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+        names = [st.getPath().getName() for st in fs.listStatus(log_dir)]
+        versions = [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
+        if versions:
+            return max(versions)
+    except Exception:  # noqa: BLE001 - no JVM access (Spark Connect) or an unusual store
+        pass
     from delta.tables import DeltaTable
     return int(DeltaTable.forPath(spark, path).history(1).select("version").first()[0])
 
