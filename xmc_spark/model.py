@@ -212,9 +212,7 @@ class XMCModel:
 
     def label_depth(self) -> np.ndarray:
         """Depth of each label's deepest leaf (for expected depth@k)."""
-        d = np.zeros(self.n_labels, dtype=np.int64)
-        np.maximum.at(d, self.index.slot_label, self.index.slot_depth)
-        return d
+        return self.index.label_depth()
 
     # ---- persistence -----------------------------------------------------------------
     def save(self, folder: str) -> None:

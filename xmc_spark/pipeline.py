@@ -221,10 +221,10 @@ def predict_table(tables: Tables, model: XMCModel, params: PipelineParams, sourc
                                                params.predict.topk))
 
 
-def evaluate_table(tables: Tables, model: XMCModel, n_train: int, params: PipelineParams,
+def evaluate_table(tables: Tables, label_counts, label_depth, n_train: int, params: PipelineParams,
                    source: str = "test") -> Dict[str, float]:
-    m = evaluation.run(tables.read("predictions"), tables.read(source), model.label_counts, n_train, params.eval,
-                       label_depth=model.label_depth())
+    m = evaluation.run(tables.read("predictions"), tables.read(source), label_counts, n_train, params.eval,
+                       label_depth=label_depth)
     return {k: round(v, 4) for k, v in m.items()}
 
 

@@ -86,9 +86,6 @@ class StageRun:
                                   f"{self.run_key} under {self.root}: run `xmc-spark stage {stage}` first")
         return self._infos[stage]
 
-    def read(self, name: str):
-        return self.tables.read(name)
-
     def record(self, info: Dict) -> None:
         """The stage's commit point: its facts and the versions of the tables it wrote, in one
         Delta commit that also drops the records of the stages after it (they must rerun on the
@@ -167,7 +164,7 @@ def _eagle(st: StageRun, train, test, tracker) -> Dict:
 
 def _tree(st: StageRun, train, test, tracker) -> Dict:
     ing = st.info("ingest")
-    samples = st.read("train")
+    samples = st.tables.read("train")
     counts = evaluation.label_counts(samples, ing["n_labels"])
     index = pipeline.build_tree(samples, st.tables, ing["n_features"], ing["n_labels"], st.params, st.timer, counts)
     info = {"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)), **st.timer.info}
@@ -177,8 +174,8 @@ def _tree(st: StageRun, train, test, tracker) -> Dict:
 
 def _train(st: StageRun, train, test, tracker) -> Dict:
     ing = st.info("ingest")
-    samples = st.read("train")
-    index = pipeline.tree_index(st.read("tree").toPandas(), ing["n_labels"], st.params)
+    samples = st.tables.read("train")
+    index = pipeline.tree_index(st.tables.read("tree").toPandas(), ing["n_labels"], st.params)
     model = pipeline.train_classifiers(samples, index, st.tables, ing["n_features"], st.params, st.timer)
     model.meta.update({"train": ing["train"], "n_train": ing["n_train"], "run_key": st.run_key})
     model.label_counts = evaluation.label_counts(samples, ing["n_labels"])
@@ -199,15 +196,11 @@ def _train(st: StageRun, train, test, tracker) -> Dict:
     return info
 
 
-def _model(st: StageRun, ing: Dict):
-    return pipeline.model_from_tables(st.tables, ing["n_features"], ing["n_labels"], st.params)
-
-
 def _predict(st: StageRun, train, test, tracker) -> Dict:
     ing = st.info("ingest")
     if not ing["test"]:
         raise ConfigError(f"stage predict: run key {st.run_key} was ingested without --test")
-    model = _model(st, ing)
+    model = pipeline.model_from_tables(st.tables, ing["n_features"], ing["n_labels"], st.params)
     with st.timer.stage("predict"):
         pipeline.predict_table(st.tables, model, st.params)
     return {"n_test": ing["n_test"]}
@@ -215,10 +208,10 @@ def _predict(st: StageRun, train, test, tracker) -> Dict:
 
 def _evaluate(st: StageRun, train, test, tracker) -> Dict:
     ing = st.info("ingest")
-    model = _model(st, ing)
-    model.label_counts = evaluation.label_counts(st.read("train"), ing["n_labels"])
+    index = pipeline.tree_index(st.tables.read("slots").toPandas(), ing["n_labels"], st.params)   # no weights
+    counts = evaluation.label_counts(st.tables.read("train"), ing["n_labels"])
     with st.timer.stage("evaluate"):
-        metrics = pipeline.evaluate_table(st.tables, model, ing["n_train"], st.params)
+        metrics = pipeline.evaluate_table(st.tables, counts, index.label_depth(), ing["n_train"], st.params)
     rows = st.spark.createDataFrame(sorted(metrics.items()), "metric string, value double")
     st.tables.write("metrics", rows)
     tracker.log_metrics(metrics)

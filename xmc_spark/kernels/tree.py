@@ -119,6 +119,12 @@ class TreeIndex:
         self.internal = np.unique(np.concatenate(internal)) if internal else np.zeros(0, np.int64)
         self.nodes = np.union1d(self.internal, self.leaves)
 
+
+    def label_depth(self) -> np.ndarray:
+        """Depth of each label's deepest leaf (for expected depth@k)."""
+        d = np.zeros(self.n_labels, dtype=np.int64)
+        np.maximum.at(d, self.slot_label, self.slot_depth)
+        return d
     def to_arrays(self) -> Dict[str, np.ndarray]:
         return {"slot_label": self.slot_label, "slot_leaf": self.slot_leaf}
 
