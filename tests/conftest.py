@@ -20,6 +20,14 @@ def write_xc(path, X, Y):
             f.write(f"{labs} {feats}\n")
 
 
+def write_split(folder, n_train, **problem):
+    """A random_problem written as folder/train.txt (first n_train rows) and folder/test.txt (the rest)."""
+    X, Y = random_problem(**problem)
+    write_xc(folder / "train.txt", X[:n_train], Y[:n_train])
+    write_xc(folder / "test.txt", X[n_train:], Y[n_train:])
+    return X, Y
+
+
 def random_problem(n=120, d=40, L=12, seed=0, density=0.2):
     """A small learnable problem: each label owns a few features."""
     rng = np.random.default_rng(seed)

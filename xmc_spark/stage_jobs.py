@@ -37,7 +37,7 @@ from pyspark.sql import functions as F
 from . import pipeline
 from .params import ConfigError, PipelineParams
 from .stages import aggregated, evaluation, label_clusters
-from .storage import StageOrderError, Tables
+from .storage import StageOrderError, Tables, is_local_path
 from .tracking import Tracker
 
 log = logging.getLogger("xmc_spark.stage")
@@ -50,10 +50,6 @@ OUTPUTS = {"ingest": ("train", "test"), "eagle": ("train", "eagle_embeddings"), 
            "evaluate": ("metrics",)}
 SECTIONS = {"ingest": ("ingest",), "eagle": ("eagle",), "tree": ("embedding", "tree"),
             "train": ("train", "clusters", "predict"), "predict": ("predict",), "evaluate": ("eval",)}
-
-
-def _is_local(root: str) -> bool:
-    return "://" not in root and not root.startswith("dbfs:")
 
 
 class StageRun:
@@ -182,17 +178,19 @@ def _train(st: StageRun, train, test, tracker) -> Dict:
     info = {"tree_depth": int(model.index.depth), "n_leaves": int(len(model.index.leaves)),
             **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
     tracker.log_metrics(info)
-    tmp = Path(tempfile.mkdtemp(prefix="xmc-model-"))
+    # the model folder: ROOT/models/KEY on a local root (for `xmc-spark predict --model`), else a
+    # temporary folder that only feeds the MLflow model
+    tmp = None if is_local_path(st.root) else Path(tempfile.mkdtemp(prefix="xmc-model-"))
+    folder = Path(st.root) / "models" / st.run_key if tmp is None else tmp / "model"
     try:
-        model.save(str(tmp / "model"))
-        if _is_local(st.root):                   # also a model folder for `xmc-spark predict --model`
-            dest = Path(st.root) / "models" / st.run_key
-            model.save(str(dest))
-            info["model_dir"] = str(dest)
+        model.save(str(folder))
+        if tmp is None:
+            info["model_dir"] = str(folder)
         if st.params.mlflow.log_model:
-            tracker.log_model(str(tmp / "model"))
+            tracker.log_model(str(folder))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return info
 
 

@@ -37,6 +37,11 @@ def check_run_key(key: str) -> str:
     return key
 
 
+def is_local_path(path: str) -> bool:
+    """A path on this machine's file system (not s3://, abfss://, dbfs:, ...)."""
+    return "://" not in path and not path.startswith("dbfs:")
+
+
 def is_delta(spark: SparkSession, path: str) -> bool:
     try:
         from delta.tables import DeltaTable
@@ -106,7 +111,7 @@ class Tables:
         self.run_key = check_run_key(run_key) if run_key is not None else None
         self.pins: Dict[str, int] = dict(pins or {})
         self.reads: Dict[str, int] = {}
-        if "://" not in self.root and not self.root.startswith("dbfs:"):
+        if is_local_path(self.root):
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
     def path(self, name: str) -> str:

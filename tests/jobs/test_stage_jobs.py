@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import random_problem, write_xc
+from tests.conftest import write_split, write_xc
 from xmc_spark import stage_jobs
 from xmc_spark.params import PipelineParams
 from xmc_spark.schemas import IngestError
@@ -16,9 +16,7 @@ K1, K2 = "2026-11-24", "2026-11-25"
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, spark):
     d = tmp_path_factory.mktemp("stagejobs")
-    X, Y = random_problem(n=160, d=40, L=12, seed=11)
-    write_xc(d / "train.txt", X[:120], Y[:120])
-    write_xc(d / "test.txt", X[120:], Y[120:])
+    X, Y = write_split(d, 120, n=160, d=40, L=12, seed=11)
     write_xc(d / "train_small.txt", X[:90], Y[:90])
     params = PipelineParams().set_dotted("tree.max_leaf_size", 4) \
         .set_dotted("mlflow.tracking_uri", f"sqlite:///{d}/mlflow.db") \

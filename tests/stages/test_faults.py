@@ -10,7 +10,7 @@ import pytest
 from pyspark import TaskContext
 from pyspark import cloudpickle
 
-from tests.conftest import random_problem, write_xc
+from tests.conftest import write_split
 from xmc_spark import pipeline
 from xmc_spark.params import PipelineParams
 from xmc_spark.stages import evaluation, ingest, node_training, prediction
@@ -33,9 +33,7 @@ def _first_attempt_fails(fn, marker):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, spark):
     d = tmp_path_factory.mktemp("faults")
-    X, Y = random_problem(n=160, d=40, L=12, seed=5)
-    write_xc(d / "train.txt", X[:120], Y[:120])
-    write_xc(d / "test.txt", X[120:], Y[120:])
+    write_split(d, 120, n=160, d=40, L=12, seed=5)
     params = PipelineParams().set_dotted("tree.max_leaf_size", 4)
     info = ingest.run(spark, str(d / "train.txt"), str(d / "train_tbl"), params.ingest)
     ingest.run(spark, str(d / "test.txt"), str(d / "test_tbl"), params.ingest, expect_features=info.n_features,
