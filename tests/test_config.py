@@ -127,3 +127,72 @@ def test_tree_lambda_key_and_lambda_prime(tmp_path):
 def test_sweep_rejects_keys_it_cannot_vary():
     from xmc_spark.cli import main
     assert main(["sweep", "--train", "x", "--out", "y", "--key", "eagle.tau", "--values", "1,2"]) == 2
+
+
+def _old_key(caplog, new_key):
+    """Context: exactly one DeprecationWarning and one logged warning, both naming ``new_key``."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def ctx():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="xmc_spark.params"):
+            with pytest.warns(DeprecationWarning, match=new_key) as rec:
+                yield
+        assert len([w for w in rec if issubclass(w.category, DeprecationWarning)]) == 1
+        assert [r.getMessage() for r in caplog.records] == [str(rec[0].message)]
+    return ctx()
+
+
+def test_clusters_copies_and_the_old_key_lam(tmp_path, caplog):
+    assert PipelineParams().clusters.copies == 1
+    assert load_params(None, ["clusters.copies=3"]).clusters.copies == 3
+    with _old_key(caplog, "use 'clusters.copies'"):
+        assert load_params(None, ["clusters.lam=2"]).clusters.copies == 2
+    f = tmp_path / "c.yaml"
+    f.write_text("clusters:\n  lam: 3\n  beam_size: 4\n")
+    with _old_key(caplog, "config key 'clusters.lam' is deprecated: use 'clusters.copies'"):
+        p = load_params(str(f))
+    assert (p.clusters.copies, p.clusters.beam_size) == (3, 4)
+    assert "lam" not in p.clusters.to_dict() and p.flat()["clusters.copies"] == 3
+    with pytest.raises(ConfigError, match="'clusters.copies' must be >= 1"):
+        load_params(None, ["clusters.copies=0"])
+    f.write_text("clusters:\n  lam: 3\n  copies: 2\n")
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="are the same"):
+        load_params(str(f))
+    with pytest.warns(DeprecationWarning, match="use ClustersParams.copies"):
+        assert p.clusters.lam == 3                       # read-only, for callers not yet switched
+    with pytest.raises(AttributeError):
+        p.clusters.lam = 1
+
+
+def test_tree_lambda_is_not_deprecated():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_params(None, ["tree.lambda=0.5", "tree.lam=0.5"]).tree.lam == 0.5
+
+
+def test_embedding_method_is_gone_and_the_old_key_ignored(tmp_path, caplog):
+    assert "method" not in PipelineParams().embedding.to_dict()
+    with _old_key(caplog, "'embedding.method' is deprecated and ignored"):
+        p = load_params(None, ["embedding.method=pifa"])
+    assert p == PipelineParams()
+    f = tmp_path / "c.yaml"
+    f.write_text("embedding:\n  method: pifa\n  normalize_y: false\n")
+    with _old_key(caplog, "'embedding.method' is deprecated and ignored"):
+        assert load_params(str(f)).embedding.normalize_y is False
+
+
+def test_dotted_keys_walk_sections_and_mappings():
+    with pytest.raises(ConfigError, match="unknown config key 'tree.lam.x'"):
+        load_params(None, ["tree.lam.x=1"])
+    with pytest.raises(ConfigError, match="unknown config key 'spark.conf.nosuch'"):
+        load_params(None, ["spark.conf.nosuch=1"])
+    p = load_params(None, ['spark.conf={"spark.executor.memory": "1g"}'])
+    assert p.spark.conf == {"spark.executor.memory": "1g"}
+    # a whole section as JSON: the old key inside it is resolved (and warned about) too
+    with pytest.warns(DeprecationWarning, match="clusters.copies"):
+        p = load_params(None, ['clusters={"lam": 2, "rounds": 2}'])
+    assert (p.clusters.copies, p.clusters.rounds) == (2, 2)

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from .errors import XmcError
 
-class ConfigError(ValueError):
+log = logging.getLogger("xmc_spark.params")
+
+
+class ConfigError(XmcError, ValueError):
     """A configuration key that does not exist or a value of the wrong type."""
 
 
@@ -86,14 +92,38 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
 class BaseParams:
     """Dataclass params with ``from_dict``/``to_dict`` and dotted overrides."""
 
+    # config keys that are not field names, per section:
+    # (class attributes without annotations: not dataclass fields)
+    _aliases = {}      # other spellings (``lambda``, a Python keyword) -> field name: silent
+    _renamed = {}      # old name -> new name: accepted with a deprecation warning
+    _removed = {}      # old name -> why: accepted with a deprecation warning, ignored
+
+    @classmethod
+    def _field_name(cls, key: str, prefix: str = "") -> Optional[str]:
+        """The field config key ``key`` sets (None: a removed key, to ignore); warns on old keys."""
+        if key in cls._aliases:
+            return cls._aliases[key]
+        if key in cls._renamed:
+            _deprecated(f"config key '{prefix}{key}' is deprecated: use '{prefix}{cls._renamed[key]}'")
+            return cls._renamed[key]
+        if key in cls._removed:
+            _deprecated(f"config key '{prefix}{key}' is deprecated and ignored: {cls._removed[key]}")
+            return None
+        return key
+
     @classmethod
     def from_dict(cls, d: Optional[Dict[str, Any]] = None, prefix: str = ""):
-        d = dict(d or {})
-        for alias, name in getattr(cls, "_aliases", {}).items():
-            if alias in d:
-                if name in d:
-                    raise ConfigError(f"config keys '{prefix}{alias}' and '{prefix}{name}' are the same: set one")
-                d[name] = d.pop(alias)
+        given: Dict[str, str] = {}      # field name -> the key it was given as
+        resolved = {}
+        for key, val in (d or {}).items():
+            name = cls._field_name(key, prefix)
+            if name is None:
+                continue
+            if name in resolved:
+                raise ConfigError(f"config keys '{prefix}{given[name]}' and '{prefix}{key}' are the same: set one")
+            given[name] = key
+            resolved[name] = val
+        d = resolved
         hints = typing.get_type_hints(cls)
         kwargs = {}
         for f in dataclasses.fields(cls):
@@ -130,21 +160,24 @@ class BaseParams:
         """Return a copy with ``a.b.c=value`` applied (type-checked)."""
         d = self.to_dict()
         parts = key.split(".")
-        node = d
-        for p in parts[:-1]:
-            if p not in node or not isinstance(node[p], dict):
+        node, section, prefix = d, type(self), ""
+        for i, part in enumerate(parts):
+            name = section._field_name(part, prefix) if section is not None else part
+            if name is None:                  # a removed key: accepted (with a warning), ignored
+                return type(self).from_dict(d)
+            if name not in node or (i < len(parts) - 1 and not isinstance(node[name], dict)):
                 raise ConfigError(f"unknown config key '{key}'")
-            node = node[p]
-        if parts[-1] not in node and parts[-1] in _ALIASES and _ALIASES[parts[-1]] in node:
-            parts[-1] = _ALIASES[parts[-1]]
-        if parts[-1] not in node:
-            raise ConfigError(f"unknown config key '{key}'")
-        if isinstance(node[parts[-1]], dict) and isinstance(value, str):
+            if i == len(parts) - 1:
+                break
+            sub = typing.get_type_hints(section)[name] if section is not None else None
+            section = sub if isinstance(sub, type) and issubclass(sub, BaseParams) else None
+            node, prefix = node[name], f"{prefix}{name}."
+        if isinstance(node[name], dict) and isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError:
                 pass
-        node[parts[-1]] = value
+        node[name] = value
         return type(self).from_dict(d)
 
     def flat(self, prefix: str = "") -> Dict[str, Any]:
@@ -158,7 +191,10 @@ class BaseParams:
         return out
 
 
-_ALIASES = {"lambda": "lam"}   # Python keywords that config files may use as keys
+def _deprecated(msg: str) -> None:
+    """An old config key: a DeprecationWarning (for code and tests) and a log line (for users)."""
+    warnings.warn(msg, DeprecationWarning, stacklevel=4)
+    log.warning("%s", msg)
 
 
 def _flatten(d: Dict[str, Any], prefix: str) -> Dict[str, Any]:
@@ -212,11 +248,11 @@ class IngestParams(BaseParams):
 
 @dataclass
 class EmbeddingParams(BaseParams):
-    method: str = "pifa"
-    normalize_y: bool = True          # as PECOS: rows of Y L2-normalized before Y^T X
+    """PIFA label embeddings (the only kind: the old ``embedding.method`` key is ignored)."""
 
-    def validate(self, prefix=""):
-        _check(self.method in ("pifa",), prefix + "method", f"must be 'pifa', got {self.method!r}")
+    _removed = {"method": "PIFA is the only label embedding"}
+
+    normalize_y: bool = True          # as PECOS: rows of Y L2-normalized before Y^T X
 
 
 @dataclass
@@ -268,14 +304,24 @@ class TreeParams(BaseParams):
 
 @dataclass
 class ClustersParams(BaseParams):
-    """Overlapping clusters: each label may live in up to ``lam`` leaves (1 = plain tree)."""
+    """Overlapping clusters: each label may live in up to ``copies`` leaves (1 = plain tree).
+    ``copies`` was ``clusters.lam`` (still accepted, with a deprecation warning)."""
 
-    lam: int = 1
+    _renamed = {"lam": "copies"}
+
+    copies: int = 1          # the paper's lambda: leaves (weight vectors) a label may have
     rounds: int = 1          # alternations: matcher -> clusters -> retrain
     beam_size: int = 10      # b, leaves matched per training sample
 
+    @property
+    def lam(self) -> int:
+        """Deprecated, read-only: ``copies``. Kept until every caller reads ``copies``."""
+        warnings.warn("ClustersParams.lam is deprecated: use ClustersParams.copies", DeprecationWarning,
+                      stacklevel=2)
+        return self.copies
+
     def validate(self, prefix=""):
-        _check(self.lam >= 1, prefix + "lam", "must be >= 1")
+        _check(self.copies >= 1, prefix + "copies", "must be >= 1")
         _check(self.rounds >= 0, prefix + "rounds", "must be >= 0")
         _check(self.beam_size >= 1, prefix + "beam_size", "must be >= 1")
 

@@ -1,4 +1,5 @@
-"""Overlapping label clusters: the closed form C* = top-lambda of each row of Y^T M.
+"""Overlapping label clusters: the closed form C* = top-lambda of each row of Y^T M (lambda =
+``copies``, config key ``clusters.copies``).
 
 Y^T M counts, for each label and leaf cluster, the label's positive training samples that
 the matcher sends to that cluster (M: n x K, b ones per row). Keeping the lambda largest
@@ -14,7 +15,7 @@ import numpy as np
 import scipy.sparse as sp
 
 
-def topk_projection(label: np.ndarray, leaf: np.ndarray, value: np.ndarray, lam: int,
+def topk_projection(label: np.ndarray, leaf: np.ndarray, value: np.ndarray, copies: int,
                     current_label: np.ndarray, current_leaf: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Sparse (label, leaf, value) entries of Y^T M -> new (label, leaf) assignments.
 
@@ -33,7 +34,7 @@ def topk_projection(label: np.ndarray, leaf: np.ndarray, value: np.ndarray, lam:
     label, leaf = label[order], leaf[order]
     start = np.searchsorted(label, label, side="left")
     rank = np.arange(len(label)) - start
-    keep = rank < lam
+    keep = rank < copies
     out_label, out_leaf = label[keep], leaf[keep]
     # labels with no positive entry keep their current cluster(s)
     missing = ~np.isin(np.asarray(current_label, np.int64), out_label)
