@@ -1,12 +1,24 @@
-"""Column names and StructTypes of each stage's tables, plus validators with named errors."""
+"""Every Delta table one stage hands to the next, declared once: :data:`TABLES` (name ->
+StructType) and :func:`check_table`, the schema check a reader runs on each table it reads
+(a :class:`SchemaError` naming the table and the column). Input files are checked by
+:func:`check_samples_columns` instead, which also accepts castable types.
+
+A column whose StructField metadata has ``optional: True`` may be absent (``label_weight``:
+only EAGLE's training table carries it). Nullability is not checked (Delta reports every
+column as nullable), nor are extra columns (the partition column ``run_key``).
+"""
 from __future__ import annotations
+
+from typing import Dict, List
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from .errors import XmcError
 
-class IngestError(ValueError):
+
+class IngestError(XmcError, ValueError):
     """Bad input: the message names the file (or table), the line (or row) and the problem."""
 
 
@@ -14,18 +26,94 @@ class SchemaError(IngestError):
     """A table handed from one stage to the next lacks a column or has the wrong type."""
 
 
+OPTIONAL = "optional"   # StructField metadata key: the column may be absent
+
+
+def _col(name: str, typ: T.DataType, optional: bool = False) -> T.StructField:
+    return T.StructField(name, typ, True, {OPTIONAL: True} if optional else {})
+
+
+_INTS = T.ArrayType(T.IntegerType())
+_FLOATS = T.ArrayType(T.FloatType())
+
+# what ingest writes (and input files are cast to): one row per sample, rows L2-normalized
 SAMPLES_SCHEMA = T.StructType([
     T.StructField("sample_id", T.LongType(), False),
-    T.StructField("feature_idx", T.ArrayType(T.IntegerType()), False),
-    T.StructField("feature_val", T.ArrayType(T.FloatType()), False),
-    T.StructField("label_idx", T.ArrayType(T.IntegerType()), False),
+    T.StructField("feature_idx", _INTS, False),
+    T.StructField("feature_val", _FLOATS, False),
+    T.StructField("label_idx", _INTS, False),
     T.StructField("weight", T.FloatType(), False),
 ])
+# a samples table as stages read it: EAGLE's training table adds each positive's weight
+# (aligned with label_idx); the node trainer uses it when present
+_SAMPLES_TABLE = T.StructType([*SAMPLES_SCHEMA.fields, _col("label_weight", _FLOATS, optional=True)])
+_EMBEDDINGS = T.StructType([_col("label_idx", T.IntegerType()), _col("emb_idx", _INTS), _col("emb_val", _FLOATS)])
+_SLOTS = T.StructType([_col("label_idx", T.IntegerType()), _col("node", T.LongType())])   # label -> leaf
 
-EMBEDDING_SCHEMA = "label_idx int, emb_idx array<int>, emb_val array<float>"
-TREE_SCHEMA = "label_idx int, node long"
-WEIGHTS_SCHEMA = "is_leaf boolean, key long, w_idx array<int>, w_val array<float>"
-PREDICTIONS_SCHEMA = "sample_id long, pred_labels array<int>, pred_scores array<float>"
+TABLES: Dict[str, T.StructType] = {
+    "train": _SAMPLES_TABLE,
+    "test": _SAMPLES_TABLE,
+    "input": _SAMPLES_TABLE,                 # `xmc-spark predict --data`
+    "label_embeddings": _EMBEDDINGS,         # PIFA rows, L2-normalized; labels without samples absent
+    "eagle_embeddings": _EMBEDDINGS,         # GRLR label embeddings
+    "tree": _SLOTS,                          # the leaf of each label
+    "clusters": _SLOTS,                      # overlapping clusters: a label may sit in several leaves
+    "slots": _SLOTS,                         # the label -> leaf slots the final weights belong to
+    "weights": T.StructType([_col("is_leaf", T.BooleanType()), _col("key", T.LongType()),   # key: node id,
+                             _col("w_idx", _INTS), _col("w_val", _FLOATS)]),                 # or slot id at leaves
+    "matcher": T.StructType([_col("sample_id", T.LongType()), _col("leaf", T.LongType()),
+                             _col("score", T.FloatType())]),
+    "predictions": T.StructType([_col("sample_id", T.LongType()), _col("pred_labels", _INTS),
+                                 _col("pred_scores", _FLOATS)]),
+    "metrics": T.StructType([_col("metric", T.StringType()), _col("value", T.DoubleType())]),
+    "stage_info": T.StructType([_col("stage", T.StringType()), _col("info", T.StringType()),
+                                _col("seconds", T.DoubleType())]),
+}
+
+
+def is_optional(field: T.StructField) -> bool:
+    return bool(field.metadata.get(OPTIONAL))
+
+
+def ddl(name: str) -> str:
+    """The required columns of table ``name`` as a DDL string (for ``mapInArrow`` and friends)."""
+    return ", ".join(f"{f.name} {f.dataType.simpleString()}" for f in TABLES[name].fields if not is_optional(f))
+
+
+EMBEDDING_SCHEMA = ddl("label_embeddings")
+TREE_SCHEMA = ddl("tree")
+WEIGHTS_SCHEMA = ddl("weights")
+MATCHER_SCHEMA = ddl("matcher")
+PREDICTIONS_SCHEMA = ddl("predictions")
+
+
+def schema_problems(schema: T.StructType, expected: T.StructType) -> List[str]:
+    """What keeps ``schema`` from holding ``expected``: missing (non-optional) columns and
+    columns of another type. Types compare without nullability; extra columns are fine."""
+    found = {f.name: f.dataType for f in schema.fields}
+    problems = []
+    for f in expected.fields:
+        want = f.dataType.simpleString()
+        if f.name not in found:
+            if not is_optional(f):
+                problems.append(f"missing column '{f.name}' ({want})")
+        elif found[f.name].simpleString() != want:
+            problems.append(f"column '{f.name}' has type {found[f.name].simpleString()}, expected {want}")
+    return problems
+
+
+def check_table(df: DataFrame, name: str) -> DataFrame:
+    """``df`` unchanged if it has table ``name``'s columns and types, else :class:`SchemaError`
+    naming the table and the columns at fault. Looks at the schema only (no Spark job)."""
+    if name not in TABLES:
+        raise KeyError(f"table {name!r} is not declared in xmc_spark.schemas.TABLES "
+                       f"(declared: {', '.join(sorted(TABLES))})")
+    problems = schema_problems(df.schema, TABLES[name])
+    if problems:
+        found = ", ".join(f"{f.name} {f.dataType.simpleString()}" for f in df.schema.fields)
+        raise SchemaError(f"table '{name}': " + "; ".join(problems) + f" (found: {found})")
+    return df
+
 
 _NUMERIC_ARRAY = (T.IntegerType, T.LongType, T.ShortType, T.ByteType)
 _FLOAT_ARRAY = (T.FloatType, T.DoubleType, T.IntegerType, T.LongType)

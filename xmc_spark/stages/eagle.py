@@ -30,6 +30,7 @@ from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply
 from ..kernels.eagle import Triples, assign, grlr_block, grlr_sums, grlr_update
 from ..params import EagleParams
 from ..progress import worker_progress
+from ..schemas import EMBEDDING_SCHEMA
 from .aggregated import AggregatedInput
 
 log = logging.getLogger("xmc_spark.eagle")
@@ -189,7 +190,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8):
             idx, val = csr_rows_to_arrays(E)
             head_emb = spark.createDataFrame(
                 pa.table({"label_idx": pa.array(heads.astype(np.int32)), "emb_idx": idx, "emb_val": val}).to_pandas(),
-                "label_idx int, emb_idx array<int>, emb_val array<float>")
+                EMBEDDING_SCHEMA)
         else:
             body, hout, hobj, head_emb = triples.join(feats, "sample_id"), None, np.zeros(T), None
         out = _block_path(body, n_features, params, n_buckets)

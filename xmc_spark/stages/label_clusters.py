@@ -1,5 +1,5 @@
 """Overlapping label clusters on Spark: matcher table M, Y^T M as a join + aggregate, and the
-top-lambda projection per label partition with a pandas UDF."""
+top-``copies`` projection (the paper's lambda) per label partition with a pandas UDF."""
 from __future__ import annotations
 
 import logging
@@ -13,10 +13,10 @@ from pyspark.sql import functions as F
 
 from ..kernels.topk_projection import topk_projection
 from ..model import XMCModel
+from ..schemas import MATCHER_SCHEMA, ddl
 from .prediction import map_with_model
 
 log = logging.getLogger("xmc_spark.clusters")
-MATCHER_SCHEMA = "sample_id long, leaf long, score float"
 
 
 def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
@@ -32,8 +32,8 @@ def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
     return map_with_model(samples, model, match, MATCHER_SCHEMA, kind="matcher")
 
 
-def project(samples: DataFrame, matched: DataFrame, current: DataFrame, lam: int, n_buckets: int = 8) -> DataFrame:
-    """New (label_idx, node) slots: top-``lam`` leaves of each label's row of Y^T M.
+def project(samples: DataFrame, matched: DataFrame, current: DataFrame, copies: int, n_buckets: int = 8) -> DataFrame:
+    """New (label_idx, node) slots: top-``copies`` leaves of each label's row of Y^T M.
 
     ``current`` holds the present (label_idx, node) slots: used for ties and for labels none
     of whose samples were matched anywhere (they keep their cluster).
@@ -50,10 +50,10 @@ def project(samples: DataFrame, matched: DataFrame, current: DataFrame, lam: int
         ent = pdf[pdf["kind"] == 0]
         cur = pdf[pdf["kind"] == 1]
         lab, leaf = topk_projection(ent["label_idx"].to_numpy(), ent["leaf"].to_numpy(), ent["value"].to_numpy(),
-                                    lam, cur["label_idx"].to_numpy(), cur["leaf"].to_numpy())
+                                    copies, cur["label_idx"].to_numpy(), cur["leaf"].to_numpy())
         return pd.DataFrame({"label_idx": lab.astype(np.int32), "node": leaf.astype(np.int64)})
 
-    return rows.groupBy("bucket").applyInPandas(proj, "label_idx int, node long")
+    return rows.groupBy("bucket").applyInPandas(proj, ddl("clusters"))
 
 
 def cluster_stats(slot_label: np.ndarray, slot_leaf: np.ndarray) -> Dict[str, float]:
