@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from xmc_spark.kernels.eagle import Triples, assign, grlr_block, grlr_reference
+from tests.oracles import grlr_reference
+from xmc_spark.kernels.eagle import Triples, assign, grlr_block
 
 
 def _triples(groups, group_labels, n_labels, counts=None):

@@ -2,7 +2,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import minimize
 
-from xmc_spark.kernels.squared_hinge import primal_objective, train_binary, train_node
+from tests.oracles import primal_objective, train_binary
+from xmc_spark.kernels.squared_hinge import train_node
 
 
 def _problem(seed=0, n=60, d=10):

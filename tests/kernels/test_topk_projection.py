@@ -3,7 +3,8 @@ import itertools
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_spark.kernels.topk_projection import coverage, projection_dense, topk_projection
+from tests.oracles import coverage, projection_dense
+from xmc_spark.kernels.topk_projection import topk_projection
 
 
 def _instance(seed, n=12, L=4, K=3, b=1):

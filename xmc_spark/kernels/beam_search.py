@@ -155,29 +155,6 @@ def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int
     return nodes, scores
 
 
-def exhaustive_scores(X: sp.csr_matrix, layers, slot_label: np.ndarray, n_labels: int,
-                      post_processor: str = "l3-hinge") -> np.ndarray:
-    """Dense (n x n_labels) path scores of every label: the reference beam search approximates.
-
-    For tests on tiny trees only (memory n x labels).
-    """
-    X = sp.csr_matrix(X)
-    post = POST_PROCESSORS[post_processor]
-    f = np.vectorize(lambda v: _transform(v, post))
-    S = np.ones((X.shape[0], 1))
-    for child_ptr, W, passthrough in layers:
-        parent = np.repeat(np.arange(len(child_ptr) - 1), np.diff(child_ptr))
-        raw = np.asarray((X @ sp.csc_matrix(W)).todense())
-        T = np.where(np.asarray(passthrough)[None, :], 1.0, f(raw))
-        S = S[:, parent] * T
-    out = np.zeros((X.shape[0], n_labels))
-    cnt = np.zeros(n_labels)
-    np.add.at(cnt, slot_label, 1)
-    for k, lab in enumerate(slot_label):
-        out[:, lab] += S[:, k]
-    return out / np.maximum(cnt, 1)[None, :]
-
-
 @njit()
 def _tree_search(xptr, xidx, xval, n_cols, child_ptr, wptr, widx, wval, slot_ptr, sptr, sidx, sval,
                  slot_label, n_labels, beam, topk, post, adaptive):

@@ -217,23 +217,3 @@ def dedup_max(sid, lab, w):
     first = np.concatenate([[True], (sid[1:] != sid[:-1]) | (lab[1:] != lab[:-1])])
     return sid[first], lab[first], w[first]
 
-
-# ---- direct rendering of Algorithm 1, for tests -----------------------------------------------
-def grlr_reference(X: np.ndarray, groups: dict, label_groups: dict, label: int, T: int = 20,
-                   eta: float = 0.1) -> np.ndarray:
-    """Algorithm 1 for one label, dense and loop by loop: ``groups`` maps group -> list of
-    member rows (in sample-id order), ``label_groups`` label -> list of its groups."""
-    def proj(v):
-        n = np.linalg.norm(v)
-        return v / n if n > 0 else v
-
-    Mk = label_groups[label]
-    e = proj(sum(X[i] for j in Mk for i in groups[j]))
-    for _ in range(T):
-        acc = np.zeros(X.shape[1])
-        for j in Mk:
-            sc = np.array([X[i] @ e for i in groups[j]])
-            tied = np.flatnonzero(sc == sc.max())
-            acc += X[groups[j][tied[label % len(tied)]]]
-        e = proj(e + eta * proj(acc))
-    return e

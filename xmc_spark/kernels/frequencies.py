@@ -170,12 +170,6 @@ def greedy_by_rounds(n_labels: int, f: np.ndarray, k: int, mask_table, on_round=
             return out, rounds
 
 
-def f_tilde_greedy_rounds(offsets, labels, n_labels: int, p=None, k: int = 12):
-    """Algorithm 1 by rounds on in-memory data: what the Spark stage does, minus Spark."""
-    return greedy_by_rounds(n_labels, marginal(offsets, labels, n_labels, p), k,
-                            lambda sel, bits: mask_counts(offsets, labels, p, sel, bits))
-
-
 def label_frequencies(offsets, labels, n_labels: int, f_tilde: str = "marginal", p=None):
     """(f, f_tilde) of a label matrix in memory: the numpy reference of the Spark stage."""
     f = marginal(offsets, labels, n_labels, p)

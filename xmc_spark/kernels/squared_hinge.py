@@ -81,18 +81,6 @@ def _dcd_l2svm(indptr, indices, data, y, Ci, n_features, eps, max_iter, seed):
     return w
 
 
-def train_binary(X: sp.csr_matrix, y: np.ndarray, C: float = 1.0, weights=None, eps: float = 0.1,
-                 max_iter: int = 100, seed: int = 0) -> np.ndarray:
-    """Dense weight vector of one squared-hinge classifier (y in {-1, +1})."""
-    X = sp.csr_matrix(X, dtype=np.float64)
-    Ci = np.full(X.shape[0], float(C)) if weights is None else float(C) * np.asarray(weights, dtype=np.float64)
-    keep = Ci > 0
-    if not keep.all():
-        X, y, Ci = X[keep], np.asarray(y)[keep], Ci[keep]
-    return _dcd_l2svm(X.indptr.astype(np.int64), X.indices.astype(np.int64), X.data, np.asarray(y, dtype=np.float64),
-                      Ci, X.shape[1], float(eps), int(max_iter), int(seed))
-
-
 def train_node(X: sp.csr_matrix, Y: sp.csr_matrix, C: float = 1.0, weights=None, threshold: float = 0.1,
                eps: float = 0.1, max_iter: int = 100, seed: int = 0) -> sp.csc_matrix:
     """One-vs-rest classifiers for the K columns of Y (n x K, non-zero = positive) over the n samples X.
@@ -138,9 +126,3 @@ def train_node(X: sp.csr_matrix, Y: sp.csr_matrix, C: float = 1.0, weights=None,
     val = np.concatenate(out_val) if out_val else np.zeros(0, np.float32)
     return sp.csc_matrix((val, idx, np.asarray(out_ptr, dtype=np.int64)), shape=(d, K))
 
-
-def primal_objective(w: np.ndarray, X, y, C: float = 1.0, weights=None) -> float:
-    """0.5 ||w||^2 + sum_i C_i max(0, 1 - y_i w.x_i)^2 (for tests and diagnostics)."""
-    Ci = np.full(X.shape[0], float(C)) if weights is None else float(C) * np.asarray(weights)
-    margin = np.maximum(0.0, 1.0 - y * (X @ w))
-    return float(0.5 * w @ w + np.sum(Ci * margin ** 2))

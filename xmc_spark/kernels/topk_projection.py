@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Tuple
 
 import numpy as np
-import scipy.sparse as sp
 
 
 def topk_projection(label: np.ndarray, leaf: np.ndarray, value: np.ndarray, copies: int,
@@ -43,19 +42,3 @@ def topk_projection(label: np.ndarray, leaf: np.ndarray, value: np.ndarray, copi
     o = np.lexsort((out_leaf, out_label))
     return out_label[o], out_leaf[o]
 
-
-def projection_dense(A: np.ndarray, lam: int, current: np.ndarray) -> np.ndarray:
-    """Dense reference: binary C (L x K) with the top-lambda positive entries of each row of A."""
-    L, K = A.shape
-    r, c = np.nonzero(A)
-    lab, lf = topk_projection(r, c, A[r, c], lam, np.arange(L), current)
-    C = np.zeros((L, K), dtype=np.int64)
-    C[lab, lf] = 1
-    return C
-
-
-def coverage(Y: sp.csr_matrix, M: sp.csr_matrix, C: np.ndarray) -> float:
-    """Tr(Y^T Binary(M C^T)): positive (sample, label) pairs whose label sits in a matched cluster."""
-    hit = (sp.csr_matrix(M) @ sp.csr_matrix(C).T)
-    hit.data[:] = 1
-    return float(sp.csr_matrix(Y).multiply(hit).sum())
