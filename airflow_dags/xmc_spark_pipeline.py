@@ -11,14 +11,19 @@ Deployment (environment variables of the scheduler/workers, read when the file i
   (empty: the package is installed on the cluster's Python);
 - ``XMC_SPARK_PACKAGES``: ``--packages`` (e.g. the Delta jars off Databricks/EMR, see
   ``xmc_spark.session.delta_package``);
+- ``XMC_SPARK_REGISTRY``: xmc-spark's ``xmc_spark/registry.py`` (default: the repository's), the
+  one list of stages and their dependencies, read as a plain file;
 - ``XMC_SPARK_CONF_DIR``: folder with ``databricks.yaml`` / ``emr.yaml`` / ``local.yaml``;
 - the Spark connection ``spark_default`` (or ``XMC_SPARK_CONN_ID``): master, deploy mode, queue.
 
-Top-level code only builds the DAG: no Spark, no xmc_spark import, no I/O.
+Top-level code only builds the DAG: no Spark, no import of the xmc_spark package (one stdlib-only
+file read), no other I/O.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from datetime import datetime, timedelta
 
 from airflow import DAG
@@ -31,7 +36,20 @@ CONF_DIR = os.environ.get("XMC_SPARK_CONF_DIR", os.path.join(_REPO, "conf"))
 WHEEL = os.environ.get("XMC_SPARK_WHEEL") or None
 PACKAGES = os.environ.get("XMC_SPARK_PACKAGES") or None
 CONN_ID = os.environ.get("XMC_SPARK_CONN_ID", "spark_default")
-STAGES = ("ingest", "eagle", "tree", "train", "predict", "evaluate")
+# The stages and their dependencies come from xmc-spark's one stage registry, a stdlib-only file
+# loaded by path (the scheduler needs neither Spark nor the package's dependencies).
+REGISTRY = os.environ.get("XMC_SPARK_REGISTRY", os.path.join(_REPO, "xmc_spark", "registry.py"))
+
+
+def _load_registry(path: str):
+    spec = importlib.util.spec_from_file_location("xmc_spark_registry", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module           # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+STAGES = _load_registry(REGISTRY).STAGES
 
 PARAMS = {
     "train": Param("s3://my-bucket/xc/train.txt", type="string", minLength=1,
@@ -71,9 +89,9 @@ with DAG(
     tags=["xmc-spark", "spark"],
     doc_md=__doc__,
 ) as dag:
-    previous = None
-    for stage in STAGES:
-        task = SparkSubmitOperator(
+    tasks = {}
+    for stage, spec in STAGES.items():
+        tasks[stage] = SparkSubmitOperator(
             task_id=stage,
             application=os.path.join(JOBS_DIR, f"{stage}.py"),
             py_files=WHEEL,
@@ -82,6 +100,5 @@ with DAG(
             name=f"xmc-spark-{stage}-{{{{ ds }}}}",
             application_args=_args(stage),
         )
-        if previous is not None:
-            previous >> task
-        previous = task
+        for need in spec.needs:
+            tasks[need] >> tasks[stage]

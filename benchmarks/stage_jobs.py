@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("ingest", "eagle", "tree", "train", "predict", "evaluate")
+from xmc_spark.registry import ORDER as STAGES  # noqa: E402 - the one list of stages
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""spark-submit entry point of the pipeline's tree stage (see xmc_spark.stage_jobs).
+"""spark-submit entry point of the pipeline's tree stage (see xmc_spark.registry and xmc_spark.runner).
 
     spark-submit --py-files xmc_spark-0.1.0-py3-none-any.whl jobs/tree.py --run-key 2026-11-25 \
         --config conf/emr.yaml [--train ... --test ...] [--set key=value ...]

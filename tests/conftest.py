@@ -8,6 +8,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a long end-to-end run (several JVMs or a real data set); "
+                                       "CI runs them, `-m 'not slow'` skips them while developing")
+
+
 def write_xc(path, X, Y):
     """Write (X, Y) as an XC text file (test helper)."""
     X, Y = sp.csr_matrix(X), sp.csr_matrix(Y)

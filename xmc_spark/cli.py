@@ -7,9 +7,9 @@ import logging
 import sys
 
 from .config import dump_params, load_params
+from .errors import XmcError
 from .params import ConfigError
-from .schemas import IngestError
-from .storage import RunKeyError, StageOrderError
+from .registry import ORDER, STAGES
 
 log = logging.getLogger("xmc_spark.cli")
 
@@ -53,7 +53,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     _common(g)
     st = sub.add_parser("stage", help="run one pipeline stage (or all) for a run key over Delta tables under "
                                       "paths.root (what jobs/<stage>.py and the Airflow DAG run)")
-    st.add_argument("name", choices=["ingest", "eagle", "tree", "train", "predict", "evaluate", "all"])
+    st.add_argument("name", choices=[*ORDER, "all"],
+                    help="; ".join(f"{s.name}: {s.help}" for s in STAGES.values()) + "; all: every stage in order")
     st.add_argument("--run-key", required=True, help="the run's key, e.g. the logical date 2026-11-25")
     st.add_argument("--train", help="ingest: XC text, svmlight, Parquet, Delta or aggregated folder")
     st.add_argument("--test", help="ingest: test set (optional; predict/evaluate need it)")
@@ -126,13 +127,9 @@ def main(argv=None) -> int:
             print(json.dumps(aggregated.make_groups(spark, args.train, args.out, args.strategy, args.group_size,
                                                     args.depth, args.seed, args.merge, params.ingest), indent=2))
         elif args.cmd == "stage":
-            from . import stage_jobs
-            if args.name == "all":
-                res = stage_jobs.run_all(spark, args.run_key, params, args.train, args.test, args.root, args.config)
-            else:
-                res = stage_jobs.run_stage(spark, args.name, args.run_key, params, args.train, args.test, args.root,
-                                           args.config)
-            print(json.dumps(res, indent=2, default=str))
+            from .runner import run_keyed
+            res = run_keyed(spark, [args.name], args.run_key, params, args.train, args.test, args.root, args.config)
+            print(json.dumps(res if args.name == "all" else res[args.name], indent=2, default=str))
         elif args.cmd == "predict":
             from . import pipeline
             print(json.dumps(pipeline.predict(spark, args.model, args.data, args.out, params), indent=2))
@@ -141,7 +138,7 @@ def main(argv=None) -> int:
             info = synth.run(spark, args.out, n_train=args.n_train, n_test=args.n_test, n_labels=args.labels,
                              n_features=args.features, fmt=args.format, group_size=args.groups, seed=args.seed)
             print(json.dumps(info, indent=2))
-    except (IngestError, ConfigError, StageOrderError, RunKeyError) as e:
+    except XmcError as e:
         print(f"xmc-spark: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -1,16 +1,20 @@
-"""The end-to-end job: ingest -> PIFA -> tree -> node training -> prediction -> evaluation.
+"""The pipeline's stages and the commands built on them.
 
-Each stage reads and writes Delta tables under ``OUT/tables``; ``main()``-style wiring only.
+Each ``*_stage(ctx) -> StageResult`` function is one stage of :mod:`.registry`, run by
+:class:`.runner.Runner`: ``xmc-spark run`` (:func:`run`: every stage over ``OUT/tables``, then
+:func:`write_run_outputs`, the one writer of ``OUT/metrics.json``), ``xmc-spark sweep``
+(:func:`sweep`: ingest and EAGLE once, then the later stages per value) and ``xmc-spark stage``
+(:func:`.runner.run_keyed`: one run key's partitions) all go through them.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import time
-from contextlib import contextmanager
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterable, Optional
 
 import numpy as np
 import pandas as pd
@@ -23,33 +27,14 @@ from .config import dump_params
 from .kernels.tree import TreeIndex
 from .model import KeyedColumns, XMCModel
 from .params import PipelineParams
-from .progress import spark_progress
+from .registry import ORDER
+from .runner import Runner, StageContext, StageResult, StageTimer
 from .stages import (aggregated, eagle, evaluation, ingest, label_clusters, label_embedding, label_frequencies,
                      label_tree, node_training, prediction)
 from .storage import Tables
 from .tracking import Tracker
 
 log = logging.getLogger("xmc_spark.pipeline")
-
-
-class StageTimer:
-    def __init__(self, progress_seconds: float = 15.0):
-        self.progress_seconds = progress_seconds
-        self.seconds: Dict[str, float] = {}
-        self.info: Dict[str, object] = {}     # stage facts for metrics.json (e.g. greedy rounds)
-        self._t0 = time.perf_counter()
-
-    @contextmanager
-    def stage(self, name: str):
-        t = time.perf_counter()
-        log.info("stage %s: start", name)
-        with spark_progress(name, self.progress_seconds):
-            yield
-        self.seconds[name] = round(time.perf_counter() - t, 3)
-        log.info("stage %s: done in %.1fs", name, self.seconds[name])
-
-    def total(self) -> Dict[str, float]:
-        return {**self.seconds, "total": round(time.perf_counter() - self._t0, 3)}
 
 
 def shuffle_partitions(spark) -> int:
@@ -74,27 +59,28 @@ def weights_to_columns(t: pa.Table, n_cols: int):
     return out[0], out[1]
 
 
-def build_tree(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams, timer: StageTimer,
-               label_counts=None) -> TreeIndex:
+def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams, timer: StageTimer,
+              label_counts=None):
     """PIFA label embeddings, label frequencies (interpolated splits only) and the label tree;
-    writes ``label_embeddings`` and ``tree``. ``label_counts`` (training label frequencies),
-    when given, spare the frequency stage a pass."""
+    writes ``label_embeddings`` and ``tree``; returns (TreeIndex, frequency facts).
+    ``label_counts`` (training label frequencies), when given, spare the frequency stage a pass."""
     spark = samples.sparkSession
     with timer.stage("embedding"):
         emb = label_embedding.run(samples, n_features, n_labels, params.embedding,
                                   n_buckets=shuffle_partitions(spark))
         tables.write("label_embeddings", emb)
     f = ft = None
+    facts: Dict = {}
     if params.tree.effective_lambda > 0:
         with timer.stage("frequencies"):
             f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree, label_counts)
-            timer.info.update({f"frequencies.{k}": v for k, v in finfo.items()})
+            facts = {f"frequencies.{k}": v for k, v in finfo.items()}
     with timer.stage("tree"):
         tree = label_tree.run(tables.read("label_embeddings"), n_labels, n_features, params.tree, f, ft)
         tables.write("tree", tree)
         index = tree_index(tables.read("tree").toPandas(), n_labels, params)   # O(labels)
         log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)
-    return index
+    return index, facts
 
 
 def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams) -> TreeIndex:
@@ -106,32 +92,26 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
     """Node classifiers for ``index``, then ``clusters.rounds`` of overlapping clusters + retraining;
     writes ``weights`` and ``slots`` (the label -> leaf assignment the final weights belong to)."""
     spark = samples.sparkSession
+    copies = params.clusters.copies
     with timer.stage("train"):
         model = train_weights(samples, index, tables, n_features, params)
-    rounds = params.clusters.rounds if params.clusters.lam > 1 else 0
+    rounds = params.clusters.rounds if copies > 1 else 0
     for r in range(rounds):
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
             tables.write("matcher", label_clusters.matcher(samples, model, params.clusters.beam_size))
             current = spark.createDataFrame(
                 pd.DataFrame({"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf}))
-            slots = label_clusters.project(samples, tables.read("matcher"), current, params.clusters.lam).toPandas()
+            slots = label_clusters.project(samples, tables.read("matcher"), current, copies).toPandas()
             tables.write("clusters", spark.createDataFrame(slots))
             index = TreeIndex(slots["label_idx"].to_numpy(), slots["node"].to_numpy(), index.n_labels,
                               params.tree.nr_splits)
-            log.info("overlapping clusters (lambda=%d): %s", params.clusters.lam,
+            log.info("overlapping clusters (%d copies): %s", copies,
                      label_clusters.cluster_stats(index.slot_label, index.slot_leaf))
         with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
             model = train_weights(samples, index, tables, n_features, params)
     tables.write("slots", spark.createDataFrame(pd.DataFrame(
         {"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf.astype(np.int64)})))
     return model
-
-
-def train_model(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams,
-                timer: StageTimer, label_counts=None) -> XMCModel:
-    """PIFA, tree and node training from a samples DataFrame; writes their tables."""
-    index = build_tree(samples, tables, n_features, n_labels, params, timer, label_counts)
-    return train_classifiers(samples, index, tables, n_features, params, timer)
 
 
 def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, params: PipelineParams) -> XMCModel:
@@ -155,176 +135,212 @@ def model_from_tables(tables: Tables, n_features: int, n_labels: int, params: Pi
     return model_from_weights(tables.read("weights"), index, n_features, params)
 
 
-def ingest_train(spark, tables: Tables, train: str, params: PipelineParams):
-    """Validate TRAIN and write ``train``; an aggregated TRAIN (group-level labels, see
-    :mod:`.stages.aggregated`) is validated only (the EAGLE stage writes ``train``).
-    Returns (DatasetInfo, aggregated stats or None)."""
-    if aggregated.is_aggregated(train):
-        agg = aggregated.read(spark, train, params.ingest)
-        agg.samples.unpersist()
-        return agg.info, agg.stats
-    return ingest.run(spark, train, tables.path("train"), params.ingest, run_key=tables.run_key), None
+# ---- the stages (see registry.STAGES) -------------------------------------------------------
+
+def ingest_stage(ctx: StageContext) -> StageResult:
+    """Validate --train and --test in full, then (only then) write ``train`` and ``test``. An
+    aggregated --train (group-level labels, :mod:`.stages.aggregated`) is validated here and
+    turned into ``train`` by the eagle stage."""
+    from .params import ConfigError
+    if not ctx.train:
+        raise ConfigError("stage ingest needs --train")
+    spark, p, tables = ctx.spark, ctx.params, ctx.tables
+    with ctx.timer.stage("ingest"):
+        agg = train_df = test_df = tinfo = None
+        if aggregated.is_aggregated(ctx.train):
+            agg = aggregated.read(spark, ctx.train, p.ingest)
+            info = agg.info
+        else:
+            train_df, info = ingest.read_samples(spark, ctx.train, p.ingest)
+        if ctx.test:
+            test_df, tinfo = ingest.read_samples(spark, ctx.test, p.ingest, expect_features=info.n_features,
+                                                 expect_labels=info.n_labels)
+        if train_df is not None:                 # every input is valid: write
+            tables.write("train", train_df)
+        if test_df is not None:
+            tables.write("test", test_df)
+    facts = {"train": ctx.train, "test": ctx.test, "aggregated": agg is not None, "n_train": info.n_samples,
+             "n_features": info.n_features, "n_labels": info.n_labels,
+             "n_test": tinfo.n_samples if tinfo else None, **(agg.stats if agg is not None else {})}
+    if agg is not None:
+        ctx.memo["aggregated"] = agg
+    return StageResult(facts)
 
 
-def run_eagle(spark, tables: Tables, agg, params: PipelineParams, timer: StageTimer) -> None:
-    """EAGLE on validated aggregated input: writes ``train`` (and ``eagle_embeddings``)."""
-    with timer.stage("eagle"):
-        n_buckets = shuffle_partitions(spark)
-        train_df, einfo, emb, assigned = eagle.run(agg, params.eagle, n_buckets=n_buckets)
+def eagle_stage(ctx: StageContext) -> StageResult:
+    """EAGLE on an aggregated --train: writes the per-sample ``train`` (and ``eagle_embeddings``)."""
+    ing = ctx.dataset
+    if not ing["aggregated"]:
+        log.info("stage eagle: the training input %s has per-sample labels: nothing to do", ing["train"])
+        return StageResult({"skipped": True})
+    spark, tables = ctx.spark, ctx.tables
+    agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing["train"], ctx.params.ingest)
+    with ctx.timer.stage("eagle"):
+        train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark))
         if emb is not None:
             tables.write("eagle_embeddings", emb)
         tables.write("train", train_df)
-        timer.info.update(einfo)
     if agg.truth is not None:       # evaluation of the assignment, not part of EAGLE's cost
-        with timer.stage("eagle_diagnostics"):
-            timer.info.update(eagle.diagnostics(assigned, agg.truth))
+        with ctx.timer.stage("eagle_diagnostics"):
+            facts.update(eagle.diagnostics(assigned, agg.truth))
     agg.samples.unpersist()
+    series = {"eagle.objective": facts["eagle.objective"]} if "eagle.objective" in facts else {}
+    return StageResult(facts, series=series)
 
 
-def ingest_test(spark, tables: Tables, test: str, info, params: PipelineParams):
-    return ingest.run(spark, test, tables.path("test"), params.ingest, expect_features=info.n_features,
-                      expect_labels=info.n_labels, run_key=tables.run_key)
+def tree_stage(ctx: StageContext) -> StageResult:
+    ing = ctx.dataset
+    samples = ctx.tables.read("train")
+    counts = evaluation.label_counts(samples, ing["n_labels"])
+    index, facts = grow_tree(samples, ctx.tables, ing["n_features"], ing["n_labels"], ctx.params, ctx.timer, counts)
+    ctx.memo["label_counts"] = counts
+    return StageResult({"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)), **facts})
 
 
-def _ingest(spark, train: str, test: Optional[str], tables: Tables, params: PipelineParams, timer: StageTimer):
-    """Ingest TRAIN (and TEST) into ``tables``; returns (info, test info or None, table versions).
+def train_stage(ctx: StageContext) -> StageResult:
+    """Node classifiers (and overlapping clusters); the model folder, logged to MLflow when
+    ``mlflow.log_model`` (a non-local root keeps the folder only for MLflow)."""
+    ing, tables, params = ctx.dataset, ctx.tables, ctx.params
+    samples = tables.read("train")
+    index = tree_index(tables.read("tree").toPandas(), ing["n_labels"], params)
+    model = train_classifiers(samples, index, tables, ing["n_features"], params, ctx.timer)
+    model.meta.update({"train": ing["train"], "n_train": ing["n_train"],
+                       **({"run_key": ctx.run_key} if ctx.run_key else {})})
+    counts = ctx.memo.get("label_counts")
+    model.label_counts = counts if counts is not None else evaluation.label_counts(samples, ing["n_labels"])
+    facts = {"tree_depth": int(model.index.depth), "n_leaves": int(len(model.index.leaves)),
+             **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
+    tmp = None if ctx.model_dir else Path(tempfile.mkdtemp(prefix="xmc-model-"))
+    folder = ctx.model_dir or str(tmp / "model")
+    try:
+        model.save(folder)
+        if ctx.model_dir:
+            facts["model_dir"] = folder
+        if params.mlflow.log_model:
+            ctx.tracker.log_model(folder)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    ctx.memo["model"] = model
+    return StageResult(facts)
 
-    An aggregated TRAIN goes through EAGLE here: ``tables/train`` is then its filtered,
-    weighted per-sample training table.
-    """
-    with timer.stage("ingest"):
-        if aggregated.is_aggregated(train):
-            agg = aggregated.read(spark, train, params.ingest)
-            timer.info.update(agg.stats)
-        else:
-            agg = None
-            info, _ = ingest_train(spark, tables, train, params)
-    if agg is not None:
-        run_eagle(spark, tables, agg, params, timer)
-        info = agg.info
-    tinfo = None
-    if test:
-        with timer.stage("ingest" if agg is None else "ingest_test"):
-            t0 = timer.seconds.get("ingest", 0.0) if agg is None else 0.0
-            tinfo = ingest_test(spark, tables, test, info, params)
-        if agg is None:   # one "ingest" figure for train + test, as before
-            timer.seconds["ingest"] = round(timer.seconds["ingest"] + t0, 3)
-    versions = {"train": tables.version("train")}
-    if test:
-        versions["test"] = tables.version("test")
-    return info, tinfo, versions
 
-
-def predict_table(tables: Tables, model: XMCModel, params: PipelineParams, source: str = "test") -> None:
-    """Beam search over ``source``: writes ``predictions``."""
+def write_predictions(tables: Tables, model: XMCModel, params: PipelineParams, source: str) -> None:
+    """Beam search over table ``source``: writes ``predictions``."""
     tables.write("predictions", prediction.run(tables.read(source), model, params.predict.beam_size,
                                                params.predict.topk))
 
 
-def evaluate_table(tables: Tables, label_counts, label_depth, n_train: int, params: PipelineParams,
-                   source: str = "test") -> Dict[str, float]:
-    m = evaluation.run(tables.read("predictions"), tables.read(source), label_counts, n_train, params.eval,
-                       label_depth=label_depth)
-    return {k: round(v, 4) for k, v in m.items()}
+def predict_stage(ctx: StageContext) -> StageResult:
+    ing = ctx.dataset
+    model = ctx.memo.get("model") or model_from_tables(ctx.tables, ing["n_features"], ing["n_labels"], ctx.params)
+    with ctx.timer.stage("predict"):
+        write_predictions(ctx.tables, model, ctx.params, "test")
+    return StageResult({"n_test": ing["n_test"]})
 
 
-def _fit_and_score(spark, data_tables: Tables, out_p: Path, info, tinfo, versions: Dict, source: str,
-                   params: PipelineParams, timer: StageTimer, tracker: Tracker,
-                   config_path: Optional[str] = None) -> Dict:
-    """Train on ``data_tables``/train, save OUT/model, score ``data_tables``/test; write
-    OUT/metrics.json and OUT/config.yaml and log them to the current MLflow run."""
-    tables = Tables(spark, out_p / "tables")
-    train_df = data_tables.read("train")
-    counts = evaluation.label_counts(train_df, info.n_labels)
-    model = train_model(train_df, tables, info.n_features, info.n_labels, params, timer, label_counts=counts)
-    model.meta.update({"train": source, "n_train": info.n_samples})
-    model.label_counts = counts
-    model.save(str(out_p / "model"))
-    metrics: Dict = {"n_train": info.n_samples, "n_labels": info.n_labels, "n_features": info.n_features,
-                     "tree_depth": model.index.depth, "n_leaves": int(len(model.index.leaves)),
-                     **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf),
-                     **timer.info}
-    if tinfo is not None:
-        with timer.stage("predict"):
-            tables.write("predictions", prediction.run(
-                data_tables.read("test"), model, params.predict.beam_size, params.predict.topk))
-        with timer.stage("evaluate"):
-            m = evaluation.run(tables.read("predictions"), data_tables.read("test"), model.label_counts,
-                               info.n_samples, params.eval, label_depth=model.label_depth())
-        metrics.update({k: round(v, 4) for k, v in m.items()})
-        metrics["n_test"] = tinfo.n_samples
-    metrics["seconds"] = timer.total()
+def evaluate_stage(ctx: StageContext) -> StageResult:
+    ing, tables = ctx.dataset, ctx.tables
+    model = ctx.memo.get("model")
+    if model is None:                              # the slots, not the weights
+        depth = tree_index(tables.read("slots").toPandas(), ing["n_labels"], ctx.params).label_depth()
+        counts = evaluation.label_counts(tables.read("train"), ing["n_labels"])
+    else:
+        depth, counts = model.label_depth(), model.label_counts
+    with ctx.timer.stage("evaluate"):
+        m = evaluation.run(tables.read("predictions"), tables.read("test"), counts, ing["n_train"],
+                           ctx.params.eval, label_depth=depth)
+        metrics = {k: round(v, 4) for k, v in m.items()}
+        tables.write("metrics", ctx.spark.createDataFrame(sorted(metrics.items()), "metric string, value double"))
+    log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "depth@"))})
+    return StageResult(metrics=metrics)
+
+
+# ---- commands -------------------------------------------------------------------------------
+
+_BOOKKEEPING = ("train", "test", "tables", "commit", "basis", "skipped", "model_dir")
+
+
+def write_run_outputs(runner: Runner, out_p: Path, params: PipelineParams, tracker: Tracker,
+                      config_path=None) -> Dict:
+    """OUT/metrics.json (sizes, every stage's facts and metrics, seconds, table versions) and
+    OUT/config.yaml, logged to the current MLflow run."""
+    metrics: Dict = {}
+    versions: Dict[str, int] = {}
+    for name in ORDER:
+        rec = runner.records.by_stage.get(name)
+        if rec is None:
+            continue
+        metrics.update({k: v for k, v in rec.items() if k not in _BOOKKEEPING and v is not None})
+        versions.update({t: v for t, v in rec.get("tables", {}).items() if t in ("train", "test")})
+    metrics["seconds"] = runner.seconds()
     metrics["table_versions"] = versions
+    if tracker.run_id:
+        metrics["mlflow_run_id"] = tracker.run_id
+    out_p.mkdir(parents=True, exist_ok=True)
     (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (out_p / "config.yaml").write_text(dump_params(params))
-    tracker.log_metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})
-    tracker.log_metrics(metrics["seconds"], prefix="seconds.")
-    if "eagle.objective" in metrics:
-        tracker.log_series("eagle.objective", metrics["eagle.objective"])
+    tracker.log_metrics({"total": metrics["seconds"]["total"]}, prefix="seconds.")
     tracker.log_params({f"table_version.{k}": v for k, v in versions.items()})
     tracker.log_artifact(str(out_p / "metrics.json"))
     tracker.log_artifact(str(out_p / "config.yaml"))
     tracker.log_configs(config_path)
-    if params.mlflow.log_model:
-        tracker.log_model(str(out_p / "model"))
-    if tracker.run_id:
-        metrics["mlflow_run_id"] = tracker.run_id
-        (out_p / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "depth@"))})
     return metrics
 
 
 def run(spark, train: str, test: Optional[str], out: str, params: PipelineParams,
         config_path: Optional[str] = None) -> Dict:
-    """Run every stage; write OUT/metrics.json and OUT/model; track in MLflow."""
+    """Every stage over OUT/tables; OUT/metrics.json, OUT/model; one MLflow run."""
     out_p = Path(out)
-    tables = Tables(spark, out_p / "tables")
-    timer = StageTimer(params.spark.progress_seconds)
     tracker = Tracker(params.mlflow)
     with tracker.run(run_name=params.mlflow.run_name or out_p.name):
         tracker.log_params(params.flat())
         tracker.log_params({"input.train": train, "input.test": test or ""})
-        info, tinfo, versions = _ingest(spark, train, test, tables, params, timer)
-        return _fit_and_score(spark, tables, out_p, info, tinfo, versions, train, params, timer, tracker,
-                              config_path)
+        runner = Runner(spark, params, out, train=train, test=test, tracker=tracker)
+        runner.run_all()
+        return write_run_outputs(runner, out_p, params, tracker, config_path)
 
 
-def sweep(spark, train: str, test: Optional[str], out: str, params: PipelineParams, key: str, values,
+_INPUT_STAGES = ("ingest", "eagle")
+
+
+def sweep(spark, train: str, test: Optional[str], out: str, params: PipelineParams, key: str, values: Iterable,
           config_path: Optional[str] = None) -> Dict:
     """Train and score one model per value of config ``key`` (e.g. ``tree.lambda_prime``).
 
-    Ingests once; each value gets OUT/<key>=<value>/ (model, tables, metrics.json) and a nested
-    MLflow run; the parent run gets the results table (sweep.json) and, with a test set, a
-    precision-vs-expected-depth plot (sweep.png).
+    Ingest and EAGLE run once (OUT/tables); each value gets OUT/<key>=<value>/ (model, tables,
+    metrics.json) from the later stages and a nested MLflow run; the parent run gets the results
+    table (sweep.json) and, with a test set, a precision-vs-expected-depth plot (sweep.png).
     """
     if key.split(".")[0] in ("ingest", "eagle", "spark", "mlflow"):
         from .params import ConfigError
         raise ConfigError(f"sweep runs ingest (and EAGLE) once, so it cannot sweep '{key}': "
                           "use one `xmc-spark run` per value")
     out_p = Path(out)
-    tables = Tables(spark, out_p / "tables")
-    timer = StageTimer(params.spark.progress_seconds)
     tracker = Tracker(params.mlflow)
     results = []
     with tracker.run(run_name=params.mlflow.run_name or out_p.name, tags={"xmc_spark.sweep": key}):
         tracker.log_params({"sweep.key": key, "sweep.values": ",".join(map(str, values)),
                             "input.train": train, "input.test": test or ""})
-        info, tinfo, versions = _ingest(spark, train, test, tables, params, timer)
+        base = Runner(spark, params, out, train=train, test=test, tracker=tracker)
+        base.run_all(_INPUT_STAGES)
         for v in values:
             child_params = params.set_dotted(key, v)
             name = f"{key.split('.')[-1]}={v}"
             child = Tracker(params.mlflow)
             with child.run(run_name=name, nested=True, tags={"xmc_spark.sweep": key}):
                 child.log_params(child_params.flat())
-                ctimer = StageTimer(params.spark.progress_seconds)
-                ctimer.info.update(timer.info)      # input facts (aggregated stats, EAGLE diagnostics)
-                m = _fit_and_score(spark, tables, out_p / name, info, tinfo, versions, train, child_params,
-                                   ctimer, child, config_path)
+                runner = Runner(spark, child_params, str(out_p / name), tracker=child,
+                                links={t: base.tables.path(t) for t in ("train", "test")},
+                                records={s: base.records.by_stage[s] for s in _INPUT_STAGES})
+                runner.results.update({s: base.results[s] for s in _INPUT_STAGES})
+                runner.run_all([s for s in ORDER if s not in _INPUT_STAGES])
+                m = write_run_outputs(runner, out_p / name, child_params, child, config_path)
             results.append({"key": key, "value": v, **{k: x for k, x in m.items() if not isinstance(x, dict)},
                             "seconds": m["seconds"]})
         (out_p / "sweep.json").write_text(json.dumps(results, indent=2))
         tracker.log_artifact(str(out_p / "sweep.json"))
-        if tinfo is not None:
+        if test:
             plot_sweep(results, str(out_p / "sweep.png"), params.eval.ks)
             tracker.log_artifact(str(out_p / "sweep.png"))
     return {"key": key, "results": results, "out": str(out_p)}
@@ -363,7 +379,7 @@ def predict(spark, model_dir: str, data: str, out: str, params: PipelineParams) 
     info = ingest.run(spark, data, tables.path("input"), ing, expect_features=model.n_features,
                       expect_labels=model.n_labels)
     df = tables.read("input")
-    predict_table(tables, model, params, source="input")
+    write_predictions(tables, model, params, "input")
     result = {"n_samples": info.n_samples, "predictions": tables.path("predictions")}
     has_labels = df.filter(F.size("label_idx") > 0).limit(1).count() > 0
     if has_labels:

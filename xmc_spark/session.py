@@ -5,7 +5,12 @@ import logging
 import os
 import sys
 
+from .errors import XmcError
 from .params import SparkParams
+
+
+class SparkStartError(XmcError):
+    """The Spark session could not start (no cluster configuration, no Java, ...)."""
 
 log = logging.getLogger("xmc_spark")
 
@@ -57,7 +62,19 @@ def get_spark(params: SparkParams | None = None):
     if params.delta_from_maven:
         from delta import configure_spark_with_delta_pip
         builder = configure_spark_with_delta_pip(builder)
-    spark = builder.getOrCreate()
+    if params.master.startswith("yarn") and not (os.environ.get("HADOOP_CONF_DIR") or
+                                                 os.environ.get("YARN_CONF_DIR")):
+        raise SparkStartError(f"spark.master={params.master} needs HADOOP_CONF_DIR or YARN_CONF_DIR set to the "
+                              "cluster's Hadoop configuration folder (or run under spark-submit on the cluster)")
+    try:
+        spark = builder.getOrCreate()
+    except Exception as e:  # noqa: BLE001 - PySparkRuntimeError [JAVA_GATEWAY_EXITED] and kin
+        if "JAVA_GATEWAY_EXITED" not in str(e) and "Java gateway" not in str(e):
+            raise
+        raise SparkStartError(f"Spark could not start (master={params.master or 'from spark-submit'}): the JVM "
+                              f"exited; its own message is printed above this line. Check Java 17 is on PATH "
+                              f"(JAVA_HOME) and the spark.* settings. ({e.__class__.__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
     spark.sparkContext.setLogLevel(params.log_level)
     log.info("Spark %s session ready (master=%s)", spark.version, spark.sparkContext.master)
     return spark

@@ -8,8 +8,12 @@ untouched, and a write that fails leaves the previous version of the table intac
 """
 from __future__ import annotations
 
+from .errors import XmcError
+
 import logging
+import random
 import re
+import time
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -22,11 +26,23 @@ RUN_KEY = "run_key"
 _RUN_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+-]{0,63}$")
 
 
-class RunKeyError(ValueError):
+class ConcurrentWriteError(XmcError, RuntimeError):
+    """Another run kept committing to the same table partition."""
+
+
+# Delta's optimistic-concurrency conflicts: the other writer committed first, nothing of ours did
+_CONFLICTS = ("ProtocolChangedException", "MetadataChangedException", "ConcurrentAppendException",
+              "ConcurrentWriteException", "ConcurrentDeleteReadException", "ConcurrentDeleteDeleteException",
+              "ConcurrentTransactionException", "DELTA_PROTOCOL_CHANGED", "DELTA_METADATA_CHANGED",
+              "DELTA_CONCURRENT_", "FileAlreadyExistsException")
+WRITE_ATTEMPTS = 6
+
+
+class RunKeyError(XmcError, ValueError):
     """A run key that cannot name a partition."""
 
 
-class StageOrderError(RuntimeError):
+class StageOrderError(XmcError, RuntimeError):
     """A stage ran before the stage whose output it reads."""
 
 
@@ -61,9 +77,29 @@ def write_delta(df: DataFrame, path: str, run_key: Optional[str] = None, where: 
         return
     check_run_key(run_key)
     cond = f"{RUN_KEY} = '{run_key}'" + (f" AND ({where})" if where else "")
-    (df.withColumn(RUN_KEY, F.lit(run_key)).write.format("delta").mode("overwrite")
-       .partitionBy(RUN_KEY).option("replaceWhere", cond).option("mergeSchema", "true").save(path))
+    writer = (df.withColumn(RUN_KEY, F.lit(run_key)).write.format("delta").mode("overwrite")
+              .partitionBy(RUN_KEY).option("replaceWhere", cond).option("mergeSchema", "true"))
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        try:
+            writer.save(path)
+            break
+        except Exception as e:  # noqa: BLE001 - Delta's conflicts reach Python as Py4J/Spark errors
+            if not any(c in str(e) for c in _CONFLICTS):
+                raise
+            if attempt == WRITE_ATTEMPTS:
+                raise ConcurrentWriteError(
+                    f"{path}: another run kept committing to this table while run key {run_key} was being "
+                    f"written ({WRITE_ATTEMPTS} attempts; last conflict: {_first_line(e)}); rerun the stage "
+                    "once the other run has finished") from None
+            pause = min(8.0, 0.5 * 2 ** attempt) * (0.5 + random.random())
+            log.warning("%s: concurrent commit (%s); retrying in %.1fs", path, _first_line(e), pause)
+            time.sleep(pause)
     log.info("wrote %s [%s]", path, cond)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else e.__class__.__name__
 
 
 def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
@@ -105,9 +141,10 @@ class Tables:
     """
 
     def __init__(self, spark: SparkSession, root, run_key: Optional[str] = None,
-                 pins: Optional[Dict[str, int]] = None):
+                 pins: Optional[Dict[str, int]] = None, links: Optional[Dict[str, str]] = None):
         self.spark = spark
         self.root = str(root).rstrip("/")
+        self.links: Dict[str, str] = dict(links or {})      # tables that live elsewhere (a sweep's inputs)
         self.run_key = check_run_key(run_key) if run_key is not None else None
         self.pins: Dict[str, int] = dict(pins or {})
         self.reads: Dict[str, int] = {}
@@ -115,7 +152,7 @@ class Tables:
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
     def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        return self.links.get(name) or f"{self.root}/{name}"
 
     def write(self, name: str, df: DataFrame, where: Optional[str] = None) -> None:
         write_delta(df, self.path(name), self.run_key, where)
@@ -123,8 +160,7 @@ class Tables:
 
     def read(self, name: str) -> DataFrame:
         version = self.pins.get(name)
-        if self.run_key is not None:
-            self.reads[name] = version if version is not None else self.version(name)
+        self.reads[name] = version if version is not None else self.version(name)
         return read_delta(self.spark, self.path(name), self.run_key, version)
 
     def version(self, name: str) -> int:

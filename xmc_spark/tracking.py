@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from contextlib import contextmanager
 from typing import Any, Dict, Optional
 
@@ -13,9 +14,9 @@ log = logging.getLogger("xmc_spark.tracking")
 
 
 class Tracker:
-    def __init__(self, params: MlflowParams):
+    def __init__(self, params: MlflowParams, enabled: Optional[bool] = None):
         self.params = params
-        self.enabled = params.enabled
+        self.enabled = params.enabled if enabled is None else enabled
         self.run_id: Optional[str] = None
         self._mlflow = None
 
@@ -25,7 +26,8 @@ class Tracker:
             yield self
             return
         mlflow = self._setup()
-        with mlflow.start_run(run_name=run_name or self.params.run_name or None, nested=nested, tags=tags) as r:
+        with mlflow.start_run(run_name=run_name or self.params.run_name or None, nested=nested,
+                              tags={**(tags or {}), **_owner_tags()}) as r:
             self.run_id = r.info.run_id
             log.info("MLflow run %s (%s)", r.info.run_id, redact(self.params.tracking_uri))
             yield self
@@ -35,8 +37,10 @@ class Tracker:
 
         self._mlflow = mlflow
         uri = self.params.tracking_uri
-        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-            os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
+        with _sqlite_lock(uri):      # two jobs starting at once must not both create the store
+            return self._setup_locked(mlflow, uri)
+
+    def _setup_locked(self, mlflow, uri: str):
         mlflow.set_tracking_uri(uri)
         if self.params.registry_uri:
             mlflow.set_registry_uri(self.params.registry_uri)
@@ -46,7 +50,28 @@ class Tracker:
                 loc = os.path.abspath(loc)
             mlflow.create_experiment(self.params.experiment, artifact_location=loc or None)
         mlflow.set_experiment(self.params.experiment)
+        self._fail_orphans()
         return mlflow
+
+    def _fail_orphans(self) -> None:
+        """Mark as FAILED the runs this machine left RUNNING from a process that is gone (a killed
+        job): each run carries its process's host and pid as tags."""
+        exp = self._mlflow.get_experiment_by_name(self.params.experiment)
+        host = socket.gethostname().replace("'", "")
+        try:
+            runs = self._mlflow.search_runs(
+                experiment_ids=[exp.experiment_id], output_format="list",
+                filter_string=f"attributes.status = 'RUNNING' and tags.`xmc_spark.host` = '{host}'")
+        except Exception as e:  # noqa: BLE001 - a store without search support: nothing to clean
+            log.debug("no orphan-run check: %s", e)
+            return
+        from mlflow.tracking import MlflowClient
+        for r in runs:
+            pid = r.data.tags.get("xmc_spark.pid", "")
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                log.warning("MLflow run %s was left RUNNING by process %s, which is gone: marking it FAILED",
+                            r.info.run_id, pid)
+                MlflowClient().set_terminated(r.info.run_id, "FAILED")
 
     @contextmanager
     def run_for_key(self, run_key: str, root: str, params: Dict[str, Any]):
@@ -73,6 +98,7 @@ class Tracker:
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (self.params.run_name or run_key),
                               tags=None if run_id else tags) as r:
             self.run_id = r.info.run_id
+            mlflow.set_tags(_owner_tags())
             log.info("MLflow run %s (%s) for run key %s", r.info.run_id, redact(self.params.tracking_uri), run_key)
             self.log_params({k: v for k, v in want.items() if k not in r.data.params})
             yield self
@@ -117,3 +143,34 @@ class Tracker:
     def set_tags(self, tags: Dict[str, str]) -> None:
         if self._mlflow:
             self._mlflow.set_tags(tags)
+
+
+@contextmanager
+def _sqlite_lock(uri: str):
+    """An exclusive lock file beside a local sqlite store (creating its folder), else nothing."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+    db = uri[len("sqlite:///"):]
+    os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
+    with open(db + ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _owner_tags() -> Dict[str, str]:
+    return {"xmc_spark.host": socket.gethostname(), "xmc_spark.pid": str(os.getpid())}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

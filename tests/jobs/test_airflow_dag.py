@@ -47,11 +47,12 @@ def test_dag_loads_with_one_spark_submit_task_per_stage(tmp_path):
                       {"max_leaf_size": 16, "environment": "databricks"})
     assert out["import_errors"] == {} and out["dag_ids"] == ["xmc_spark_pipeline"]
     assert out["heavy_modules"] == []                    # light top-level code
-    stages = ["ingest", "eagle", "tree", "train", "predict", "evaluate"]
-    assert set(out["tasks"]) == set(stages)
-    for a, b in zip(stages, stages[1:] + [None]):
-        assert out["tasks"][a]["downstream"] == ([b] if b else [])
-        assert out["tasks"][a]["operator"] == "SparkSubmitOperator" and out["tasks"][a]["retries"] == 1
+    from xmc_spark.registry import STAGES
+    assert set(out["tasks"]) == set(STAGES)             # the registry's stages and dependencies
+    for name in STAGES:
+        assert out["tasks"][name]["downstream"] == sorted(s for s, spec in STAGES.items() if name in spec.needs)
+        assert (ROOT / "jobs" / f"{name}.py").is_file()
+        assert out["tasks"][name]["operator"] == "SparkSubmitOperator" and out["tasks"][a]["retries"] == 1
     assert out["schedule"] == "@daily"
     # the JSON schema of every Param rejects a bad value
     assert all(out["rejected"].values()), out["rejected"]

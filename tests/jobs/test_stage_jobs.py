@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import write_split, write_xc
-from xmc_spark import stage_jobs
+from xmc_spark.registry import ORDER
+from xmc_spark.runner import run_keyed, run_stage
 from xmc_spark.params import PipelineParams
 from xmc_spark.schemas import IngestError
 from xmc_spark.storage import RunKeyError, StageOrderError, Tables, read_delta, table_version
@@ -23,13 +24,13 @@ def env(tmp_path_factory, spark):
         .set_dotted("mlflow.artifact_location", str(d / "artifacts")) \
         .set_dotted("mlflow.registered_model", "") \
         .set_dotted("paths.root", str(d / "root"))
-    res = stage_jobs.run_all(spark, K1, params, str(d / "train.txt"), str(d / "test.txt"))
+    res = run_keyed(spark, ["all"], K1, params, str(d / "train.txt"), str(d / "test.txt"))
     return d, params, res
 
 
 def test_stages_in_order_equal_the_reference_model(env, spark):
     d, params, res = env
-    assert list(res) == list(stage_jobs.STAGES)
+    assert list(res) == list(ORDER)
     assert res["eagle"]["skipped"] is True
     # the stage jobs' model = the single-process reference trainer's; metrics = the numpy kernel's
     from xmc_spark.kernels import metrics as M
@@ -80,11 +81,11 @@ def test_a_stage_failing_half_way_leaves_later_stages_on_the_last_good_output(en
 
     monkeypatch.setattr(Tables, "write", crash_before_slots)
     with pytest.raises(RuntimeError, match="crash after the weights"):
-        stage_jobs.run_stage(spark, "train", K1, params.set_dotted("train.C", 0.01))   # different weights
+        run_stage(spark, "train", K1, params.set_dotted("train.C", 0.01))   # different weights
     monkeypatch.undo()
     assert tables.version("weights") > weights_v          # the failed run did overwrite the weights partition
     # predict reads the weights at the version the last successful train stage recorded
-    info = stage_jobs.run_stage(spark, "predict", K1, params)
+    info = run_stage(spark, "predict", K1, params)
     assert sorted(tables.read("predictions").collect()) == before
     import mlflow
     mlflow.set_tracking_uri(params.mlflow.tracking_uri)
@@ -95,13 +96,13 @@ def test_rerun_replaces_only_its_key_and_a_failed_stage_leaves_the_table(env, sp
     d, params, res = env
     path = str(d / "root" / "tables" / "train")
     # a second key beside K1
-    stage_jobs.run_stage(spark, "ingest", K2, params, str(d / "train_small.txt"))
+    run_stage(spark, "ingest", K2, params, str(d / "train_small.txt"))
     counts = {r["run_key"]: r["count"] for r in read_delta(spark, path).groupBy("run_key").count().collect()}
     assert counts == {K1: 120, K2: 90}
     before = sorted(read_delta(spark, path, K1).collect())
     v = table_version(spark, path)
     # rerun K1: same rows, one new version, K2 untouched
-    stage_jobs.run_stage(spark, "ingest", K1, params, str(d / "train.txt"), str(d / "test.txt"))
+    run_stage(spark, "ingest", K1, params, str(d / "train.txt"), str(d / "test.txt"))
     assert table_version(spark, path) > v
     assert sorted(read_delta(spark, path, K1).collect()) == before
     assert read_delta(spark, path, K2).count() == 90
@@ -110,7 +111,7 @@ def test_rerun_replaces_only_its_key_and_a_failed_stage_leaves_the_table(env, sp
     bad.write_text("2 40 12\n1 3:1\n2 5:nan\n")
     v = table_version(spark, path)
     with pytest.raises(IngestError, match=r"bad.txt:3: feature value is NaN"):
-        stage_jobs.run_stage(spark, "ingest", K1, params, str(bad))
+        run_stage(spark, "ingest", K1, params, str(bad))
     assert table_version(spark, path) == v
     assert sorted(read_delta(spark, path, K1).collect()) == before
     # the stage's facts for K1 are still those of the good run
@@ -121,6 +122,6 @@ def test_rerun_replaces_only_its_key_and_a_failed_stage_leaves_the_table(env, sp
 def test_stage_order_and_run_key_errors(env, spark):
     d, params, _ = env
     with pytest.raises(StageOrderError, match="needs the output of stage 'ingest' for run key 2026-01-01"):
-        stage_jobs.run_stage(spark, "tree", "2026-01-01", params)
+        run_stage(spark, "tree", "2026-01-01", params)
     with pytest.raises(RunKeyError, match="run key"):
-        stage_jobs.run_stage(spark, "ingest", "x' OR '1'='1", params, str(d / "train.txt"))
+        run_stage(spark, "ingest", "x' OR '1'='1", params, str(d / "train.txt"))

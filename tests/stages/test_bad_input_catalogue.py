@@ -6,7 +6,8 @@ import re
 import pytest
 
 from tests.conftest import random_problem, write_xc
-from xmc_spark import stage_jobs
+from xmc_spark.registry import ORDER
+from xmc_spark.runner import run_keyed, run_stage
 from xmc_spark.config import load_params
 from xmc_spark.params import ConfigError, PipelineParams
 from xmc_spark.schemas import IngestError
@@ -80,7 +81,7 @@ def test_bad_input(spark, tmp_path, params, name):
     make, pattern = CATALOGUE[name]
     path = make(spark, tmp_path)
     with pytest.raises(IngestError) as e:
-        stage_jobs.run_stage(spark, "ingest", K, params, train=path)
+        run_stage(spark, "ingest", K, params, train=path)
     msg = str(e.value)
     print(f"CATALOGUE {name}: xmc-spark: error: {msg}")
     assert re.search(pattern.replace("FILE", re.escape(path)), msg), msg
@@ -111,10 +112,10 @@ def test_bad_config_file(tmp_path):
 
 def test_bad_run_key_and_stage_order(spark, params, tmp_path):
     with pytest.raises(RunKeyError, match="run key 'a b' must be") as e:
-        stage_jobs.run_stage(spark, "ingest", "a b", params, train="x")
+        run_stage(spark, "ingest", "a b", params, train="x")
     print(f"CATALOGUE run key: xmc-spark: error: {e.value}")
     with pytest.raises(StageOrderError, match="stage 'train' needs the output of stage 'ingest' for run key "
                                               "1999-01-01") as e:
-        stage_jobs.run_stage(spark, "train", "1999-01-01", params)
+        run_stage(spark, "train", "1999-01-01", params)
     print(f"CATALOGUE stage order: xmc-spark: error: {e.value}")
 

@@ -11,6 +11,7 @@ from pyspark import TaskContext
 from pyspark import cloudpickle
 
 from tests.conftest import write_split
+from xmc_spark.runner import StageTimer
 from xmc_spark import pipeline
 from xmc_spark.params import PipelineParams
 from xmc_spark.stages import evaluation, ingest, node_training, prediction
@@ -39,8 +40,8 @@ def data(tmp_path_factory, spark):
     ingest.run(spark, str(d / "test.txt"), str(d / "test_tbl"), params.ingest, expect_features=info.n_features,
                expect_labels=info.n_labels)
     samples = read_delta(spark, str(d / "train_tbl")).cache()
-    index = pipeline.build_tree(samples, Tables(spark, d / "tables"), info.n_features, info.n_labels, params,
-                                pipeline.StageTimer(0))
+    index, _ = pipeline.grow_tree(samples, Tables(spark, d / "tables"), info.n_features, info.n_labels, params,
+                                  StageTimer(0))
     return d, params, info, samples, index
 
 

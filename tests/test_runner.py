@@ -1,0 +1,150 @@
+"""The stage runner: dependency checks from the records, validation before the first write, the
+unkeyed and keyed paths giving the same model, concurrent run keys."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import write_split, write_xc
+from xmc_spark import pipeline
+from xmc_spark.params import ConfigError, PipelineParams
+from xmc_spark.registry import STAGES
+from xmc_spark.runner import check_ready, run_keyed, run_stage
+from xmc_spark.schemas import IngestError
+from xmc_spark.storage import StageOrderError, Tables, is_delta, read_delta
+
+ROOT = Path(__file__).resolve().parents[1]
+KA, KB = "2026-01-01", "2026-01-02"
+
+
+def _params(d):
+    return PipelineParams().set_dotted("tree.max_leaf_size", 4).set_dotted("mlflow.enabled", False) \
+        .set_dotted("paths.root", str(d / "root"))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, spark):
+    d = tmp_path_factory.mktemp("runner")
+    write_split(d, 120, n=160, d=40, L=12, seed=3)
+    params = _params(d)
+    res = run_keyed(spark, ["all"], KA, params, str(d / "train.txt"), str(d / "test.txt"))
+    return d, params, res
+
+
+def _weights(spark, path, key=None):
+    return sorted((r["is_leaf"], r["key"], tuple(r["w_idx"]), tuple(r["w_val"]))
+                  for r in read_delta(spark, path, key).collect())
+
+
+def test_run_and_stage_all_give_identical_weights_and_metrics(env, spark):
+    d, params, res = env
+    m = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "run"), params)
+    assert _weights(spark, str(d / "run" / "tables" / "weights")) == \
+        _weights(spark, str(d / "root" / "tables" / "weights"), KA)
+    for k in ("p@1", "p@3", "p@5", "psp@5", "ndcg@5", "depth@1"):
+        assert m[k] == res["evaluate"][k], k
+    assert m["n_train"] == 120 and m["n_test"] == 40 and m["tree_depth"] == res["train"]["tree_depth"]
+    on_disk = json.loads((d / "run" / "metrics.json").read_text())
+    assert on_disk["p@1"] == m["p@1"] and on_disk["table_versions"] == {"train": 0, "test": 0}
+
+
+def test_check_ready_from_records():
+    ok = {"ingest": {"commit": "i1", "basis": {}, "test": "t.txt"},
+          "eagle": {"commit": "e1", "basis": {"ingest": "i1"}},
+          "tree": {"commit": "t1", "basis": {"eagle": "e1"}},
+          "train": {"commit": "m1", "basis": {"tree": "t1"}}}
+    check_ready(STAGES["predict"], ok, "here")
+    with pytest.raises(StageOrderError, match="needs the output of stage 'tree' for here"):
+        check_ready(STAGES["train"], {k: ok[k] for k in ("ingest", "eagle")}, "here")
+    stale = {**ok, "tree": {"commit": "t2", "basis": {"eagle": "e1"}}}      # tree reran after train
+    with pytest.raises(StageOrderError, match="stage 'train' for here predates the last run of stage 'tree'"):
+        check_ready(STAGES["predict"], stale, "here")
+    with pytest.raises(ConfigError, match="ingested without --test"):
+        check_ready(STAGES["predict"], {**ok, "ingest": {**ok["ingest"], "test": None}}, "here")
+
+
+def test_predict_and_evaluate_need_train_for_their_own_key(env, spark):
+    d, params, _ = env
+    run_stage(spark, "ingest", KB, params, str(d / "train.txt"), str(d / "test.txt"))   # KA is trained
+    run_stage(spark, "eagle", KB, params)
+    for stage in ("predict", "evaluate"):
+        with pytest.raises(StageOrderError, match=f"stage '{stage}' needs the output of stage 'tree' for run key "
+                                                  f"{KB}"):
+            run_stage(spark, stage, KB, params)
+    assert read_delta(spark, str(d / "root" / "tables" / "predictions"), KB).count() == 0
+
+
+def test_a_rerun_upstream_invalidates_the_stages_after_it(env, spark, monkeypatch):
+    d, params, _ = env
+    key = "2026-01-03"
+    for s in ("ingest", "eagle", "tree", "train", "predict"):
+        run_stage(spark, s, key, params, str(d / "train.txt") if s == "ingest" else None,
+                  str(d / "test.txt") if s == "ingest" else None)
+    run_stage(spark, "tree", key, params)
+    with pytest.raises(StageOrderError, match="stage 'predict' needs the output of stage 'train'"):
+        run_stage(spark, "predict", key, params)
+    with pytest.raises(StageOrderError, match="stage 'evaluate' needs the output of stage 'train'"):
+        run_stage(spark, "evaluate", key, params)
+    # a first train killed after its weights: predict asks for train, no Delta traceback
+    write = Tables.write
+
+    def killed(self, name, df, where=None):
+        if name == "slots":
+            raise KeyboardInterrupt("killed")
+        return write(self, name, df, where)
+
+    key2 = "2026-01-04"
+    for s in ("ingest", "eagle", "tree"):
+        run_stage(spark, s, key2, params, str(d / "train.txt") if s == "ingest" else None,
+                  str(d / "test.txt") if s == "ingest" else None)
+    monkeypatch.setattr(Tables, "write", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(spark, "train", key2, params)
+    monkeypatch.undo()
+    with pytest.raises(StageOrderError, match="stage 'predict' needs the output of stage 'train' for run key "
+                                              f"{key2}"):
+        run_stage(spark, "predict", key2, params)
+
+
+def test_bad_test_input_writes_no_table(tmp_path, spark):
+    d = tmp_path
+    write_split(d, 120, n=160, d=40, L=12, seed=3)
+    params = _params(d)
+    (d / "header_only.txt").write_text("3 40 12\n")
+    (d / "bad_label.txt").write_text("1 40 12\n13 1:1\n")
+    for bad, msg in (("header_only.txt", "no samples"), ("bad_label.txt", ":2: label id 13 out of range")):
+        with pytest.raises(IngestError, match=msg):
+            run_stage(spark, "ingest", KA, params, str(d / "train.txt"), str(d / bad))
+        for table in ("train", "test", "stage_info"):
+            assert not is_delta(spark, str(d / "root" / "tables" / table)), (bad, table)
+    (d / "empty.txt").write_text("")
+    with pytest.raises(IngestError, match="the file is empty"):
+        pipeline.run(spark, str(d / "train.txt"), str(d / "empty.txt"), str(d / "out"), params)
+    assert not (d / "out" / "tables" / "train").exists()
+
+
+@pytest.mark.slow
+def test_two_keys_ingest_at_once_into_a_fresh_root(tmp_path, spark):
+    write_split(tmp_path, 120, n=160, d=40, L=12, seed=3)
+    root = tmp_path / "root"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "xmc_spark.cli", "stage", "ingest", "--run-key", key, "--train",
+         str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"), "--root", str(root),
+         "--set", "spark.master=local[1]", "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+         "--set", f"mlflow.artifact_location={tmp_path}/artifacts"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for key in (KA, KB)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "Traceback" not in err
+    for table, n in (("train", 120), ("test", 40)):
+        counts = {r["run_key"]: r["count"] for r in
+                  read_delta(spark, str(root / "tables" / table)).groupBy("run_key").count().collect()}
+        assert counts == {KA: n, KB: n}, table
+    stages = {(r["run_key"], r["stage"]) for r in read_delta(spark, str(root / "tables" / "stage_info")).collect()}
+    assert stages == {(KA, "ingest"), (KB, "ingest")}

@@ -1,0 +1,82 @@
+"""The one list of pipeline stages: name, implementation, dependencies, tables, config sections.
+
+Everything that needs the stages reads them from here: the runner (:mod:`.runner`, behind
+``xmc-spark run``, ``sweep`` and ``stage``), the command line's choices, the spark-submit
+entry points, the Airflow DAG's test and the benchmarks. Importing this module needs neither
+Spark nor numpy; each stage's implementation (``"module:function"``, called as
+``function(ctx) -> StageResult``) is imported when the stage runs.
+
+==========  ===========  ==========================================  ====================================
+stage       needs        reads                                       writes (one partition per run key)
+==========  ===========  ==========================================  ====================================
+ingest      -            --train, --test (files, tables, folders)    ``train`` (per-sample input), ``test``
+eagle       ingest       the aggregated --train folder                ``train``, ``eagle_embeddings``
+tree        eagle        ``train``                                   ``label_embeddings``, ``tree``
+train       tree         ``train``, ``tree``                         ``weights``, ``slots`` (+ ``matcher``,
+                                                                     ``clusters``), the model folder
+predict     train        ``test``, ``slots``, ``weights``            ``predictions``
+evaluate    predict      ``predictions``, ``test``, ``train``,       ``metrics``
+                         ``slots``
+==========  ===========  ==========================================  ====================================
+
+A stage may run only when every stage it needs (directly or through others) has a record for
+the run key, made on the current records of *its* own needs: a rerun of a stage invalidates
+every stage downstream of it until they rerun.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    impl: str                          # "module:function", function(ctx) -> StageResult
+    needs: Tuple[str, ...]             # stages whose output this one reads (direct)
+    reads: Tuple[str, ...]             # tables read
+    writes: Tuple[str, ...]            # tables written
+    sections: Tuple[str, ...]          # config sections it depends on (its MLflow params)
+    needs_test: bool = False           # only meaningful when a test set was ingested
+    help: str = ""
+
+    def function(self) -> Callable:
+        module, func = self.impl.split(":")
+        return getattr(importlib.import_module(module), func)
+
+
+_P = "xmc_spark.pipeline"
+STAGES: Dict[str, StageSpec] = {s.name: s for s in (
+    StageSpec("ingest", f"{_P}:ingest_stage", (), (), ("train", "test"), ("ingest",),
+              help="validate --train/--test and write the train and test tables"),
+    StageSpec("eagle", f"{_P}:eagle_stage", ("ingest",), (), ("train", "eagle_embeddings"), ("eagle",),
+              help="group-level labels -> per-sample training table (nothing to do for per-sample input)"),
+    StageSpec("tree", f"{_P}:tree_stage", ("eagle",), ("train",), ("label_embeddings", "tree"),
+              ("embedding", "tree"), help="PIFA label embeddings and the label tree"),
+    StageSpec("train", f"{_P}:train_stage", ("tree",), ("train", "tree"),
+              ("weights", "slots", "matcher", "clusters"), ("train", "clusters", "predict"),
+              help="node classifiers (and overlapping clusters); the model folder"),
+    StageSpec("predict", f"{_P}:predict_stage", ("train",), ("test", "slots", "weights"), ("predictions",),
+              ("predict",), needs_test=True, help="beam search over the test table"),
+    StageSpec("evaluate", f"{_P}:evaluate_stage", ("predict",), ("predictions", "test", "train", "slots"),
+              ("metrics",), ("eval",), needs_test=True, help="P@k, nDCG@k, PSP@k, recall@k, depth@k"),
+)}
+ORDER: Tuple[str, ...] = tuple(STAGES)
+
+
+def upstream(name: str) -> List[str]:
+    """Every stage ``name`` depends on, directly or not, in pipeline order."""
+    seen = set()
+    todo = list(STAGES[name].needs)
+    while todo:
+        s = todo.pop()
+        if s not in seen:
+            seen.add(s)
+            todo.extend(STAGES[s].needs)
+    return [s for s in ORDER if s in seen]
+
+
+def downstream(name: str) -> List[str]:
+    """Every stage that depends on ``name``, directly or not, in pipeline order."""
+    return [s for s in ORDER if name in upstream(s)]
