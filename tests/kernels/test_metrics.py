@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import scipy.sparse as sp
 
 from xmc_spark.kernels.metrics import depth_sums, evaluate, finalize_depth, propensities
@@ -33,3 +34,26 @@ def test_expected_depth():
     s = depth_sums(pred, depth, ks=(1, 2))
     out = finalize_depth(s, (1, 2))
     assert out["depth@1"] == (1 + 2) / 2 and out["depth@2"] == (3 + 2) / 2
+
+
+def test_propensities_padded_to_the_label_space():
+    p = propensities(np.array([3, 1]), 10, n_labels=4)
+    C = (np.log(10) - 1) * 2.5 ** 0.55
+    np.testing.assert_allclose(p, 1 / (1 + C * np.array([4.5, 2.5, 1.5, 1.5]) ** -0.55))
+    assert np.all(np.isfinite(1 / p)) and np.all(p > 0)
+    # a count of 0 gives a finite propensity for any training size >= 2
+    for n in (2, 3, 10, 10 ** 7):
+        assert np.isfinite(propensities(np.array([0]), n)[0]) and propensities(np.array([0]), n)[0] > 0
+
+
+def test_label_beyond_the_truth_width_is_not_a_hit_of_the_next_row():
+    # row 0 predicts label 3 (Y has 2 columns); row 1's label 1 must not be mistaken for it
+    Y = sp.csr_matrix(np.array([[1, 0], [0, 1]], dtype=np.float32))
+    m = evaluate(np.array([[3], [0]]), Y, np.ones(4), ks=(1,))
+    assert m["p@1"] == 0.0
+
+
+def test_inv_prop_must_cover_the_labels():
+    Y = sp.csr_matrix(np.array([[0, 0, 1]], dtype=np.float32))
+    with pytest.raises(ValueError, match="inv_prop has 2 labels"):
+        evaluate(np.array([[0]]), Y, np.ones(2), ks=(1,))

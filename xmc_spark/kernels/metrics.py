@@ -11,17 +11,22 @@ import numpy as np
 import scipy.sparse as sp
 
 
-def propensities(label_counts: np.ndarray, n_samples: int, A: float = 0.55, B: float = 1.5) -> np.ndarray:
-    """p_l = 1 / (1 + C exp(-A log(N_l + B))), C = (log N - 1)(B + 1)^A."""
+def propensities(label_counts: np.ndarray, n_samples: int, A: float = 0.55, B: float = 1.5,
+                 n_labels: int = 0) -> np.ndarray:
+    """p_l = 1 / (1 + C exp(-A log(N_l + B))), C = (log N - 1)(B + 1)^A, for the labels
+    0..max(len(label_counts), n_labels) - 1: labels beyond the counts (never seen in training)
+    have N_l = 0, so p_l = 1 / (1 + C B^-A), finite for B > 0 and N >= 2."""
+    counts = np.zeros(max(len(label_counts), n_labels), dtype=np.float64)
+    counts[:len(label_counts)] = label_counts
     C = (np.log(n_samples) - 1.0) * (B + 1.0) ** A
-    return 1.0 / (1.0 + C * np.exp(-A * np.log(np.asarray(label_counts, dtype=np.float64) + B)))
+    return 1.0 / (1.0 + C * np.exp(-A * np.log(counts + B)))
 
 
 def hits_matrix(pred: np.ndarray, Y: sp.csr_matrix) -> np.ndarray:
     """Boolean (n x k): is pred[i, j] a true label of row i (pred -1 = empty slot)."""
     Y = sp.csr_matrix(Y)
     n, k = pred.shape
-    L = Y.shape[1]
+    L = max(Y.shape[1], int(pred.max()) + 1 if pred.size else 0)   # keys row * L + label stay unique
     rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(Y.indptr))
     truth = np.sort(rows * L + Y.indices.astype(np.int64))
     keys = np.arange(n, dtype=np.int64)[:, None] * L + pred.astype(np.int64)
@@ -32,8 +37,12 @@ def hits_matrix(pred: np.ndarray, Y: sp.csr_matrix) -> np.ndarray:
 
 
 def per_sample_sums(pred: np.ndarray, Y: sp.csr_matrix, inv_prop: np.ndarray, ks: Sequence[int]) -> Dict[str, float]:
-    """Additive sums over the rows of one batch; see :func:`finalize`."""
+    """Additive sums over the rows of one batch; see :func:`finalize`. ``inv_prop`` covers
+    every label of Y and of pred (size it with ``propensities(..., n_labels=...)``)."""
     Y = sp.csr_matrix(Y)
+    if Y.shape[1] > len(inv_prop) or (pred.size and pred.max() >= len(inv_prop)):
+        raise ValueError(f"inv_prop has {len(inv_prop)} labels, Y has {Y.shape[1]} and pred labels up to "
+                         f"{pred.max()}: pad the counts with propensities(..., n_labels=...)")
     kmax = max(ks)
     n = pred.shape[0]
     if pred.shape[1] < kmax:

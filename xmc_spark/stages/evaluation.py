@@ -9,8 +9,9 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, list_offsets_values
+from ..arrow_utils import list_offsets_values
 from ..kernels import metrics as M
+from ..kernels.sparse import csr_from_lists
 from ..params import EvalParams
 
 
@@ -22,29 +23,53 @@ def label_counts(samples: DataFrame, n_labels: int) -> np.ndarray:
     return counts
 
 
+def unseen_labels(train: DataFrame, test: DataFrame) -> Dict[str, int]:
+    """Test labels never seen in training (they can only be misses), as three counts:
+    ``test_unseen_labels`` (distinct labels), ``test_unseen_positives`` (their occurrences) and
+    ``test_rows_with_unseen`` (test rows having one). One Spark job: a left-anti join of the
+    test's (row, label) pairs against the training labels, then an aggregation."""
+    seen = train.select(F.explode("label_idx").alias("_l")).distinct()
+    pairs = test.select("sample_id", F.explode("label_idx").alias("_l"))
+    r = pairs.join(seen, "_l", "left_anti").agg(
+        F.countDistinct("_l").alias("labels"), F.count(F.lit(1)).alias("positives"),
+        F.countDistinct("sample_id").alias("rows")).first()
+    return {"test_unseen_labels": int(r["labels"]), "test_unseen_positives": int(r["positives"]),
+            "test_rows_with_unseen": int(r["rows"])}
+
+
 def run(predictions: DataFrame, test: DataFrame, train_label_counts: np.ndarray, n_train: int,
         params: EvalParams, label_depth: np.ndarray | None = None) -> Dict[str, float]:
-    """P@k, nDCG@k, PSP@k, recall@k (percent) and, given leaf depths, expected depth@k."""
+    """P@k, nDCG@k, PSP@k, recall@k (percent) and, given leaf depths, expected depth@k.
+
+    The label space is max(len(train_label_counts), largest test label + 1) (found per batch):
+    a test label never seen in training has count 0 (see :func:`~..kernels.metrics.propensities`)
+    and can only be a miss.
+    """
     ks = list(params.ks)
-    inv_prop = 1.0 / M.propensities(train_label_counts, n_train, params.propensity_a, params.propensity_b)
+    A, B = params.propensity_a, params.propensity_b
     L = len(train_label_counts)
     kmax = max(ks)
     sc = predictions.sparkSession.sparkContext
-    b_inv = sc.broadcast(inv_prop)
+    b_counts = sc.broadcast(np.asarray(train_label_counts))
     b_depth = sc.broadcast(label_depth)
 
     def sums(batches):
         total: Dict[str, float] = {}
+        inv_prop = np.zeros(0)
         for b in batches:
             t = pa.Table.from_batches([b])
-            Y = csr_from_table(t, "label_idx", None, L)
+            yoff, ylab = list_offsets_values(t, "label_idx")
+            Lb = max(L, int(ylab.max()) + 1 if len(ylab) else 0)
+            if len(inv_prop) < Lb:        # once per task, again only for a batch with unseen labels
+                inv_prop = 1.0 / M.propensities(b_counts.value, n_train, A, B, n_labels=Lb)
+            Y = csr_from_lists(yoff, ylab, None, Lb)
             off, lab = list_offsets_values(t, "pred_labels")
             n = len(off) - 1
             pred = -np.ones((n, kmax), dtype=np.int64)
             pos = np.arange(len(lab)) - np.repeat(off[:-1], np.diff(off))
             ok = pos < kmax
             pred[np.repeat(np.arange(n), np.diff(off))[ok], pos[ok]] = lab[ok]
-            s = M.per_sample_sums(pred, Y, b_inv.value, ks)
+            s = M.per_sample_sums(pred, Y, inv_prop, ks)
             if b_depth.value is not None:
                 s.update(M.depth_sums(pred, b_depth.value, ks))
             total = M.add_sums(total, s)

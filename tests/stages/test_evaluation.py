@@ -1,0 +1,36 @@
+"""The evaluation stage on tiny frames, against hand-computed metrics: test labels never seen in
+training (beyond the training label space) count as misses, with the propensity of count 0."""
+import numpy as np
+import pytest
+
+from xmc_spark.params import EvalParams
+from xmc_spark.stages import evaluation
+
+TEST = "sample_id long, label_idx array<int>"
+PRED = "sample_id long, pred_labels array<int>"
+
+
+def test_unseen_test_labels_are_misses(spark):
+    counts = np.array([3, 1])                      # training has labels 0 and 1 only, n_train = 10
+    test = spark.createDataFrame([(0, [0, 3]), (1, [3]), (2, [1])], TEST)
+    preds = spark.createDataFrame([(0, [0, 1]), (1, [1, 0]), (2, [1])], PRED)
+    m = evaluation.run(preds, test, counts, 10, EvalParams(ks=[1, 2]), label_depth=np.array([1, 2]))
+    # inverse propensity 1 + C (N_l + B)^-A, C = (ln 10 - 1)(B + 1)^A; label 3 has N_l = 0
+    C = (np.log(10) - 1) * 2.5 ** 0.55
+    inv0, inv1, inv3 = (1 + C * (n + 1.5) ** -0.55 for n in (3, 1, 0))
+    assert m["p@1"] == pytest.approx(100 * 2 / 3)                 # rows 0 and 2 hit at rank 1
+    assert m["p@2"] == pytest.approx(100 * (1 / 2 + 0 + 1 / 2) / 3)
+    assert m["recall@2"] == pytest.approx(100 * (1 / 2 + 0 + 1) / 3)
+    assert m["ndcg@2"] == pytest.approx(100 * (1 / (1 + 1 / np.log2(3)) + 0 + 1) / 3)
+    assert m["psp@1"] == pytest.approx(100 * (inv0 + inv1) / (inv3 + inv3 + inv1))
+    assert m["psp@2"] == pytest.approx(100 * (inv0 + inv1) / ((inv3 + inv0) + inv3 + inv1))
+    assert m["depth@1"] == pytest.approx((1 + 2 + 2) / 3)
+
+
+def test_unseen_labels_counts(spark):
+    train = spark.createDataFrame([(0, [0, 1]), (1, [2]), (2, [])], TEST)
+    test = spark.createDataFrame([(10, [0, 5]), (11, [5, 7]), (12, [1]), (13, [])], TEST)
+    assert evaluation.unseen_labels(train, test) == {
+        "test_unseen_labels": 2, "test_unseen_positives": 3, "test_rows_with_unseen": 2}
+    assert evaluation.unseen_labels(train, train) == {
+        "test_unseen_labels": 0, "test_unseen_positives": 0, "test_rows_with_unseen": 0}
