@@ -1,3 +1,9 @@
+import json
+import os
+import re
+import shutil
+import stat
+
 import numpy as np
 import pytest
 
@@ -60,3 +66,74 @@ def test_overlapping_slots_train_and_predict_without_duplicates(tmp_path):
     assert all(len(set(r[r >= 0])) == (r >= 0).sum() for r in labels)
     m.save(str(tmp_path / "m"))
     np.testing.assert_array_equal(XMCModel.load(str(tmp_path / "m")).predict(X)[0], m.predict(X)[0])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    X, Y = random_problem(n=60, seed=2)
+    m = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
+    folder = tmp_path_factory.mktemp("saved") / "model"
+    m.save(str(folder))
+    return m, folder
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o027, 0o750)])
+def test_saved_folder_honours_the_umask(saved, tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        saved[0].save(str(tmp_path / "m"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == mode
+    assert stat.S_IMODE((tmp_path / "m" / "param.json").stat().st_mode) == mode & 0o666
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]          # no temp folder left behind
+
+
+def _copy(saved, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(saved[1], dst)
+    return dst
+
+
+def test_load_rejects_an_unknown_format_version(saved, tmp_path):
+    m = _copy(saved, tmp_path)
+    param = json.loads((m / "param.json").read_text())
+    for version in (2, None):
+        param["format_version"] = version
+        (m / "param.json").write_text(json.dumps(param))
+        with pytest.raises(ModelFormatError, match=re.escape(f"{m}: model format version {version!r}")):
+            XMCModel.load(str(m))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "empty", "not_zip"])
+@pytest.mark.parametrize("name", ["tree.npz", "weights_nodes.npz", "weights_slots.npz"])
+def test_load_names_a_missing_or_damaged_npz(saved, tmp_path, name, damage):
+    m = _copy(saved, tmp_path)
+    f = m / name
+    data = f.read_bytes()
+    if damage == "missing":
+        f.unlink()
+    else:
+        f.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "not_zip": b"x" * 100}[damage])
+    with pytest.raises(ModelFormatError, match=re.escape(str(f))):
+        XMCModel.load(str(m))
+
+
+def test_load_names_a_npz_without_its_arrays(saved, tmp_path):
+    m = _copy(saved, tmp_path)
+    np.savez(m / "weights_nodes.npz", keys=np.zeros(1))
+    with pytest.raises(ModelFormatError, match=re.escape(f"{m / 'weights_nodes.npz'}: missing array(s) indptr")):
+        XMCModel.load(str(m))
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"model": "XMCModel", "format_ver', "not valid JSON"),
+    ("\xff\xfe garbage", "not valid JSON"),
+    ("[1, 2]", "model class is \\[1, 2\\]"),
+    ('{"model": "XMCModel", "format_version": 1, "n_labels": 3}', "missing key\\(s\\) n_features, bias"),
+])
+def test_load_names_a_garbled_param_json(saved, tmp_path, text, match):
+    m = _copy(saved, tmp_path)
+    (m / "param.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ModelFormatError, match=re.escape(str(m / "param.json")) + ": " + match):
+        XMCModel.load(str(m))

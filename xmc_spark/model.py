@@ -7,10 +7,13 @@ stages on one machine; the Spark pipeline must produce the same model.
 """
 from __future__ import annotations
 
+from .errors import XmcError
+
 import json
 import os
 import shutil
-import tempfile
+import uuid
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -29,7 +32,7 @@ from .params import PredictParams, TrainParams, TreeParams
 FORMAT_VERSION = 1
 
 
-class ModelFormatError(ValueError):
+class ModelFormatError(XmcError, ValueError):
     pass
 
 
@@ -75,9 +78,28 @@ class KeyedColumns:
 
     @classmethod
     def load(cls, path: Path) -> "KeyedColumns":
-        z = np.load(path)
-        W = sp.csc_matrix((z["data"], z["indices"], z["indptr"]), shape=tuple(z["shape"]))
+        z = load_npz(path, ("keys", "indptr", "indices", "data", "shape"))
+        try:
+            W = sp.csc_matrix((z["data"], z["indices"], z["indptr"]), shape=tuple(z["shape"]))
+        except (ValueError, TypeError) as e:
+            raise ModelFormatError(f"{path}: not a sparse weight matrix ({e})") from None
         return cls(z["keys"], W)
+
+
+def load_npz(path: Path, names) -> Dict[str, np.ndarray]:
+    """All arrays of an ``.npz`` file of a model folder, which must hold ``names``; a missing,
+    truncated or incomplete file raises :class:`ModelFormatError` naming it."""
+    try:
+        with np.load(path) as z:
+            arrays = {n: z[n] for n in z.files}
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: missing (the model folder is incomplete)") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ModelFormatError(f"{path}: unreadable, truncated or not an .npz file ({type(e).__name__}: {e})") from None
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise ModelFormatError(f"{path}: missing array(s) {', '.join(missing)}")
+    return arrays
 
 
 class XMCModel:
@@ -216,10 +238,22 @@ class XMCModel:
 
     # ---- persistence -----------------------------------------------------------------
     def save(self, folder: str) -> None:
-        """Write the model folder atomically (a temp folder renamed into place)."""
+        """Write the model folder atomically (a temp folder renamed into place); its mode
+        follows the umask like any new folder (0755 under the usual umask 022)."""
         folder = Path(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-model-", dir=folder.parent))
+        tmp = folder.parent / f".tmp-model-{uuid.uuid4().hex}"
+        tmp.mkdir()                       # not tempfile.mkdtemp: that one is always 0700
+        try:
+            self._write(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+
+    def _write(self, tmp: Path) -> None:
         param = {
             "model": type(self).__name__, "format_version": FORMAT_VERSION,
             "n_features": self.n_features, "n_labels": self.n_labels, "bias": self.bias,
@@ -231,9 +265,6 @@ class XMCModel:
         np.savez(tmp / "tree.npz", **self.index.to_arrays(), **extra)
         self.node_w.save(tmp / "weights_nodes.npz")
         self.slot_w.save(tmp / "weights_slots.npz")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
 
     @classmethod
     def load(cls, folder: str) -> "XMCModel":
@@ -241,17 +272,28 @@ class XMCModel:
         pfile = folder / "param.json"
         if not pfile.is_file():
             raise ModelFormatError(f"{folder} is not an xmc-spark model folder (no param.json)")
-        param = json.loads(pfile.read_text())
-        if param.get("model") != cls.__name__:
-            raise ModelFormatError(f"{pfile}: model class is {param.get('model')!r}, expected {cls.__name__!r}")
-        t = np.load(folder / "tree.npz")
+        try:
+            param = json.loads(pfile.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ModelFormatError(f"{pfile}: not valid JSON ({e})") from None
+        if not isinstance(param, dict) or param.get("model") != cls.__name__:
+            found = param.get("model") if isinstance(param, dict) else param
+            raise ModelFormatError(f"{pfile}: model class is {found!r}, expected {cls.__name__!r}")
+        version = param.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ModelFormatError(f"{folder}: model format version {version!r}, this xmc-spark reads version "
+                                   f"{FORMAT_VERSION} (saved by another xmc-spark version?)")
+        missing = [k for k in ("n_features", "n_labels", "bias", "normalize", "nr_splits", "pred_params")
+                   if k not in param]
+        if missing:
+            raise ModelFormatError(f"{pfile}: missing key(s) {', '.join(missing)}")
+        t = load_npz(folder / "tree.npz", ("slot_label", "slot_leaf"))
         index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
         model = cls(index, KeyedColumns.load(folder / "weights_nodes.npz"),
                     KeyedColumns.load(folder / "weights_slots.npz"), param["n_features"], bias=param["bias"],
                     normalize=param["normalize"], pred_params=PredictParams.from_dict(param["pred_params"]),
                     meta=param.get("meta"))
-        if "label_counts" in t.files:
-            model.label_counts = t["label_counts"]
+        model.label_counts = t.get("label_counts")
         return model
 
     # ---- numpy reference trainer -----------------------------------------------------
