@@ -52,6 +52,42 @@ def test_run_and_stage_all_give_identical_weights_and_metrics(env, spark):
     assert on_disk["p@1"] == m["p@1"] and on_disk["table_versions"] == {"train": 0, "test": 0}
 
 
+def _records(n_features=40, n_labels=12, test="t.txt"):
+    chain = {"ingest": {"n_train": 120, "n_features": n_features, "n_labels": n_labels, "n_test": 40, "test": test,
+                        "train": "x", "aggregated": False}, "eagle": {"skipped": True}, "tree": {}, "train": {}}
+    out, prev = {}, None
+    for name, facts in chain.items():
+        out[name] = {**facts, "commit": name, "tables": {}, "basis": {prev: prev} if prev else {}}
+        prev = name
+    return out
+
+
+@pytest.mark.parametrize("stage,table,bad", [
+    ("tree", "train", "sample_id long, feature_idx array<int>, label_idx array<int>, weight float"),
+    ("train", "tree", "label_idx int, node string"),
+    ("predict", "weights", "is_leaf boolean, key long, w_idx array<long>, w_val array<float>"),
+])
+def test_a_wrong_schema_table_stops_the_stage_naming_table_and_column(env, spark, tmp_path, stage, table, bad):
+    from xmc_spark.runner import Runner
+    from xmc_spark.schemas import SchemaError
+    d, params, _ = env
+    good = d / "run" / "tables"
+    if not (good / "weights").exists():
+        pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "run"), params)
+    spark.createDataFrame([], bad).write.format("delta").save(str(tmp_path / "bad"))
+    links = {t: str(good / t) for t in ("train", "test", "tree", "slots", "weights")}
+    links[table] = str(tmp_path / "bad")
+    upto = {"tree": "eagle", "train": "tree", "predict": "train"}[stage]
+    recs = {k: v for k, v in _records().items() if list(_records()).index(k) <= list(_records()).index(upto)}
+    runner = Runner(spark, params, str(tmp_path / "root"), links=links, records=recs)
+    with pytest.raises(SchemaError, match=f"table '{table}': "):
+        runner.run(stage)
+    bad_col = {"tree": "missing column 'feature_val'", "train": "column 'node' has type string",
+               "predict": "column 'w_idx' has type array<bigint>"}[stage]
+    with pytest.raises(SchemaError, match=bad_col):
+        runner.run(stage)
+
+
 def test_check_ready_from_records():
     ok = {"ingest": {"commit": "i1", "basis": {}, "test": "t.txt"},
           "eagle": {"commit": "e1", "basis": {"ingest": "i1"}},

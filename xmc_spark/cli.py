@@ -103,9 +103,16 @@ def main(argv=None) -> int:
     from . import __version__
     from .session import get_spark
     log.info("xmc-spark %s (%s): %s", __version__, __file__.rsplit("/", 2)[0], args.cmd)
-    from pyspark.sql import SparkSession
-    owner = SparkSession.getActiveSession() is None     # stop only a session this call started
-    spark = get_spark(params.spark)
+    try:
+        if args.cmd == "predict":            # a broken model folder stops before Spark starts
+            from .model import XMCModel
+            model = XMCModel.load(args.model)
+        from pyspark.sql import SparkSession
+        owner = SparkSession.getActiveSession() is None     # stop only a session this call started
+        spark = get_spark(params.spark)
+    except XmcError as e:
+        print(f"xmc-spark: error: {e}", file=sys.stderr)
+        return 2
     try:
         if args.cmd == "run":
             from . import pipeline
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
             print(json.dumps(res if args.name == "all" else res[args.name], indent=2, default=str))
         elif args.cmd == "predict":
             from . import pipeline
-            print(json.dumps(pipeline.predict(spark, args.model, args.data, args.out, params), indent=2))
+            print(json.dumps(pipeline.predict(spark, model, args.data, args.out, params), indent=2))
         elif args.cmd == "synth":
             from . import synth
             info = synth.run(spark, args.out, n_train=args.n_train, n_test=args.n_test, n_labels=args.labels,

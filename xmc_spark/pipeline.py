@@ -369,10 +369,10 @@ def plot_sweep(results, path: str, ks) -> None:
     plt.close(fig)
 
 
-def predict(spark, model_dir: str, data: str, out: str, params: PipelineParams) -> Dict:
-    """Score a file or table with a saved model; writes predictions (Delta) and, when the input
-    has labels, metrics.json."""
-    model = XMCModel.load(model_dir)
+def predict(spark, model, data: str, out: str, params: PipelineParams) -> Dict:
+    """Score a file or table with a saved model (an :class:`XMCModel` or its folder); writes
+    predictions (Delta) and, when the input has labels, metrics.json."""
+    model = XMCModel.load(model) if isinstance(model, (str, Path)) else model
     model.pred_params = dataclasses.replace(model.pred_params, search=params.predict.search)
     tables = Tables(spark, Path(out) / "tables")
     ing = dataclasses.replace(params.ingest, normalize=model.normalize)   # rows as the model was trained

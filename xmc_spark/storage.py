@@ -20,6 +20,8 @@ from typing import Dict, Optional
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from .schemas import SchemaError, check_table
+
 log = logging.getLogger("xmc_spark.storage")
 
 RUN_KEY = "run_key"
@@ -84,7 +86,7 @@ def write_delta(df: DataFrame, path: str, run_key: Optional[str] = None, where: 
             writer.save(path)
             break
         except Exception as e:  # noqa: BLE001 - Delta's conflicts reach Python as Py4J/Spark errors
-            if not any(c in str(e) for c in _CONFLICTS):
+            if not is_conflict(e):
                 raise
             if attempt == WRITE_ATTEMPTS:
                 raise ConcurrentWriteError(
@@ -95,6 +97,11 @@ def write_delta(df: DataFrame, path: str, run_key: Optional[str] = None, where: 
             log.warning("%s: concurrent commit (%s); retrying in %.1fs", path, _first_line(e), pause)
             time.sleep(pause)
     log.info("wrote %s [%s]", path, cond)
+
+
+def is_conflict(e: Exception) -> bool:
+    """Is ``e`` a Delta optimistic-concurrency conflict (another writer committed first)?"""
+    return any(c in str(e) or c in e.__class__.__name__ for c in _CONFLICTS)
 
 
 def _first_line(e: Exception) -> str:
@@ -161,7 +168,11 @@ class Tables:
     def read(self, name: str) -> DataFrame:
         version = self.pins.get(name)
         self.reads[name] = version if version is not None else self.version(name)
-        return read_delta(self.spark, self.path(name), self.run_key, version)
+        df = read_delta(self.spark, self.path(name), self.run_key, version)
+        try:
+            return check_table(df, name)
+        except SchemaError as e:
+            raise SchemaError(f"{self.path(name)}: {e}") from None
 
     def version(self, name: str) -> int:
         return table_version(self.spark, self.path(name))

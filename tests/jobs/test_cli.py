@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +71,37 @@ def test_run_and_predict_on_bibtex(bibtex, tmp_path, spark):
     pm = json.loads((tmp_path / "pred" / "metrics.json").read_text())
     assert pm["p@1"] == pytest.approx(m["p@1"]) and pm["p@5"] == pytest.approx(m["p@5"])
 
+    # `stage all` (run-keyed tables) goes through the same stages: byte-identical weights, same metrics
+    key = "2026-11-26"
+    assert main_in_process("stage", "all", "--run-key", key, "--train", str(bibtex / "train.txt"), "--test",
+                           str(bibtex / "test.txt"), "--root", str(tmp_path / "root"), "--set",
+                           "mlflow.enabled=false") == 0
+    from xmc_spark.storage import read_delta
+
+    def weights(path, k=None):
+        return sorted((r["is_leaf"], r["key"], bytes(np.asarray(r["w_idx"], np.int32)),
+                       bytes(np.asarray(r["w_val"], np.float32))) for r in read_delta(spark, path, k).collect())
+
+    assert weights(str(out / "tables" / "weights")) == weights(str(tmp_path / "root" / "tables" / "weights"), key)
+    staged = {r["metric"]: r["value"] for r in read_delta(spark, str(tmp_path / "root" / "tables" / "metrics"),
+                                                          key).collect()}
+    for k in ("p@1", "p@3", "p@5", "psp@5", "ndcg@5"):
+        assert staged[k] == m[k], k
+
+    # a broken model folder: exit 2 and the file at fault, before Spark starts, no traceback
+    import shutil
+    for case, breaks in (("no-nodes", lambda f: (f / "weights_nodes.npz").unlink()),
+                         ("truncated", lambda f: (f / "weights_slots.npz").write_bytes(
+                             (f / "weights_slots.npz").read_bytes()[:100])),
+                         ("no-param", lambda f: (f / "param.json").unlink())):
+        broken = tmp_path / case
+        shutil.copytree(out / "model", broken)
+        breaks(broken)
+        r = cli("predict", "--model", str(broken), "--data", str(bibtex / "test.txt"), "--out",
+                str(tmp_path / f"pred-{case}"))
+        assert r.returncode == 2 and "xmc-spark: error: " in r.stderr and str(broken) in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
+
 
 def test_bad_input_and_bad_config_exit_2(tmp_path):
     bad = tmp_path / "bad.txt"
@@ -81,6 +113,10 @@ def test_bad_input_and_bad_config_exit_2(tmp_path):
     assert not (tmp_path / "o" / "tables" / "train").exists()
     r = cli("run", "--train", str(bad), "--out", str(tmp_path / "o"), "--set", "tree.max_leaf_size=abc")
     assert r.returncode == 2 and "tree.max_leaf_size" in r.stderr and "integer" in r.stderr
+    env = {k: "" for k in ("HADOOP_CONF_DIR", "YARN_CONF_DIR")}
+    r = cli("run", "--train", str(bad), "--out", str(tmp_path / "o"), "--set", "spark.master=yarn", env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "spark.master=yarn needs HADOOP_CONF_DIR or YARN_CONF_DIR" in r.stderr
 
 
 def test_params_skeleton_round_trips(tmp_path):

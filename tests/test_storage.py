@@ -1,0 +1,49 @@
+"""Delta tables: run-keyed partitions, pinned reads, links, schema checks on read, conflicts."""
+import pytest
+
+from xmc_spark.schemas import SchemaError
+from xmc_spark.storage import (RunKeyError, Tables, check_run_key, is_conflict, is_local_path, read_delta,
+                               table_version, write_delta)
+
+
+def test_run_keys_and_paths():
+    assert check_run_key("2026-11-25") == "2026-11-25"
+    for bad in ("", "a b", "x' OR '1'='1", "-lead", "k" * 65):
+        with pytest.raises(RunKeyError, match="run key"):
+            check_run_key(bad)
+    assert is_local_path("/tmp/x") and is_local_path("rel/x")
+    assert not any(is_local_path(p) for p in ("s3://b/x", "abfss://c@a.dfs.core.windows.net/x", "dbfs:/x"))
+
+
+def test_keyed_writes_replace_one_partition_and_pins_read_old_versions(spark, tmp_path):
+    t1, t2 = Tables(spark, tmp_path, "k1"), Tables(spark, tmp_path, "k2")
+    rows = "metric string, value double"
+    t1.write("metrics", spark.createDataFrame([("p@1", 1.0)], rows))
+    t2.write("metrics", spark.createDataFrame([("p@1", 2.0)], rows))
+    v = t1.version("metrics")
+    t1.write("metrics", spark.createDataFrame([("p@1", 3.0), ("p@3", 4.0)], rows))
+    assert sorted(tuple(r) for r in t1.read("metrics").collect()) == [("p@1", 3.0), ("p@3", 4.0)]
+    assert [tuple(r) for r in t2.read("metrics").collect()] == [("p@1", 2.0)]
+    assert t1.reads["metrics"] == table_version(spark, t1.path("metrics")) == v + 1
+    pinned = Tables(spark, tmp_path, "k1", pins={"metrics": v})
+    assert [tuple(r) for r in pinned.read("metrics").collect()] == [("p@1", 1.0)]
+    assert pinned.reads == {"metrics": v}
+    # `where` narrows the replaced rows inside the key
+    t1.write("metrics", spark.createDataFrame([("p@3", 5.0)], rows), where="metric = 'p@3'")
+    assert sorted(tuple(r) for r in t1.read("metrics").collect()) == [("p@1", 3.0), ("p@3", 5.0)]
+
+
+def test_links_and_schema_checked_on_read(spark, tmp_path):
+    write_delta(spark.createDataFrame([(1, "x")], "metric long, value string"), str(tmp_path / "elsewhere"))
+    t = Tables(spark, tmp_path / "root", links={"metrics": str(tmp_path / "elsewhere")})
+    assert t.path("metrics") == str(tmp_path / "elsewhere") and t.path("tree") == f"{tmp_path}/root/tree"
+    with pytest.raises(SchemaError, match=r"elsewhere: table 'metrics': column 'metric' has type bigint, "
+                                          r"expected string"):
+        t.read("metrics")
+    assert read_delta(spark, str(tmp_path / "elsewhere")).count() == 1     # the raw reader does not check
+
+
+def test_conflicts_are_told_from_other_errors():
+    assert is_conflict(RuntimeError("[DELTA_PROTOCOL_CHANGED] The protocol version of the Delta table ..."))
+    assert is_conflict(Exception("io.delta.exceptions.ConcurrentAppendException: Files were added ..."))
+    assert not is_conflict(ValueError("[DELTA_MISSING_DELTA_TABLE] x is not a Delta table"))
