@@ -23,6 +23,7 @@ unlabelled training samples (negatives at the root).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -194,7 +195,7 @@ def read(spark: SparkSession, path: str, params: IngestParams) -> AggregatedInpu
              "n_groups_without_labels": int(mem_stats["n_groups"]) - int(labelled),
              "n_samples_without_group": int(info.n_samples) - int(mem_stats["n_in_groups"])}
     log.info("aggregated input %s: %d samples, %d groups, %s", path, info.n_samples, stats["n_groups"], stats)
-    info = ingest.DatasetInfo(path, "aggregated/" + info.fmt, info.n_samples, info.n_features, L)
+    info = dataclasses.replace(info, path=path, fmt="aggregated/" + info.fmt, n_labels=L)
     samples = samples.withColumn("label_idx", F.array().cast("array<int>"))
     return AggregatedInput(samples, groups, group_labels, truth, info, stats)
 

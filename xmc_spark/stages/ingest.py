@@ -17,6 +17,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_array, list_offsets_values
+from ..kernels.sparse import csr_from_lists
 from ..params import IngestParams
 from ..schemas import SAMPLES_SCHEMA, IngestError, check_samples_columns
 from ..progress import worker_progress
@@ -32,6 +33,7 @@ class DatasetInfo:
     n_samples: int
     n_features: int
     n_labels: int
+    n_rows_merged_features: int = 0   # rows listing a feature index twice (their values were summed)
 
 
 def detect_format(spark: SparkSession, path: str) -> str:
@@ -138,26 +140,31 @@ def _finish(df: DataFrame, normalize: bool) -> DataFrame:
 
 
 def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
+    """Each row's labels sorted and distinct, its features sorted by index with the values of a
+    repeated index summed, then (optionally) scaled to unit L2 norm."""
     off, lab = list_offsets_values(t, "label_idx")
-    rows = np.repeat(np.arange(len(off) - 1), np.diff(off))
-    key = np.unique(rows.astype(np.int64) * (2 ** 32) + lab.astype(np.int64))
-    lrows, labs = key // (2 ** 32), (key % (2 ** 32)).astype(np.int32)
-    loff = np.concatenate([[0], np.cumsum(np.bincount(lrows, minlength=len(off) - 1))])
+    Y = csr_from_lists(off, lab, None, int(lab.max()) + 1 if len(lab) else 1)
     foff, fidx = list_offsets_values(t, "feature_idx")
     _, fval = list_offsets_values(t, "feature_val")
-    fval = np.asarray(fval, dtype=np.float32)
+    X = csr_from_lists(foff, fidx, fval, int(fidx.max()) + 1 if len(fidx) else 1)
+    fval = X.data
     if normalize and len(fval):
-        frows = np.repeat(np.arange(len(foff) - 1), np.diff(foff))
-        norms = np.sqrt(np.bincount(frows, weights=fval.astype(np.float64) ** 2, minlength=len(foff) - 1))
+        frows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
+        norms = np.sqrt(np.bincount(frows, weights=fval.astype(np.float64) ** 2, minlength=X.shape[0]))
         norms[norms == 0] = 1.0
         fval = (fval / norms[frows]).astype(np.float32)
     return pa.table({
         "sample_id": t.column("sample_id"),
-        "feature_idx": list_array(foff, np.asarray(fidx, np.int32), pa.int32()),
-        "feature_val": list_array(foff, fval, pa.float32()),
-        "label_idx": list_array(loff, labs, pa.int32()),
+        "feature_idx": list_array(X.indptr, X.indices.astype(np.int32), pa.int32()),
+        "feature_val": list_array(X.indptr, fval, pa.float32()),
+        "label_idx": list_array(Y.indptr, Y.indices.astype(np.int32), pa.int32()),
         "weight": t.column("weight"),
     })
+
+
+def _repeated_features():
+    """True for a row that lists some feature index more than once."""
+    return F.size(F.array_distinct("feature_idx")) != F.size("feature_idx")
 
 
 def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
@@ -197,13 +204,17 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         F.min(F.when(F.col("_err").isNotNull() & is_data, F.struct("_mid", "_err"))).alias("err"),
         F.max(F.when(is_data, F.array_max("label_idx"))).alias("max_label"),
         F.max(F.when(is_data, F.array_max("feature_idx"))).alias("max_feature"),
+        F.count(F.when(is_data & _repeated_features(), 1)).alias("n_rep"),
+        F.min(F.when(is_data & _repeated_features(), F.col("_mid"))).alias("rep"),
     ).collect()
     parts = sorted(parts, key=lambda r: r["_pid"])
-    offsets, acc, errors = [], 0, []
+    offsets, acc, errors, repeated = [], 0, [], []
     for r in parts:
         offsets.append((r["_pid"], acc, r["m0"]))
         if r["err"] is not None:
             errors.append((acc + r["err"]["_mid"] - r["m0"] + 1, r["err"]["_err"]))
+        if r["rep"] is not None:
+            repeated.append(acc + r["rep"] - r["m0"] + 1)
         acc += r["c"]
     if errors:
         line, msg = min(errors)
@@ -217,11 +228,15 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     max_l = max((r["max_label"] for r in parts if r["max_label"] is not None), default=-1)
     d = d or max_f + 1
     L = L or max_l + 1
+    n_rep = sum(r["n_rep"] for r in parts)
+    if n_rep:
+        log.warning("%s:%d: %d line(s) list a feature index more than once (the first here); "
+                    "their values are summed", path, min(repeated), n_rep)
     offs = spark.createDataFrame(offsets, "_pid int, _off long, _m0 long")
     skip = 1 if fmt == "xc" else 0
     data = (parsed.filter(is_data).join(F.broadcast(offs), "_pid")
             .withColumn("sample_id", (F.col("_off") + F.col("_mid") - F.col("_m0") - skip).cast("long")))
-    return _finish(data, params.normalize), DatasetInfo(path, fmt, n, int(d), int(L))
+    return _finish(data, params.normalize), DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep))
 
 
 def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
@@ -242,6 +257,8 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         F.min(F.when(F.col("_err").isNotNull(), F.struct("sample_id", "_err"))).alias("err"),
         F.max(F.array_max("label_idx")).alias("max_label"),
         F.max(F.array_max("feature_idx")).alias("max_feature"),
+        F.count(F.when(_repeated_features(), 1)).alias("n_rep"),
+        F.min(F.when(_repeated_features(), F.col("sample_id"))).alias("rep"),
     ).first()
     if stats["err"] is not None:
         raise IngestError(f"{path}: row with sample_id {stats['err']['sample_id']}: {stats['err']['_err']}")
@@ -252,7 +269,11 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         raise IngestError(f"{path}: duplicate sample_id {dup['sample_id']} ({dup['count']} rows)")
     d = d or (stats["max_feature"] or 0) + 1
     L = L or (stats["max_label"] or 0) + 1
-    return _finish(df, params.normalize), DatasetInfo(path, fmt, int(stats["n"]), int(d), int(L))
+    if stats["n_rep"]:
+        log.warning("%s: %d row(s) list a feature index more than once (the first: sample_id %d); "
+                    "their values are summed", path, stats["n_rep"], stats["rep"])
+    return (_finish(df, params.normalize),
+            DatasetInfo(path, fmt, int(stats["n"]), int(d), int(L), int(stats["n_rep"])))
 
 
 def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Optional[str] = None,

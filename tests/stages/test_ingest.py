@@ -1,0 +1,48 @@
+"""Ingest on tiny inputs, against hand-computed rows: repeated feature indices, blank lines."""
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from xmc_spark.params import IngestParams
+from xmc_spark.stages import ingest
+
+
+def _rows(df):
+    return sorted(((r.sample_id, list(r.feature_idx), list(r.feature_val), list(r.label_idx)) for r in df.collect()))
+
+
+def test_repeated_feature_indices_are_sorted_and_summed(spark, tmp_path, caplog):
+    f = tmp_path / "dup.txt"
+    f.write_text("3 5 4\n1,0 4:3\n0 3:1 1:2 3:2\n1 2:1 2:-1 0:1\n")
+    with caplog.at_level(logging.WARNING, logger="xmc_spark.ingest"):
+        df, info = ingest.read_samples(spark, str(f), IngestParams())
+        rows = _rows(df)
+    assert info.n_rows_merged_features == 2
+    assert [r[:2] for r in rows] == [(0, [4]), (1, [1, 3]), (2, [0, 2])]
+    np.testing.assert_allclose(rows[1][2], np.array([2, 3]) / np.sqrt(13), rtol=1e-6)   # 3:1 + 3:2 = 3:3
+    np.testing.assert_allclose(rows[2][2], [1, 0], rtol=1e-6)                          # 2:1 + 2:-1 = 2:0
+    assert rows[0][3] == [0, 1]
+    assert f"{f}:3: 2 line(s) list a feature index more than once" in caplog.text
+
+
+def test_repeated_feature_indices_in_a_table(spark, tmp_path, caplog):
+    p = tmp_path / "dup.parquet"
+    pq.write_table(pa.table({"sample_id": pa.array([9, 7], pa.int64()), "feature_idx": [[1], [2, 0, 2]],
+                             "feature_val": [[5.0], [1.0, 4.0, 2.0]], "label_idx": [[0], [1]]}), p)
+    with caplog.at_level(logging.WARNING, logger="xmc_spark.ingest"):
+        df, info = ingest.read_samples(spark, str(p), IngestParams(normalize=False))
+        rows = _rows(df)
+    assert info.n_rows_merged_features == 1
+    assert rows == [(7, [0, 2], [4.0, 3.0], [1]), (9, [1], [5.0], [0])]
+    assert f"{p}: 1 row(s) list a feature index more than once (the first: sample_id 7)" in caplog.text
+
+
+def test_clean_input_merges_nothing(spark, tmp_path, caplog):
+    f = tmp_path / "ok.txt"
+    f.write_text("2 5 4\n0 1:1 3:2\n1 0:1\n")
+    with caplog.at_level(logging.WARNING, logger="xmc_spark.ingest"):
+        _, info = ingest.read_samples(spark, str(f), IngestParams())
+    assert info.n_rows_merged_features == 0 and "more than once" not in caplog.text
