@@ -1,0 +1,45 @@
+"""Shared by the stage tests: one small learnable problem as a samples DataFrame, and the same
+problem as the numpy matrices the kernels take."""
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from tests.conftest import random_problem, write_xc
+from xmc_spark.local_io import read_xc
+from xmc_spark.schemas import SAMPLES_SCHEMA, TABLES
+
+N, D, L = 150, 40, 14
+
+
+def samples_frame(spark, X, Y, label_weights=False, weights=None, partitions=3):
+    """A samples table (the ingest stage's schema) holding rows X and labels Y; the values of Y
+    become the ``label_weight`` column when ``label_weights``; ``weights``: per-sample weights."""
+    X, Y = sp.csr_matrix(X), sp.csr_matrix(Y)
+    rows = []
+    for i in range(X.shape[0]):
+        xs, ys = slice(X.indptr[i], X.indptr[i + 1]), slice(Y.indptr[i], Y.indptr[i + 1])
+        w = 1.0 if weights is None else float(weights[i])
+        row = (i, X.indices[xs].tolist(), X.data[xs].tolist(), Y.indices[ys].tolist(), w)
+        rows.append(row + ((Y.data[ys].tolist(),) if label_weights else ()))
+    return spark.createDataFrame(rows, TABLES["train"] if label_weights else SAMPLES_SCHEMA).repartition(partitions)
+
+
+def to_csr(rows, idx, val, n_cols, id_col="sample_id"):
+    """Collected rows with list columns -> CSR, rows ordered by ``id_col``."""
+    rows = sorted(rows, key=lambda r: r[id_col])
+    data = [np.asarray(r[val], np.float32) if val else np.ones(len(r[idx]), np.float32) for r in rows]
+    ind = [np.asarray(r[idx], np.int32) for r in rows]
+    ptr = np.concatenate([[0], np.cumsum([len(i) for i in ind])])
+    m = sp.csr_matrix((np.concatenate(data), np.concatenate(ind), ptr), shape=(len(rows), n_cols))
+    m.sort_indices()
+    return m
+
+
+@pytest.fixture(scope="session")
+def problem(tmp_path_factory, spark):
+    """(samples DataFrame, X, Y): the XC file's rows as the local reader gives them (L2-normalized)."""
+    d = tmp_path_factory.mktemp("stage_problem")
+    X, Y = random_problem(n=N, d=D, L=L, seed=7)
+    write_xc(d / "train.txt", X, Y)
+    Xl, Yl = read_xc(str(d / "train.txt"))
+    return samples_frame(spark, Xl, Yl).cache(), Xl, Yl

@@ -1,0 +1,31 @@
+"""The PIFA stage equals the numpy kernel."""
+import numpy as np
+import scipy.sparse as sp
+
+from tests.stages.conftest import D, L, samples_frame, to_csr
+from xmc_spark.kernels.label_embedding import pifa
+from xmc_spark.params import EmbeddingParams
+from xmc_spark.schemas import check_table
+from xmc_spark.stages import label_embedding
+
+
+def test_pifa_stage_equals_kernel(problem):
+    samples, Xl, Yl = problem
+    emb = check_table(label_embedding.run(samples, D, L, EmbeddingParams(), n_buckets=3), "label_embeddings")
+    Z = to_csr(emb.collect(), "emb_idx", "emb_val", D, id_col="label_idx")
+    np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
+
+
+def test_labels_without_samples_are_omitted_and_y_unnormalized(problem, spark):
+    _, Xl, Yl = problem
+    Y = sp.csr_matrix(Yl.multiply(np.arange(L) != 5))           # label 5 never occurs
+    Y.eliminate_zeros()
+    emb = label_embedding.run(samples_frame(spark, Xl, Y), D, L, EmbeddingParams(normalize_y=False), n_buckets=2)
+    rows = emb.collect()
+    assert sorted(r["label_idx"] for r in rows) == [k for k in range(L) if k != 5]
+    ref = pifa(Xl, Y, normalize_y=False).toarray()
+    assert not np.allclose(ref, pifa(Xl, Y).toarray())          # the flag matters on this data
+    got = np.zeros((L, D))
+    for r in rows:
+        got[r["label_idx"], r["emb_idx"]] = r["emb_val"]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)

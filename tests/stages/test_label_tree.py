@@ -1,0 +1,53 @@
+"""The level-by-level tree stage equals the numpy tree kernel (2-means and interpolated splits)."""
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from chispa import assert_df_equality
+
+from tests.stages.conftest import D, L
+from xmc_spark.kernels import frequencies as FQ
+from xmc_spark.kernels.label_embedding import pifa
+from xmc_spark.kernels.tree import build_tree, tree_from_params
+from xmc_spark.params import EmbeddingParams, TreeParams
+from xmc_spark.schemas import check_table, ddl
+from xmc_spark.stages import label_embedding, label_tree
+
+
+@pytest.fixture(scope="module")
+def emb(problem):
+    samples, _, _ = problem
+    return label_embedding.run(samples, D, L, EmbeddingParams(), n_buckets=2).cache()
+
+
+def _assert_tree(spark, tree, leaf):
+    """The stage's (label_idx, node) table is the kernel's leaf of every label."""
+    expected = spark.createDataFrame([(k, int(n)) for k, n in enumerate(leaf)], ddl("tree"))
+    assert_df_equality(check_table(tree, "tree"), expected, ignore_row_order=True, ignore_nullable=True)
+
+
+@pytest.mark.parametrize("local", [0, 6])
+def test_tree_stage_equals_kernel(problem, emb, spark, local):
+    _, Xl, Yl = problem
+    params = TreeParams(max_leaf_size=3, nr_splits=2, seed=4, local_subtree_size=local)
+    _assert_tree(spark, label_tree.run(emb, L, D, params),
+                 build_tree(pifa(Xl, Yl), params.max_leaf_size, params.nr_splits, params.max_iter, params.seed))
+    params3 = TreeParams(max_leaf_size=2, nr_splits=3, seed=1, local_subtree_size=local)
+    _assert_tree(spark, label_tree.run(emb, L, D, params3), build_tree(pifa(Xl, Yl), 2, 3, params3.max_iter, 1))
+
+
+def test_labels_without_embedding_are_placed(problem, emb, spark):
+    _, Xl, Yl = problem
+    params = TreeParams(max_leaf_size=4, seed=2)
+    Z = sp.csr_matrix(pifa(Xl, Yl).multiply((np.arange(L) % 4 != 1)[:, None]))   # labels 1, 5, 9, 13
+    _assert_tree(spark, label_tree.run(emb.filter("label_idx % 4 != 1"), L, D, params), tree_from_params(Z, params))
+
+
+@pytest.mark.parametrize("lam", [0.5, 2.0])
+def test_interpolated_tree_stage_equals_kernel(problem, emb, spark, lam):
+    _, Xl, Yl = problem
+    Yl = sp.csr_matrix(Yl)
+    params = TreeParams(max_leaf_size=2, lam=lam, seed=2, local_subtree_size=0 if lam < 2 else 5)
+    f, ft = FQ.label_frequencies(Yl.indptr, Yl.indices, L, "marginal")
+    _assert_tree(spark, label_tree.run(emb, L, D, params, f, ft), tree_from_params(pifa(Xl, Yl), params, f, ft))
+    with pytest.raises(ValueError, match="frequencies"):
+        label_tree.run(emb, L, D, params)

@@ -1,0 +1,73 @@
+"""Arrow list columns <-> CSR: offsets and values, sliced, chunked and null lists; round trips
+against scipy; the Spark helpers on a tiny frame."""
+import numpy as np
+import pyarrow as pa
+import pytest
+import scipy.sparse as sp
+
+from xmc_spark.arrow_utils import (csr_from_table, csr_rows_to_arrays, grouped_apply, list_array,
+                                   list_offsets_values, to_arrow)
+
+
+def _parts(col):
+    off, val = list_offsets_values(pa.table({"c": col}), "c")
+    return off.tolist(), val.tolist()
+
+
+@pytest.mark.parametrize("col,offsets,values", [
+    (pa.array([[1, 2], [], [3]], pa.list_(pa.int32())), [0, 2, 2, 3], [1, 2, 3]),
+    (pa.array([[1, 2], [], [3]], pa.list_(pa.int32())).slice(1), [0, 0, 1], [3]),          # offsets from 2
+    (pa.array([[5], [1, 2], [], [3]], pa.list_(pa.int32())).slice(1, 2), [0, 2, 2], [1, 2]),  # values cut too
+    (pa.chunked_array([[[1], [2, 3]], [[4]]], pa.list_(pa.int64())), [0, 1, 3, 4], [1, 2, 3, 4]),
+    (pa.array([[1], None, [2, 3]], pa.list_(pa.int32())), [0, 1, 1, 3], [1, 2, 3]),         # null = empty
+    (pa.array([], pa.list_(pa.int32())), [0], []),
+    (pa.chunked_array([], pa.list_(pa.int32())), [0], []),
+])
+def test_offsets_and_values(col, offsets, values):
+    assert _parts(col) == (offsets, values)
+
+
+def test_list_array_round_trip():
+    arr = list_array(np.array([0, 2, 2, 5]), np.array([0.5, 1, 2, 3, 4], np.float32), pa.float32())
+    assert arr.type == pa.list_(pa.float32())
+    assert arr.to_pylist() == [[0.5, 1.0], [], [2.0, 3.0, 4.0]]
+    assert _parts(arr) == ([0, 2, 2, 5], [0.5, 1.0, 2.0, 3.0, 4.0])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_csr_round_trip_against_scipy(seed):
+    dense = sp.random(7, 9, density=0.3, random_state=seed, dtype=np.float32).toarray()
+    dense[3] = 0                                          # an empty row
+    M = sp.csr_matrix(dense)
+    idx, val = csr_rows_to_arrays(M)
+    assert idx.type == pa.list_(pa.int32()) and val.type == pa.list_(pa.float32())
+    assert idx.to_pylist()[1] == M.indices[M.indptr[1]:M.indptr[2]].tolist() and idx.to_pylist()[3] == []
+    t = pa.table({"i": idx, "v": val})
+    np.testing.assert_array_equal(csr_from_table(t, "i", "v", 9).toarray(), M.toarray())
+    np.testing.assert_array_equal(csr_from_table(t, "i", None, 9).toarray(), (M.toarray() != 0).astype(np.float32))
+    # the same rows in two chunks, and a slice: the row ranges line up with scipy's
+    two = pa.concat_tables([t.slice(0, 4), t.slice(4)])
+    assert two.column("i").num_chunks == 2
+    np.testing.assert_array_equal(csr_from_table(two, "i", "v", 9).toarray(), M.toarray())
+    np.testing.assert_array_equal(csr_from_table(t.slice(2, 3), "i", "v", 9).toarray(), M[2:5].toarray())
+    # wider than the data: trailing empty columns
+    assert csr_from_table(t, "i", "v", 12).shape == (7, 12)
+
+
+def test_csr_from_table_sums_duplicates_in_a_row():
+    t = pa.table({"i": pa.array([[2, 0, 2]], pa.list_(pa.int32())),
+                  "v": pa.array([[1.0, 0.5, 2.0]], pa.list_(pa.float32()))})
+    np.testing.assert_array_equal(csr_from_table(t, "i", "v", 3).toarray(), [[0.5, 0, 3.0]])
+
+
+def test_grouped_apply_and_to_arrow(spark):
+    df = spark.createDataFrame([(0, [1, 2]), (1, [3]), (0, [4]), (2, [])], "g int, xs array<int>")
+
+    def total(t: pa.Table) -> pa.Table:
+        _, vals = list_offsets_values(t, "xs")
+        return pa.table({"g": pa.array([t.column("g")[0].as_py()], pa.int32()),
+                         "n": pa.array([t.num_rows], pa.int64()), "s": pa.array([int(vals.sum())], pa.int64())})
+
+    out = to_arrow(grouped_apply(df, ["g"], total, "g int, n long, s long"))
+    assert isinstance(out, pa.Table)
+    assert sorted(zip(*(out.column(c).to_pylist() for c in ("g", "n", "s")))) == [(0, 2, 7), (1, 1, 3), (2, 1, 0)]
