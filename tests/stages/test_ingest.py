@@ -46,3 +46,14 @@ def test_clean_input_merges_nothing(spark, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="xmc_spark.ingest"):
         _, info = ingest.read_samples(spark, str(f), IngestParams())
     assert info.n_rows_merged_features == 0 and "more than once" not in caplog.text
+
+
+@pytest.mark.parametrize("fmt,text", [("xc", "2 5 4\n0 1:1\n1 2:1"), ("svmlight", "0 2:1\n1 3:1")])
+def test_a_final_newline_is_not_a_blank_line(spark, tmp_path, fmt, text):
+    got = []
+    for name, body in (("without.txt", text), ("with.txt", text + "\n")):
+        f = tmp_path / name
+        f.write_text(body)
+        df, info = ingest.read_samples(spark, str(f), IngestParams(), fmt=fmt)
+        got.append((info.n_samples, _rows(df)))
+    assert got[0] == got[1] and got[0][0] == 2

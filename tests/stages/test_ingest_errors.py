@@ -22,6 +22,10 @@ GOOD = "3 5 4\n0,1 0:1 3:0.5\n2 1:1\n 4:2\n"
     ("2 5 4\n0 1:1\n1 2:inf\n", r":3: feature value is NaN or infinite"),
     ("2 5 4\n0 1:abc\n1 2:1\n", r":2: feature value is not a number"),
     ("3 5 4\n0 1:1\n1 2:1\n", r":1: header declares 3 samples but the file has 2"),
+    ("3 5 4\n0 1:1\n\n1 2:1\n", r":3: empty line"),              # header count matches the blank line
+    ("2 5 4\n0 1:1\n\n1 2:1\n", r":3: empty line"),              # ... or not: still the blank line
+    ("2 5 4\n0 1:1\n \t \n1 2:1\n", r":3: empty line"),
+    ("2 5 4\n0 1:1\n1 2:1\n\n", r":4: empty line"),
     ("", r"the file is empty"),
     ("2 5 4\n", r"no samples"),
 ])
@@ -70,6 +74,13 @@ def test_svmlight_one_based(spark, tmp_path):
     assert (info.fmt, info.n_samples, info.n_features, info.n_labels) == ("svmlight", 2, 4, 3)
     rows = sorted(spark.read.format("delta").load(str(tmp_path / "tbl")).collect(), key=lambda r: r.sample_id)
     assert list(rows[0].feature_idx) == [0, 3] and list(rows[1].feature_idx) == [1]
+
+
+def test_svmlight_blank_line(spark, tmp_path):
+    f = tmp_path / "a.svm"
+    f.write_text("0 1:1\n   \n1 2:1\n")
+    with pytest.raises(IngestError, match=f"^{f}:2: empty line$"):
+        ingest.read_samples(spark, str(f), IngestParams())
 
 
 def test_parquet_wrong_schema_and_duplicates(spark, tmp_path):

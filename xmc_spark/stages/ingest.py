@@ -197,7 +197,10 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         one_based = False
     else:
         one_based = params.svmlight_one_based
-    parsed = _parse_tokens(raw, one_based).withColumn("_err", _error_column(d, L))
+    parsed = _parse_tokens(raw, one_based)
+    # a blank line is an error, not an empty sample (a final newline makes no line at all)
+    parsed = parsed.withColumn("_err", F.when(F.size("_toks") == 0, F.lit("empty line"))
+                               .otherwise(_error_column(d, L)))
     is_data = F.col("_mid") != 0 if fmt == "xc" else F.lit(True)
     parts = parsed.groupBy("_pid").agg(
         F.count(F.lit(1)).alias("c"), F.min("_mid").alias("m0"),
