@@ -5,8 +5,14 @@ import pyarrow as pa
 import pytest
 import scipy.sparse as sp
 
-from xmc_spark.arrow_utils import (csr_from_table, csr_rows_to_arrays, grouped_apply, list_array,
-                                   list_offsets_values, to_arrow)
+from xmc_spark.arrow_utils import (
+    csr_from_table,
+    csr_rows_to_arrays,
+    grouped_apply,
+    list_array,
+    list_offsets_values,
+    to_arrow,
+)
 
 
 def _parts(col):

@@ -89,6 +89,7 @@ def test_configs_layer_in_order(tmp_path, monkeypatch):
 
 def test_secrets_from_the_environment_are_masked(tmp_path, monkeypatch, capsys):
     import logging
+
     from xmc_spark import secrets
     from xmc_spark.cli import main
     monkeypatch.setenv("XMC_S3_SECRET_KEY", "s3cr3t-value-42")

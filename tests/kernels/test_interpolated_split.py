@@ -4,8 +4,13 @@ import scipy.sparse as sp
 from scipy.optimize import linprog
 
 from xmc_spark.kernels.balanced_kmeans import balanced_split
-from xmc_spark.kernels.interpolated_split import (interpolated_split, lambda_from_prime, lemma1_alpha,
-                                                  node_frequencies, objective)
+from xmc_spark.kernels.interpolated_split import (
+    interpolated_split,
+    lambda_from_prime,
+    lemma1_alpha,
+    node_frequencies,
+    objective,
+)
 from xmc_spark.kernels.tree import build_tree, node_depth
 
 
@@ -86,7 +91,6 @@ def test_node_frequencies_endpoints():
 
 def test_weighted_split_puts_frequent_label_in_smaller_side():
     # lambda = 1: a label with half the mass balances all the others
-    rng = np.random.default_rng(0)
     m = 21
     Z = _Z(m, seed=1)
     f = np.ones(m)

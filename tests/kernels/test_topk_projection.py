@@ -26,7 +26,7 @@ def test_top_lambda_maximizes_linear_objective_brute_force():
             L, K = A.shape
             rows = [c for r in range(1, lam + 1) for c in itertools.combinations(range(K), r)]
             for choice in itertools.product(rows, repeat=L):
-                val = sum(A[l, list(s)].sum() for l, s in enumerate(choice))
+                val = sum(A[k, list(s)].sum() for k, s in enumerate(choice))
                 best = max(best, val)
             assert np.isclose((A * C).sum(), best)
             assert (C.sum(axis=1) <= lam).all() and (C.sum(axis=1) >= 1).all()

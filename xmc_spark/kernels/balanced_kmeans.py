@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
+
 from .jit import njit
 
 

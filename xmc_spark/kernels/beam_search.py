@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
+
 from .jit import njit
 
 POST_PROCESSORS = {"l3-hinge": 0, "l2-hinge": 1, "sigmoid": 2}

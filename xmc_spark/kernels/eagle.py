@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 import scipy.sparse as sp
+
 from .jit import njit
 
 

@@ -85,7 +85,8 @@ def f_tilde_greedy(offsets, labels, n_labels: int, p=None) -> np.ndarray:
         np.maximum(counts, 0.0, out=counts)
 
 
-def mask_counts(offsets, labels, p, selected: np.ndarray, cand_bit: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def mask_counts(offsets, labels, p, selected: np.ndarray,
+                cand_bit: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Over the contexts that carry no ``selected`` label: mass per (mask, label), where a
     context's mask ORs ``cand_bit`` (1 << j for candidate j, else 0) over its labels.
 

@@ -62,7 +62,8 @@ def _rows(kind, sample_id=None, label_idx=None, weight=None, it=None, value=None
     n = next(len(a) for a in (sample_id, label_idx, it) if a is not None)
     def col(a, typ):
         return pa.array(a, typ) if a is not None else pa.nulls(n, typ)
-    emb_idx, emb_val = (emb if emb is not None else (pa.nulls(n, pa.list_(pa.int32())), pa.nulls(n, pa.list_(pa.float32()))))
+    emb_idx, emb_val = emb if emb is not None else (pa.nulls(n, pa.list_(pa.int32())),
+                                                    pa.nulls(n, pa.list_(pa.float32())))
     return pa.table({"kind": pa.array(np.full(n, kind, np.int32)), "sample_id": col(sample_id, pa.int64()),
                      "label_idx": col(label_idx, pa.int32()), "weight": col(weight, pa.float64()),
                      "iter": col(it, pa.int32()), "value": col(value, pa.float64()),

@@ -53,7 +53,8 @@ def _greedy(labels: DataFrame, n_labels: int, f: np.ndarray, k: int) -> Tuple[np
             for batch in batches:
                 off, val = list_offsets_values(pa.Table.from_batches([batch]), "label_idx")
                 m, lab, w = K.mask_counts(off, val.astype(np.int64), None, sel, bits)
-                yield pa.RecordBatch.from_pydict({"mask": pa.array(m, pa.int64()), "label_idx": pa.array(lab, pa.int64()),
+                yield pa.RecordBatch.from_pydict({"mask": pa.array(m, pa.int64()),
+                                                  "label_idx": pa.array(lab, pa.int64()),
                                                   "mass": pa.array(w, pa.float64())})
 
         t = (labels.mapInArrow(part, _MASK_SCHEMA).groupBy("mask", "label_idx")
