@@ -163,6 +163,26 @@ def test_bad_test_input_writes_no_table(tmp_path, spark):
     assert not (d / "out" / "tables" / "train").exists()
 
 
+def test_test_labels_unseen_in_training_are_counted_misses(tmp_path, spark):
+    from xmc_spark.local_io import read_xc
+    write_split(tmp_path, 120, n=160, d=40, L=12, seed=3)
+    X, Y = read_xc(str(tmp_path / "test.txt"))
+    lines = (tmp_path / "test.txt").read_text().splitlines()
+    lines[0] = f"{X.shape[0]} 40 200"                       # the header declares 200 labels
+    lines[1] = "170," + lines[1] if not lines[1].startswith(" ") else "170" + lines[1]
+    (tmp_path / "test200.txt").write_text("\n".join(lines) + "\n")
+    m = pipeline.run(spark, str(tmp_path / "train.txt"), str(tmp_path / "test200.txt"), str(tmp_path / "out"),
+                     _params(tmp_path))
+    assert (m["test_unseen_labels"], m["test_unseen_positives"], m["test_rows_with_unseen"]) == (1, 1, 1)
+    base = pipeline.run(spark, str(tmp_path / "train.txt"), str(tmp_path / "test.txt"), str(tmp_path / "base"),
+                        _params(tmp_path))
+    # the one extra positive is a miss: P@k unchanged, recall of that row lower
+    for k in ("p@1", "p@3", "p@5"):
+        assert m[k] == base[k], k
+    assert m["recall@5"] < base["recall@5"] and base["test_unseen_labels"] == 0
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["test_unseen_labels"] == 1
+
+
 @pytest.mark.slow
 def test_two_keys_ingest_at_once_into_a_fresh_root(tmp_path, spark):
     write_split(tmp_path, 120, n=160, d=40, L=12, seed=3)

@@ -164,7 +164,19 @@ def ingest_stage(ctx: StageContext) -> StageResult:
              "n_test": tinfo.n_samples if tinfo else None, **(agg.stats if agg is not None else {})}
     if agg is not None:
         ctx.memo["aggregated"] = agg
+    elif test_df is not None:
+        facts.update(_unseen(tables))
     return StageResult(facts)
+
+
+def _unseen(tables: Tables) -> Dict[str, int]:
+    """Counts of test labels that never occur in the training table (reported, never fatal)."""
+    unseen = evaluation.unseen_labels(tables.read("train"), tables.read("test"))
+    if unseen["test_unseen_labels"]:
+        log.warning("%d test labels never occur in training (%d positives in %d test rows): they count as "
+                    "misses in every metric", unseen["test_unseen_labels"], unseen["test_unseen_positives"],
+                    unseen["test_rows_with_unseen"])
+    return unseen
 
 
 def eagle_stage(ctx: StageContext) -> StageResult:
@@ -184,6 +196,8 @@ def eagle_stage(ctx: StageContext) -> StageResult:
         with ctx.timer.stage("eagle_diagnostics"):
             facts.update(eagle.diagnostics(assigned, agg.truth))
     agg.samples.unpersist()
+    if ing["test"]:
+        facts.update(_unseen(tables))
     series = {"eagle.objective": facts["eagle.objective"]} if "eagle.objective" in facts else {}
     return StageResult(facts, series=series)
 
