@@ -120,7 +120,9 @@ def written(tmp_path_factory, spark):
     from xmc_spark.storage import RUN_KEY
 
     d = tmp_path_factory.mktemp("written")
-    X, Y = random_problem(n=96, d=24, L=8, seed=5)
+    X, Y = random_problem(n=120, d=24, L=8, seed=5)
+    keep = np.flatnonzero(X.getnnz(axis=1) > 0)[:96]     # samples.txt has no labels: no blank lines
+    X, Y = X[keep], Y[keep]
     agg = d / "agg"
     agg.mkdir()
     write_xc(agg / "samples.txt", X[:72], sp.csr_matrix((72, 8)))

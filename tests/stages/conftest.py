@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from tests.conftest import random_problem, write_xc
-from xmc_spark.local_io import read_xc
+from tests.conftest import random_problem
+from xmc_spark.kernels.sparse import l2_normalize_rows
 from xmc_spark.schemas import SAMPLES_SCHEMA, TABLES
 
 N, D, L = 150, 40, 14
@@ -36,10 +36,8 @@ def to_csr(rows, idx, val, n_cols, id_col="sample_id"):
 
 
 @pytest.fixture(scope="session")
-def problem(tmp_path_factory, spark):
-    """(samples DataFrame, X, Y): the XC file's rows as the local reader gives them (L2-normalized)."""
-    d = tmp_path_factory.mktemp("stage_problem")
+def problem(spark):
+    """(samples DataFrame, X, Y): rows L2-normalized as ingest leaves them, float32 as in the tables."""
     X, Y = random_problem(n=N, d=D, L=L, seed=7)
-    write_xc(d / "train.txt", X, Y)
-    Xl, Yl = read_xc(str(d / "train.txt"))
+    Xl, Yl = l2_normalize_rows(X), sp.csr_matrix(Y, dtype=np.float32)
     return samples_frame(spark, Xl, Yl).cache(), Xl, Yl
