@@ -64,6 +64,7 @@ def validation_split(spark, agg_dir: Path, out: Path, seed: int = 0):
     """OUT/{samples,groups,group_labels,info.json} with 4/5 of the groups; returns the held-out
     groups as {group: (member sample ids, label set)}."""
     from pyspark.sql import functions as F
+
     from xmc_spark.storage import write_delta
     r = lambda n: spark.read.format("delta").load(str(agg_dir / n))  # noqa: E731
     groups, labels, samples = r("groups"), r("group_labels"), r("samples")
@@ -86,6 +87,7 @@ def group_p1(model_dir: Path, val, Xdf, n_features: int) -> float:
     """Group-level precision on held-out groups: a label's group score is its best member score;
     the mean of P@1, P@3 and P@5 of that ranking against the group's labels."""
     import scipy.sparse as sp
+
     from xmc_spark.model import XMCModel
     model = XMCModel.load(str(model_dir))
     Xdf = Xdf.sort_values("sample_id")
@@ -165,7 +167,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings.split(","):
         r = results[setting]
-        f = lambda m: f"{r[m]['p@1']:.2f} / {r[m]['p@3']:.2f} / {r[m]['p@5']:.2f}"  # noqa: E731
+        f = lambda m, r=r: f"{r[m]['p@1']:.2f} / {r[m]['p@3']:.2f} / {r[m]['p@5']:.2f}"  # noqa: E731
         best = max(["eagle0", "eagle", "soft"], key=lambda m: r[m]["p@1"])
         b = r["baseline"]["p@1"]
         gap = o["p@1"] - b

@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh "local,test"
 source scripts/_airflow_venv.sh
+.venv/bin/ruff check .            # lint (pyproject's [tool.ruff]); a finding fails the run
 exec .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -6,10 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.conftest import write_split, write_xc
+from tests.conftest import write_split
 from xmc_spark import pipeline
 from xmc_spark.params import ConfigError, PipelineParams
 from xmc_spark.registry import STAGES

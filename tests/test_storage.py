@@ -2,8 +2,16 @@
 import pytest
 
 from xmc_spark.schemas import SchemaError
-from xmc_spark.storage import (RunKeyError, Tables, check_run_key, is_conflict, is_local_path, read_delta,
-                               table_version, write_delta)
+from xmc_spark.storage import (
+    RunKeyError,
+    Tables,
+    check_run_key,
+    is_conflict,
+    is_local_path,
+    read_delta,
+    table_version,
+    write_delta,
+)
 
 
 def test_run_keys_and_paths():

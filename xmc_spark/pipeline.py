@@ -29,8 +29,18 @@ from .model import KeyedColumns, XMCModel
 from .params import PipelineParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
-from .stages import (aggregated, eagle, evaluation, ingest, label_clusters, label_embedding, label_frequencies,
-                     label_tree, node_training, prediction)
+from .stages import (
+    aggregated,
+    eagle,
+    evaluation,
+    ingest,
+    label_clusters,
+    label_embedding,
+    label_frequencies,
+    label_tree,
+    node_training,
+    prediction,
+)
 from .storage import Tables
 from .tracking import Tracker
 
@@ -182,11 +192,11 @@ def _unseen(tables: Tables) -> Dict[str, int]:
 def eagle_stage(ctx: StageContext) -> StageResult:
     """EAGLE on an aggregated --train: writes the per-sample ``train`` (and ``eagle_embeddings``)."""
     ing = ctx.dataset
-    if not ing["aggregated"]:
-        log.info("stage eagle: the training input %s has per-sample labels: nothing to do", ing["train"])
+    if not ing.aggregated:
+        log.info("stage eagle: the training input %s has per-sample labels: nothing to do", ing.train)
         return StageResult({"skipped": True})
     spark, tables = ctx.spark, ctx.tables
-    agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing["train"], ctx.params.ingest)
+    agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing.train, ctx.params.ingest)
     with ctx.timer.stage("eagle"):
         train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark))
         if emb is not None:
@@ -196,7 +206,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
         with ctx.timer.stage("eagle_diagnostics"):
             facts.update(eagle.diagnostics(assigned, agg.truth))
     agg.samples.unpersist()
-    if ing["test"]:
+    if ing.test:
         facts.update(_unseen(tables))
     series = {"eagle.objective": facts["eagle.objective"]} if "eagle.objective" in facts else {}
     return StageResult(facts, series=series)
@@ -205,8 +215,8 @@ def eagle_stage(ctx: StageContext) -> StageResult:
 def tree_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
     samples = ctx.tables.read("train")
-    counts = evaluation.label_counts(samples, ing["n_labels"])
-    index, facts = grow_tree(samples, ctx.tables, ing["n_features"], ing["n_labels"], ctx.params, ctx.timer, counts)
+    counts = evaluation.label_counts(samples, ing.n_labels)
+    index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)
     ctx.memo["label_counts"] = counts
     return StageResult({"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)), **facts})
 
@@ -216,12 +226,12 @@ def train_stage(ctx: StageContext) -> StageResult:
     ``mlflow.log_model`` (a non-local root keeps the folder only for MLflow)."""
     ing, tables, params = ctx.dataset, ctx.tables, ctx.params
     samples = tables.read("train")
-    index = tree_index(tables.read("tree").toPandas(), ing["n_labels"], params)
-    model = train_classifiers(samples, index, tables, ing["n_features"], params, ctx.timer)
-    model.meta.update({"train": ing["train"], "n_train": ing["n_train"],
+    index = tree_index(tables.read("tree").toPandas(), ing.n_labels, params)
+    model = train_classifiers(samples, index, tables, ing.n_features, params, ctx.timer)
+    model.meta.update({"train": ing.train, "n_train": ing.n_train,
                        **({"run_key": ctx.run_key} if ctx.run_key else {})})
     counts = ctx.memo.get("label_counts")
-    model.label_counts = counts if counts is not None else evaluation.label_counts(samples, ing["n_labels"])
+    model.label_counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     facts = {"tree_depth": int(model.index.depth), "n_leaves": int(len(model.index.leaves)),
              **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
     tmp = None if ctx.model_dir else Path(tempfile.mkdtemp(prefix="xmc-model-"))
@@ -247,22 +257,22 @@ def write_predictions(tables: Tables, model: XMCModel, params: PipelineParams, s
 
 def predict_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
-    model = ctx.memo.get("model") or model_from_tables(ctx.tables, ing["n_features"], ing["n_labels"], ctx.params)
+    model = ctx.memo.get("model") or model_from_tables(ctx.tables, ing.n_features, ing.n_labels, ctx.params)
     with ctx.timer.stage("predict"):
         write_predictions(ctx.tables, model, ctx.params, "test")
-    return StageResult({"n_test": ing["n_test"]})
+    return StageResult({"n_test": ing.n_test})
 
 
 def evaluate_stage(ctx: StageContext) -> StageResult:
     ing, tables = ctx.dataset, ctx.tables
     model = ctx.memo.get("model")
     if model is None:                              # the slots, not the weights
-        depth = tree_index(tables.read("slots").toPandas(), ing["n_labels"], ctx.params).label_depth()
-        counts = evaluation.label_counts(tables.read("train"), ing["n_labels"])
+        depth = tree_index(tables.read("slots").toPandas(), ing.n_labels, ctx.params).label_depth()
+        counts = evaluation.label_counts(tables.read("train"), ing.n_labels)
     else:
         depth, counts = model.label_depth(), model.label_counts
     with ctx.timer.stage("evaluate"):
-        m = evaluation.run(tables.read("predictions"), tables.read("test"), counts, ing["n_train"],
+        m = evaluation.run(tables.read("predictions"), tables.read("test"), counts, ing.n_train,
                            ctx.params.eval, label_depth=depth)
         metrics = {k: round(v, 4) for k, v in m.items()}
         tables.write("metrics", ctx.spark.createDataFrame(sorted(metrics.items()), "metric string, value double"))

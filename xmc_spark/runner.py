@@ -91,9 +91,27 @@ class StageContext:
     memo: Dict[str, Any] = field(default_factory=dict)   # in-process hand-offs (e.g. the trained model)
 
     @property
-    def dataset(self) -> Dict[str, Any]:
+    def dataset(self) -> Dataset:
         """The ingest stage's facts: input paths and sizes."""
-        return self.records["ingest"]
+        return Dataset.from_record(self.records["ingest"])
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """What the ingest stage recorded about the run's input; every later stage reads its sizes
+    from here (no loose integers)."""
+
+    train: str
+    test: Optional[str]
+    aggregated: bool
+    n_train: int
+    n_features: int
+    n_labels: int                  # training label space (a test set may name more: unseen labels)
+    n_test: Optional[int] = None
+
+    @classmethod
+    def from_record(cls, rec: Dict[str, Any]) -> Dataset:
+        return cls(**{f: rec.get(f) for f in cls.__dataclass_fields__})
 
 
 class Records:

@@ -8,8 +8,6 @@ untouched, and a write that fails leaves the previous version of the table intac
 """
 from __future__ import annotations
 
-from .errors import XmcError
-
 import logging
 import random
 import re
@@ -20,6 +18,7 @@ from typing import Dict, Optional
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from .errors import XmcError
 from .schemas import SchemaError, check_table
 
 log = logging.getLogger("xmc_spark.storage")

@@ -52,7 +52,7 @@ def test_dag_loads_with_one_spark_submit_task_per_stage(tmp_path):
     for name in STAGES:
         assert out["tasks"][name]["downstream"] == sorted(s for s, spec in STAGES.items() if name in spec.needs)
         assert (ROOT / "jobs" / f"{name}.py").is_file()
-        assert out["tasks"][name]["operator"] == "SparkSubmitOperator" and out["tasks"][a]["retries"] == 1
+        assert out["tasks"][name]["operator"] == "SparkSubmitOperator" and out["tasks"][name]["retries"] == 1
     assert out["schedule"] == "@daily"
     # the JSON schema of every Param rejects a bad value
     assert all(out["rejected"].values()), out["rejected"]

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import write_split, write_xc
+from xmc_spark.params import PipelineParams
 from xmc_spark.registry import ORDER
 from xmc_spark.runner import run_keyed, run_stage
-from xmc_spark.params import PipelineParams
 from xmc_spark.schemas import IngestError
 from xmc_spark.storage import RunKeyError, StageOrderError, Tables, read_delta, table_version
 

@@ -6,10 +6,9 @@ import re
 import pytest
 
 from tests.conftest import random_problem, write_xc
-from xmc_spark.registry import ORDER
-from xmc_spark.runner import run_keyed, run_stage
 from xmc_spark.config import load_params
 from xmc_spark.params import ConfigError, PipelineParams
+from xmc_spark.runner import run_stage
 from xmc_spark.schemas import IngestError
 from xmc_spark.storage import RunKeyError, StageOrderError, is_delta, read_delta
 

@@ -7,13 +7,12 @@ import sys
 
 import numpy as np
 import pytest
-from pyspark import TaskContext
-from pyspark import cloudpickle
+from pyspark import TaskContext, cloudpickle
 
 from tests.conftest import write_split
-from xmc_spark.runner import StageTimer
 from xmc_spark import pipeline
 from xmc_spark.params import PipelineParams
+from xmc_spark.runner import StageTimer
 from xmc_spark.stages import evaluation, ingest, node_training, prediction
 from xmc_spark.storage import Tables, read_delta, table_version
 
