@@ -55,3 +55,15 @@ def test_conflicts_are_told_from_other_errors():
     assert is_conflict(RuntimeError("[DELTA_PROTOCOL_CHANGED] The protocol version of the Delta table ..."))
     assert is_conflict(Exception("io.delta.exceptions.ConcurrentAppendException: Files were added ..."))
     assert not is_conflict(ValueError("[DELTA_MISSING_DELTA_TABLE] x is not a Delta table"))
+
+
+def test_path_probing_through_hadoop(spark, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "b.txt").write_text("x")
+    (tmp_path / "d" / "a").mkdir()
+    assert path_kind(spark, str(tmp_path / "d")) == "dir"
+    assert path_kind(spark, str(tmp_path / "d" / "b.txt")) == "file"
+    assert path_kind(spark, f"file://{tmp_path}/d/b.txt") == "file"          # a scheme, as s3:// would be
+    assert path_kind(spark, str(tmp_path / "nope")) is None
+    assert list_names(spark, str(tmp_path / "d")) == ["a", "b.txt"]
+    assert list_names(spark, str(tmp_path / "d" / "b.txt")) == []

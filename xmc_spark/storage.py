@@ -13,7 +13,7 @@ import random
 import re
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -57,6 +57,42 @@ def check_run_key(key: str) -> str:
 def is_local_path(path: str) -> bool:
     """A path on this machine's file system (not s3://, abfss://, dbfs:, ...)."""
     return "://" not in path and not path.startswith("dbfs:")
+
+
+def _hadoop_fs(spark: SparkSession, path: str):
+    """(FileSystem, Path) of Hadoop's view of ``path`` (local, s3://, abfss://, dbfs:, ...), or
+    None without JVM access (Spark Connect)."""
+    try:
+        jvm = spark.sparkContext._jvm
+        hpath = jvm.org.apache.hadoop.fs.Path(path)
+        return hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), hpath
+    except Exception:  # noqa: BLE001 - no classic SparkContext
+        return None
+
+
+def path_kind(spark: SparkSession, path: str) -> Optional[str]:
+    """'file', 'dir' or None (nothing there), through Hadoop's file system for any scheme."""
+    fs = _hadoop_fs(spark, path)
+    if fs is None:
+        if not is_local_path(path):
+            raise ConnectionError(f"{path}: cannot probe a remote path without a classic SparkContext")
+        p = Path(path)
+        return "dir" if p.is_dir() else "file" if p.exists() else None
+    fs, hpath = fs
+    if not fs.exists(hpath):
+        return None
+    return "dir" if fs.getFileStatus(hpath).isDirectory() else "file"
+
+
+def list_names(spark: SparkSession, path: str) -> List[str]:
+    """Names of the entries of folder ``path`` (empty when it is not a folder), any scheme."""
+    if path_kind(spark, path) != "dir":
+        return []
+    fs = _hadoop_fs(spark, path)
+    if fs is None:
+        return sorted(p.name for p in Path(path).iterdir())
+    fs, hpath = fs
+    return sorted(st.getPath().getName() for st in fs.listStatus(hpath))
 
 
 def is_delta(spark: SparkSession, path: str) -> bool:
