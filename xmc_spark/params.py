@@ -39,30 +39,19 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
             return False
         raise ConfigError(f"config key '{key}' expects a boolean, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+    if typ is int or typ is float:
+        word = "an integer" if typ is int else "a number"
         if isinstance(value, str):
             try:
-                return int(value)
+                value = typ(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
-    if typ is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if typ is float:
                 return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+            if isinstance(value, int) or value.is_integer():
+                return int(value)
+        raise ConfigError(f"config key '{key}' expects {word}, got {value!r}")
     if typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
