@@ -83,6 +83,7 @@ print(json.dumps({{"ids": out["sample_id"].tolist(), "labels": [list(map(int, x)
 
 def test_package_source_from_a_folder_and_from_a_wheel(tmp_path):
     import zipfile
+
     import xmc_spark
     from xmc_spark.mlflow_model import package_source
     here = Path(xmc_spark.__file__).parent

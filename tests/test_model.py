@@ -55,7 +55,7 @@ def test_overlapping_slots_train_and_predict_without_duplicates(tmp_path):
     base = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
     ix = base.index
     # put label 0 into a second leaf as well
-    other = [l for l in ix.leaves if l != ix.slot_leaf[ix.slot_label == 0][0]][0]
+    other = [leaf for leaf in ix.leaves if leaf != ix.slot_leaf[ix.slot_label == 0][0]][0]
     index = TreeIndex(np.append(ix.slot_label, 0), np.append(ix.slot_leaf, other), ix.n_labels, 2)
     tp = TrainParams()
     nodes, slots = train_all_groups(index, append_bias(X, 1.0), Y, tp)

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from typing import Tuple
 
-import numpy as np
 import scipy.sparse as sp
 
-from .kernels.sparse import l2_normalize_rows
+from .kernels.sparse import csr_from_lists, l2_normalize_rows
 
 
 def read_xc(path: str, normalize: bool = True) -> Tuple[sp.csr_matrix, sp.csr_matrix]:
@@ -30,11 +29,7 @@ def read_xc(path: str, normalize: bool = True) -> Tuple[sp.csr_matrix, sp.csr_ma
                 ft_val.append(float(b))
             lab_ptr.append(len(lab_idx))
             ft_ptr.append(len(ft_idx))
-    X = sp.csr_matrix((np.asarray(ft_val, np.float32), np.asarray(ft_idx, np.int32), np.asarray(ft_ptr)),
-                      shape=(len(ft_ptr) - 1, d))
-    X.sum_duplicates()
-    Y = sp.csr_matrix((np.ones(len(lab_idx), np.float32), np.asarray(lab_idx, np.int32), np.asarray(lab_ptr)),
-                      shape=(len(lab_ptr) - 1, L))
-    Y.sum_duplicates()
+    X = csr_from_lists(ft_ptr, ft_idx, ft_val, d)           # repeated indices summed, as ingest does
+    Y = csr_from_lists(lab_ptr, lab_idx, None, L)
     Y.data[:] = 1.0
     return (l2_normalize_rows(X) if normalize else X), Y

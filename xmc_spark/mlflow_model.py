@@ -24,6 +24,8 @@ import pyarrow as pa
 import scipy
 import scipy.sparse as sp
 
+from .kernels.sparse import csr_from_lists, normalize_lists
+
 log = logging.getLogger("xmc_spark.mlflow_model")
 
 INPUT_COLUMNS = ("feature_idx", "feature_val")
@@ -50,13 +52,9 @@ def frame_to_csr(frame: pd.DataFrame, n_features: int, normalize: bool) -> sp.cs
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"input row {int(rows[i])}: {what}: feature_idx {int(cols[i])}, value {data[i]}")
-    X = sp.csr_matrix((data.astype(np.float32), cols.astype(np.int32), (ioff - ioff[0]).astype(np.int64)),
-                      shape=(len(frame), n_features))
-    X.sum_duplicates()
+    X = csr_from_lists(ioff, cols, data, n_features)        # repeated indices summed, as ingest does
     if normalize:
-        norms = np.sqrt(np.asarray(X.multiply(X).sum(axis=1)).ravel())
-        norms[norms == 0] = 1.0
-        X = sp.csr_matrix(sp.diags(1.0 / norms) @ X, dtype=np.float32)
+        X.data = normalize_lists(X.indptr, X.data)
     return X
 
 
@@ -119,9 +117,10 @@ def log_model(model_dir: str, registered_model: str = "", alias: str = "", name:
 
     model = XMCModel.load(model_dir)
     rng = np.random.default_rng(0)
-    example = pd.DataFrame({"sample_id": [0], "feature_idx": [np.sort(rng.choice(model.n_features, min(3, model.n_features),
-                                                              replace=False)).tolist()],
-                            "feature_val": [[1.0] * min(3, model.n_features)]})
+    k = min(3, model.n_features)
+    example = pd.DataFrame({"sample_id": [0],
+                            "feature_idx": [np.sort(rng.choice(model.n_features, k, replace=False)).tolist()],
+                            "feature_val": [[1.0] * k]})
     signature = infer_signature(example, score_frame(model, example), params={"topk": model.pred_params.topk,
                                                                               "beam_size": model.pred_params.beam_size})
     signature = ModelSignature(    # sample_id is optional: it (like any extra column) passes through

@@ -7,27 +7,27 @@ stages on one machine; the Spark pipeline must produce the same model.
 """
 from __future__ import annotations
 
-from .errors import XmcError
-
 import json
 import os
 import shutil
 import uuid
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
 
 import numpy as np
 import scipy.sparse as sp
 
+from .errors import XmcError
 from .kernels.beam_search import beam_search, tree_search
+from .kernels.frequencies import label_frequencies
 from .kernels.label_embedding import pifa
 from .kernels.sparse import append_bias
 from .kernels.squared_hinge import train_node
-from .kernels.frequencies import label_frequencies
 from .kernels.tree import TreeIndex, ancestor_at, node_depth, tree_from_params
-from .params import PredictParams, TrainParams, TreeParams
+from .kernels.topk_projection import topk_projection
+from .params import ClustersParams, PipelineParams, PredictParams, TrainParams, TreeParams
 
 FORMAT_VERSION = 1
 
@@ -44,7 +44,7 @@ class KeyedColumns:
     W: sp.csc_matrix
 
     @classmethod
-    def from_dict(cls, cols: Dict[int, tuple], n_rows: int) -> "KeyedColumns":
+    def from_dict(cls, cols: Dict[int, tuple], n_rows: int) -> KeyedColumns:
         keys = np.array(sorted(cols), dtype=np.int64)
         ptr = [0]
         idx, val = [], []
@@ -77,7 +77,7 @@ class KeyedColumns:
                  shape=np.array(W.shape))
 
     @classmethod
-    def load(cls, path: Path) -> "KeyedColumns":
+    def load(cls, path: Path) -> KeyedColumns:
         z = load_npz(path, ("keys", "indptr", "indices", "data", "shape"))
         try:
             W = sp.csc_matrix((z["data"], z["indices"], z["indptr"]), shape=tuple(z["shape"]))
@@ -102,8 +102,32 @@ def load_npz(path: Path, names) -> Dict[str, np.ndarray]:
     return arrays
 
 
+@dataclass(frozen=True)
+class ModelTrainParams:
+    """Everything that shapes a trained model, taken by the Spark trainer and
+    :meth:`XMCModel.train_local` alike (as PECOS's ``XLinearModel.TrainParams``): the label tree,
+    the node solver (``train``), overlapping clusters and whether rows are L2-normalized."""
+
+    tree: TreeParams = field(default_factory=TreeParams)
+    train: TrainParams = field(default_factory=TrainParams)
+    clusters: ClustersParams = field(default_factory=ClustersParams)
+    normalize: bool = True
+
+    @classmethod
+    def from_pipeline(cls, params: PipelineParams) -> "ModelTrainParams":
+        return cls(params.tree, params.train, params.clusters, params.ingest.normalize)
+
+    @property
+    def cluster_rounds(self) -> int:
+        """Rounds of overlapping clusters + retraining (none with one copy per label)."""
+        return self.clusters.rounds if self.clusters.copies > 1 else 0
+
+
 class XMCModel:
     """Label tree + per-node classifiers; prediction by beam search."""
+
+    TrainParams = ModelTrainParams       # PECOS-shaped: XMCModel.TrainParams / XMCModel.PredParams
+    PredParams = PredictParams
 
     def __init__(self, index: TreeIndex, node_w: KeyedColumns, slot_w: KeyedColumns, n_features: int,
                  bias: float = 1.0, normalize: bool = True, pred_params: Optional[PredictParams] = None,
@@ -267,7 +291,7 @@ class XMCModel:
         self.slot_w.save(tmp / "weights_slots.npz")
 
     @classmethod
-    def load(cls, folder: str) -> "XMCModel":
+    def load(cls, folder: str) -> XMCModel:
         folder = Path(folder)
         pfile = folder / "param.json"
         if not pfile.is_file():
@@ -298,24 +322,48 @@ class XMCModel:
 
     # ---- numpy reference trainer -----------------------------------------------------
     @classmethod
-    def train_local(cls, X: sp.csr_matrix, Y: sp.csr_matrix, tree: Optional[TreeParams] = None,
-                    train: Optional[TrainParams] = None, weights=None, normalize_y: bool = True,
-                    pred_params: Optional[PredictParams] = None) -> "XMCModel":
-        """Single-process reference of the whole training pipeline (PIFA, tree, classifiers)."""
-        tree = tree or TreeParams()
-        train = train or TrainParams()
+    def train_local(cls, X: sp.csr_matrix, Y: sp.csr_matrix, train_params: Optional[ModelTrainParams] = None,
+                    pred_params: Optional[PredictParams] = None, *, tree: Optional[TreeParams] = None,
+                    train: Optional[TrainParams] = None, weights=None, normalize_y: bool = True) -> "XMCModel":
+        """Single-process reference of the whole training pipeline: PIFA, tree, classifiers and
+        ``clusters.rounds`` of overlapping clusters + retraining (``tree`` / ``train`` override
+        those parts of ``train_params``)."""
+        tp = train_params or ModelTrainParams()
+        tp = ModelTrainParams(tree or tp.tree, train or tp.train, tp.clusters, tp.normalize)
         X = sp.csr_matrix(X, dtype=np.float32)
         Y = sp.csr_matrix(Y)
         Z = pifa(X, Y, normalize_y=normalize_y)
         f = ft = None
-        if tree.effective_lambda > 0:
-            f, ft = label_frequencies(Y.indptr, Y.indices, Y.shape[1], tree.f_tilde)
-        leaf = tree_from_params(Z, tree, f, ft)
-        index = TreeIndex(np.arange(Y.shape[1]), leaf, Y.shape[1], tree.nr_splits)
-        node_cols, slot_cols = train_all_groups(index, append_bias(X, train.bias), Y, train, weights)
-        n_cols = X.shape[1] + (1 if train.bias > 0 else 0)
-        return cls(index, KeyedColumns.from_dict(node_cols, n_cols), KeyedColumns.from_dict(slot_cols, n_cols),
-                   X.shape[1], bias=train.bias, pred_params=pred_params)
+        if tp.tree.effective_lambda > 0:
+            f, ft = label_frequencies(Y.indptr, Y.indices, Y.shape[1], tp.tree.f_tilde)
+        leaf = tree_from_params(Z, tp.tree, f, ft)
+        index = TreeIndex(np.arange(Y.shape[1]), leaf, Y.shape[1], tp.tree.nr_splits)
+        Xb = append_bias(X, tp.train.bias)
+        n_cols = X.shape[1] + (1 if tp.train.bias > 0 else 0)
+
+        def fit(ix: TreeIndex) -> "XMCModel":
+            node_cols, slot_cols = train_all_groups(ix, Xb, Y, tp.train, weights)
+            return cls(ix, KeyedColumns.from_dict(node_cols, n_cols), KeyedColumns.from_dict(slot_cols, n_cols),
+                       X.shape[1], bias=tp.train.bias, normalize=tp.normalize, pred_params=pred_params)
+
+        model = fit(index)
+        for _ in range(tp.cluster_rounds):
+            model = fit(model.overlapping_index(X, Y, tp.clusters.copies, tp.clusters.beam_size))
+        return model
+
+    def overlapping_index(self, X: sp.csr_matrix, Y: sp.csr_matrix, copies: int, beam_size: int) -> TreeIndex:
+        """Label slots from the top-``copies`` leaves of each label's row of Y^T M, M the leaves
+        this model's beam matches each row of X to (numpy reference of the clusters stage)."""
+        leaves, _ = self.match_leaves(X, beam_size)
+        ok = leaves >= 0
+        ids, col = np.unique(leaves[ok], return_inverse=True)
+        M = sp.csr_matrix((np.ones(len(col)), (np.repeat(np.arange(X.shape[0]), ok.sum(axis=1)), col)),
+                          shape=(X.shape[0], len(ids)))
+        Yb = sp.csr_matrix((np.ones(Y.nnz), Y.indices, Y.indptr), shape=Y.shape)
+        ytm = (Yb.T @ M).tocoo()
+        lab, leaf = topk_projection(ytm.row, ids[ytm.col], ytm.data, copies, self.index.slot_label,
+                                    self.index.slot_leaf)
+        return TreeIndex(lab, leaf, self.n_labels, self.index.B)
 
 
 def _positions(sorted_or_not_ids: np.ndarray, query: np.ndarray) -> np.ndarray:

@@ -7,11 +7,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from xmc_spark.params import IngestParams
+from xmc_spark.schemas import IngestError
 from xmc_spark.stages import ingest
 
 
 def _rows(df):
-    return sorted(((r.sample_id, list(r.feature_idx), list(r.feature_val), list(r.label_idx)) for r in df.collect()))
+    return sorted((r.sample_id, list(r.feature_idx), list(r.feature_val), list(r.label_idx)) for r in df.collect())
 
 
 def test_repeated_feature_indices_are_sorted_and_summed(spark, tmp_path, caplog):
@@ -57,3 +58,26 @@ def test_a_final_newline_is_not_a_blank_line(spark, tmp_path, fmt, text):
         df, info = ingest.read_samples(spark, str(f), IngestParams(), fmt=fmt)
         got.append((info.n_samples, _rows(df)))
     assert got[0] == got[1] and got[0][0] == 2
+
+
+@pytest.fixture
+def small_splits(spark):
+    """Text inputs split into input partitions of 256 bytes (line numbers must run across them)."""
+    old = spark.conf.get("spark.sql.files.maxPartitionBytes")
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "256")
+    yield
+    spark.conf.set("spark.sql.files.maxPartitionBytes", old)
+
+
+def test_line_numbers_and_sample_ids_across_input_partitions(spark, tmp_path, small_splits):
+    lines = [f"{i % 3} {i % 7}:{i + 1}" for i in range(200)]
+    f = tmp_path / "many.txt"
+    f.write_text("200 7 3\n" + "\n".join(lines) + "\n")
+    assert ingest.text_lines(spark, str(f)).rdd.getNumPartitions() > 4
+    df, info = ingest.read_samples(spark, str(f), IngestParams(normalize=False))
+    assert info.n_samples == 200
+    assert _rows(df) == [(i, [i % 7], [float(i + 1)], [i % 3]) for i in range(200)]
+    lines[150] = "x 1:1"
+    f.write_text("200 7 3\n" + "\n".join(lines) + "\n")
+    with pytest.raises(IngestError, match=f"^{f}:152: label id is not an integer in 'x'$"):
+        ingest.read_samples(spark, str(f), IngestParams())

@@ -24,13 +24,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .jit import njit
-
-
-def normalize_rows(M: sp.csr_matrix) -> sp.csr_matrix:
-    M = sp.csr_matrix(M, dtype=np.float64)
-    n = np.sqrt(np.asarray(M.multiply(M).sum(axis=1)).ravel())
-    n[n == 0] = 1.0
-    return sp.csr_matrix(sp.diags(1.0 / n) @ M)
+from .sparse import l2_normalize_rows
 
 
 @njit()
@@ -151,10 +145,11 @@ def grlr_sums(tr: Triples, X: sp.csr_matrix, E: Optional[sp.csr_matrix]):
 
 
 def grlr_update(E: Optional[sp.csr_matrix], G: sp.csr_matrix, eta: float) -> sp.csr_matrix:
-    """e_0 = Proj(G) when E is None, else e_t = Proj(e_{t-1} + eta Proj(G))."""
+    """e_0 = Proj(G) when E is None, else e_t = Proj(e_{t-1} + eta Proj(G)); Proj scales each
+    row to unit norm, in float64."""
     if E is None:
-        return normalize_rows(G)
-    return normalize_rows(E + eta * normalize_rows(G))
+        return l2_normalize_rows(G, np.float64)
+    return l2_normalize_rows(E + eta * l2_normalize_rows(G, np.float64), np.float64)
 
 
 def grlr_block(tr: Triples, X: sp.csr_matrix, T: int = 20, eta: float = 0.1) -> Tuple[sp.csr_matrix, np.ndarray]:

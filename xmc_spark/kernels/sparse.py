@@ -21,13 +21,26 @@ def csr_from_lists(offsets: np.ndarray, indices: np.ndarray, values, n_cols: int
     return m
 
 
-def l2_normalize_rows(m: sp.csr_matrix) -> sp.csr_matrix:
-    """Scale each row to unit L2 norm (all-zero rows stay zero)."""
-    m = m.tocsr(copy=True).astype(np.float32)
-    sq = np.asarray(m.multiply(m).sum(axis=1)).ravel()
-    norms = np.sqrt(sq)
+def normalize_lists(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``values`` with each list (``values[offsets[i] - offsets[0]:offsets[i + 1] - offsets[0]]``, a CSR
+    row or an Arrow list) divided by its L2 norm, summed in float64; all-zero lists stay zero.
+    Returns a new array of ``values``' dtype (float64 for integer values)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    values = np.asarray(values)
+    dtype = values.dtype if np.issubdtype(values.dtype, np.floating) else np.float64
+    n = len(offsets) - 1
+    rows = np.repeat(np.arange(n), np.diff(offsets))
+    norms = np.sqrt(np.bincount(rows, weights=values.astype(np.float64) ** 2, minlength=n))
     norms[norms == 0] = 1.0
-    m.data /= np.repeat(norms, np.diff(m.indptr)).astype(np.float32)
+    return (values / norms[rows]).astype(dtype, copy=False)
+
+
+def l2_normalize_rows(m: sp.csr_matrix, dtype=np.float32) -> sp.csr_matrix:
+    """Each row scaled to unit L2 norm (all-zero rows stay zero), as a new ``dtype`` CSR matrix
+    with repeated indices summed first."""
+    m = sp.csr_matrix(m, dtype=dtype, copy=True)
+    m.sum_duplicates()
+    m.data = normalize_lists(m.indptr, m.data)
     return m
 
 

@@ -64,26 +64,9 @@ def is_aggregated(path: str) -> bool:
     return p.is_dir() and ((p / "groups.txt").is_file() or (p / "groups").is_dir())
 
 
-def _line_numbers(raw: DataFrame) -> DataFrame:
-    """Add ``_line`` (1-based line number) to ``spark.read.text`` rows: one job counting each
-    input partition's lines."""
-    raw = raw.withColumn("_pid", F.spark_partition_id()).withColumn("_mid", F.monotonically_increasing_id())
-    parts = sorted(raw.groupBy("_pid").agg(F.count(F.lit(1)).alias("c"), F.min("_mid").alias("m0")).collect(),
-                   key=lambda r: r["_pid"])
-    offs, acc = [], 0
-    for r in parts:
-        offs.append((r["_pid"], acc, r["m0"]))
-        acc += r["c"]
-    spark = raw.sparkSession
-    o = spark.createDataFrame(offs, "_pid int, _off long, _m0 long") if offs else None
-    if o is None:
-        return raw.withColumn("_line", F.lit(None).cast("long"))
-    return raw.join(F.broadcast(o), "_pid").withColumn("_line", F.col("_off") + F.col("_mid") - F.col("_m0") + 1)
-
-
 def read_groups_text(spark: SparkSession, path: str):
     """(groups, group_labels) from a ``groups.txt`` file; errors name the line."""
-    raw = _line_numbers(spark.read.text(path))
+    raw = ingest.text_lines(spark, path)
     toks = raw.withColumn("_t", F.split(F.col("value"), " "))
     toks = toks.withColumn("_lab", F.col("_t")[0]).withColumn(
         "_mem", F.filter(F.slice(F.col("_t"), 2, 1 << 30), lambda x: x != ""))
@@ -96,15 +79,14 @@ def read_groups_text(spark: SparkSession, path: str):
                  F.concat(F.lit("label is not 'label' or 'label:count' with non-negative integers: "),
                           F.element_at(F.filter(lab_items, lambda x: ~x.rlike(r"^[0-9]+(:[0-9]+)?$")), 1)))
            .when(F.exists(lab_items, lambda x: x.rlike(r":0+$")), F.lit("label count must be >= 1")))
-    checked = toks.withColumn("_err", err).withColumn("_items", lab_items).cache()
-    bad = checked.filter(F.col("_err").isNotNull()).orderBy("_line").select("_line", "_err").first()
+    checked = toks.withColumn("_err", err).withColumn("_items", lab_items)
+    lines = ingest.Lines(checked, err=ingest.first_where(F.col("_err").isNotNull(), F.col("_err")))
+    bad = lines.first("err")
     if bad is not None:
-        checked.unpersist()
-        raise IngestError(f"{path}:{bad['_line']}: {bad['_err']}")
-    if checked.limit(1).count() == 0:
-        checked.unpersist()
+        raise IngestError(f"{path}:{bad[0]}: {bad[1]}")
+    if lines.n == 0:
         raise IngestError(f"{path}: no groups (the file is empty)")
-    gid = (F.col("_line") - 1).cast("long").alias("group_id")
+    gid = (lines.line() - 1).cast("long").alias("group_id")
     groups = checked.select(gid, F.explode("_mem").alias("m")).select(
         "group_id", F.col("m").cast("long").alias("sample_id"))
     labels = checked.select(gid, F.explode("_items").alias("it")).select(
@@ -218,8 +200,8 @@ def kmeans_groups(samples: DataFrame, n_samples: int, n_features: int, depth: in
     leaf = max(1, -(-n_samples // (2 ** depth)))
     spark = samples.sparkSession
     # dense point ids 0..n-1 (sample ids need not be contiguous)
-    dense = spark.createDataFrame(samples.select("sample_id").rdd.zipWithIndex().map(lambda r: (int(r[0][0]), int(r[1]))),
-                                  "sample_id long, label_idx int")
+    ids = samples.select("sample_id").rdd.zipWithIndex().map(lambda r: (int(r[0][0]), int(r[1])))
+    dense = spark.createDataFrame(ids, "sample_id long, label_idx int")
     pts = samples.drop("label_idx").join(dense, "sample_id").select("label_idx", F.col("feature_idx").alias("emb_idx"),
                                                   F.col("feature_val").alias("emb_val"))
     tree = label_tree.run(pts, n_samples, n_features, TreeParams(max_leaf_size=leaf, seed=seed))

@@ -9,18 +9,18 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_array, list_offsets_values
-from ..kernels.sparse import csr_from_lists
+from ..kernels.sparse import csr_from_lists, normalize_lists
 from ..params import IngestParams
-from ..schemas import SAMPLES_SCHEMA, IngestError, check_samples_columns
 from ..progress import worker_progress
+from ..schemas import SAMPLES_SCHEMA, IngestError, check_samples_columns
 from ..storage import is_delta, write_delta
 
 log = logging.getLogger("xmc_spark.ingest")
@@ -34,11 +34,6 @@ class DatasetInfo:
     n_features: int
     n_labels: int
     n_rows_merged_features: int = 0   # rows listing a feature index twice (their values were summed)
-
-
-def detect_format(spark: SparkSession, path: str) -> str:
-    """'delta', 'parquet', 'xc' or 'svmlight' from the path and, for text, its first line."""
-    return _detect(spark, path)[0]
 
 
 def _detect(spark: SparkSession, path: str):
@@ -72,6 +67,56 @@ def _exists(spark: SparkSession, path: str) -> bool:
     return fs.exists(hpath)
 
 
+# ---- line numbers of text input ----------------------------------------------------------------
+def text_lines(spark: SparkSession, path: str) -> DataFrame:
+    """The lines (``value``) of a text input with ``_pid`` (input partition) and ``_mid``
+    (``monotonically_increasing_id``), which :class:`Lines` turns into line numbers."""
+    return (spark.read.text(path)
+            .withColumn("_pid", F.spark_partition_id())
+            .withColumn("_mid", F.monotonically_increasing_id()))
+
+
+def first_where(cond: Column, value: Column) -> Column:
+    """An aggregate for :class:`Lines`: the first row (in file order) where ``cond`` holds,
+    with its ``value``; read it with :meth:`Lines.first`."""
+    return F.min(F.when(cond, F.struct(F.col("_mid").alias("mid"), value.alias("value"))))
+
+
+class Lines:
+    """Line numbers of a :func:`text_lines` frame, from one Spark job that counts the rows of
+    each input partition and computes the aggregates ``aggs`` (Columns) per partition."""
+
+    def __init__(self, df: DataFrame, **aggs: Column):
+        parts = df.groupBy("_pid").agg(F.count(F.lit(1)).alias("_n"), F.min("_mid").alias("_m0"),
+                                       *[c.alias(k) for k, c in aggs.items()]).collect()
+        self.parts = sorted(parts, key=lambda r: r["_pid"])
+        self._base, acc = {}, 0
+        for r in self.parts:
+            self._base[r["_pid"]] = acc - r["_m0"]          # line = base of the partition + _mid + 1
+            acc += r["_n"]
+        self.n = acc                                         # lines in all
+
+    def values(self, name: str) -> list:
+        """The non-null per-partition values of aggregate ``name``."""
+        return [r[name] for r in self.parts if r[name] is not None]
+
+    def first(self, name: str) -> Optional[Tuple[int, Any]]:
+        """(line, value) of the first row found by the :func:`first_where` aggregate ``name``."""
+        hits = [(self._base[r["_pid"]] + r[name]["mid"] + 1, r[name]["value"])
+                for r in self.parts if r[name] is not None]
+        return min(hits, key=lambda h: h[0]) if hits else None
+
+    def line(self) -> Column:
+        """Each row's 1-based line number (no Spark job: a literal array indexed by ``_pid``)."""
+        if not self.parts:
+            return F.lit(None).cast("long")
+        base = [0] * (self.parts[-1]["_pid"] + 1)
+        for pid, b in self._base.items():
+            base[pid] = b
+        return F.expr(f"element_at(array({', '.join(f'CAST({b} AS BIGINT)' for b in base)}), _pid + 1) + _mid + 1")
+
+
+# ---- parsing and validation -------------------------------------------------------------------
 def _parse_tokens(df: DataFrame, one_based: bool) -> DataFrame:
     """Split 'l1,l2 f:v f:v' lines into typed arrays plus checks, with SQL expressions."""
     toks = F.filter(F.split(F.trim(F.col("value")), r"\s+"), lambda t: t != "")
@@ -88,7 +133,8 @@ def _parse_tokens(df: DataFrame, one_based: bool) -> DataFrame:
             # SQL try_cast (Spark >= 3.2; Column.try_cast is 4.x-only): NULL for a non-number
             .withColumn("label_idx", F.expr("transform(_labs, x -> try_cast(x AS INT))"))
             .withColumn("_badtok", F.exists("_ft", lambda t: F.size(F.split(t, ":")) != 2))
-            .withColumn("feature_idx", F.expr(f"transform(_ft, t -> try_cast(substring_index(t, ':', 1) AS INT) - {shift})"))
+            .withColumn("feature_idx",
+                        F.expr(f"transform(_ft, t -> try_cast(substring_index(t, ':', 1) AS INT) - {shift})"))
             .withColumn("feature_val", F.expr("transform(_ft, t -> try_cast(substring_index(t, ':', -1) AS FLOAT))")))
 
 
@@ -147,16 +193,12 @@ def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
     foff, fidx = list_offsets_values(t, "feature_idx")
     _, fval = list_offsets_values(t, "feature_val")
     X = csr_from_lists(foff, fidx, fval, int(fidx.max()) + 1 if len(fidx) else 1)
-    fval = X.data
-    if normalize and len(fval):
-        frows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
-        norms = np.sqrt(np.bincount(frows, weights=fval.astype(np.float64) ** 2, minlength=X.shape[0]))
-        norms[norms == 0] = 1.0
-        fval = (fval / norms[frows]).astype(np.float32)
+    if normalize:
+        X.data = normalize_lists(X.indptr, X.data)
     return pa.table({
         "sample_id": t.column("sample_id"),
         "feature_idx": list_array(X.indptr, X.indices.astype(np.int32), pa.int32()),
-        "feature_val": list_array(X.indptr, fval, pa.float32()),
+        "feature_val": list_array(X.indptr, X.data, pa.float32()),
         "label_idx": list_array(Y.indptr, Y.indices.astype(np.int32), pa.int32()),
         "weight": t.column("weight"),
     })
@@ -175,9 +217,7 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     One Spark job validates every line and counts the lines of each input partition; line
     numbers (for errors) and sample ids (line order) follow from those counts.
     """
-    raw = (spark.read.text(path)
-           .withColumn("_pid", F.spark_partition_id())
-           .withColumn("_mid", F.monotonically_increasing_id()))
+    raw = text_lines(spark, path)
     header_n = None
     d = params.num_features or expect_features
     L = params.num_labels or expect_labels
@@ -202,43 +242,27 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     parsed = parsed.withColumn("_err", F.when(F.size("_toks") == 0, F.lit("empty line"))
                                .otherwise(_error_column(d, L)))
     is_data = F.col("_mid") != 0 if fmt == "xc" else F.lit(True)
-    parts = parsed.groupBy("_pid").agg(
-        F.count(F.lit(1)).alias("c"), F.min("_mid").alias("m0"),
-        F.min(F.when(F.col("_err").isNotNull() & is_data, F.struct("_mid", "_err"))).alias("err"),
-        F.max(F.when(is_data, F.array_max("label_idx"))).alias("max_label"),
-        F.max(F.when(is_data, F.array_max("feature_idx"))).alias("max_feature"),
-        F.count(F.when(is_data & _repeated_features(), 1)).alias("n_rep"),
-        F.min(F.when(is_data & _repeated_features(), F.col("_mid"))).alias("rep"),
-    ).collect()
-    parts = sorted(parts, key=lambda r: r["_pid"])
-    offsets, acc, errors, repeated = [], 0, [], []
-    for r in parts:
-        offsets.append((r["_pid"], acc, r["m0"]))
-        if r["err"] is not None:
-            errors.append((acc + r["err"]["_mid"] - r["m0"] + 1, r["err"]["_err"]))
-        if r["rep"] is not None:
-            repeated.append(acc + r["rep"] - r["m0"] + 1)
-        acc += r["c"]
-    if errors:
-        line, msg = min(errors)
-        raise IngestError(f"{path}:{line}: {msg}")
-    n = acc - (1 if fmt == "xc" else 0)
+    rep = is_data & _repeated_features()
+    lines = Lines(parsed, err=first_where(F.col("_err").isNotNull() & is_data, F.col("_err")),
+                  max_label=F.max(F.when(is_data, F.array_max("label_idx"))),
+                  max_feature=F.max(F.when(is_data, F.array_max("feature_idx"))),
+                  n_rep=F.count(F.when(rep, 1)), rep=first_where(rep, F.lit(True)))
+    bad = lines.first("err")
+    if bad is not None:
+        raise IngestError(f"{path}:{bad[0]}: {bad[1]}")
+    skip = 1 if fmt == "xc" else 0
+    n = lines.n - skip
     if n <= 0:
         raise IngestError(f"{path}: no samples (the file is empty{' after the header' if fmt == 'xc' else ''})")
     if header_n is not None and header_n != n:
         raise IngestError(f"{path}:1: header declares {header_n} samples but the file has {n} data lines")
-    max_f = max((r["max_feature"] for r in parts if r["max_feature"] is not None), default=-1)
-    max_l = max((r["max_label"] for r in parts if r["max_label"] is not None), default=-1)
-    d = d or max_f + 1
-    L = L or max_l + 1
-    n_rep = sum(r["n_rep"] for r in parts)
+    d = d or max(lines.values("max_feature"), default=-1) + 1
+    L = L or max(lines.values("max_label"), default=-1) + 1
+    n_rep = sum(lines.values("n_rep"))
     if n_rep:
         log.warning("%s:%d: %d line(s) list a feature index more than once (the first here); "
-                    "their values are summed", path, min(repeated), n_rep)
-    offs = spark.createDataFrame(offsets, "_pid int, _off long, _m0 long")
-    skip = 1 if fmt == "xc" else 0
-    data = (parsed.filter(is_data).join(F.broadcast(offs), "_pid")
-            .withColumn("sample_id", (F.col("_off") + F.col("_mid") - F.col("_m0") - skip).cast("long")))
+                    "their values are summed", path, lines.first("rep")[0], n_rep)
+    data = parsed.filter(is_data).withColumn("sample_id", (lines.line() - 1 - skip).cast("long"))
     return _finish(data, params.normalize), DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep))
 
 
