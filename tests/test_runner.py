@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import write_split
@@ -49,6 +50,25 @@ def test_run_and_stage_all_give_identical_weights_and_metrics(env, spark):
     assert m["n_train"] == 120 and m["n_test"] == 40 and m["tree_depth"] == res["train"]["tree_depth"]
     on_disk = json.loads((d / "run" / "metrics.json").read_text())
     assert on_disk["p@1"] == m["p@1"] and on_disk["table_versions"] == {"train": 0, "test": 0}
+
+
+def test_overlapping_clusters_equal_the_reference_trainer(env, spark):
+    """train_local covers the whole model: tree, classifiers, overlapping clusters, retraining."""
+    from xmc_spark.local_io import read_xc
+    from xmc_spark.model import XMCModel
+    d, params, _ = env
+    p2 = params.set_dotted("clusters.copies", 2).set_dotted("clusters.beam_size", 2)
+    m = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "copies2"), p2)
+    assert m["copies_per_label_max"] == 2
+    Xtr, Ytr = read_xc(str(d / "train.txt"))
+    Xt, _ = read_xc(str(d / "test.txt"))
+    ref = XMCModel.train_local(Xtr, Ytr, XMCModel.TrainParams.from_pipeline(p2), p2.predict)
+    got = XMCModel.load(str(d / "copies2" / "model"))
+    np.testing.assert_array_equal(got.index.slot_label, ref.index.slot_label)
+    np.testing.assert_array_equal(got.index.slot_leaf, ref.index.slot_leaf)
+    (gl, gs), (rl, rs) = got.predict(Xt), ref.predict(Xt)
+    np.testing.assert_array_equal(gl, rl)
+    np.testing.assert_allclose(gs, rs, rtol=1e-5)
 
 
 def _records(n_features=40, n_labels=12, test="t.txt"):

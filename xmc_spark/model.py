@@ -25,8 +25,8 @@ from .kernels.frequencies import label_frequencies
 from .kernels.label_embedding import pifa
 from .kernels.sparse import append_bias
 from .kernels.squared_hinge import train_node
-from .kernels.tree import TreeIndex, ancestor_at, node_depth, tree_from_params
 from .kernels.topk_projection import topk_projection
+from .kernels.tree import TreeIndex, ancestor_at, node_depth, tree_from_params
 from .params import ClustersParams, PipelineParams, PredictParams, TrainParams, TreeParams
 
 FORMAT_VERSION = 1
@@ -114,7 +114,7 @@ class ModelTrainParams:
     normalize: bool = True
 
     @classmethod
-    def from_pipeline(cls, params: PipelineParams) -> "ModelTrainParams":
+    def from_pipeline(cls, params: PipelineParams) -> ModelTrainParams:
         return cls(params.tree, params.train, params.clusters, params.ingest.normalize)
 
     @property
@@ -324,7 +324,7 @@ class XMCModel:
     @classmethod
     def train_local(cls, X: sp.csr_matrix, Y: sp.csr_matrix, train_params: Optional[ModelTrainParams] = None,
                     pred_params: Optional[PredictParams] = None, *, tree: Optional[TreeParams] = None,
-                    train: Optional[TrainParams] = None, weights=None, normalize_y: bool = True) -> "XMCModel":
+                    train: Optional[TrainParams] = None, weights=None, normalize_y: bool = True) -> XMCModel:
         """Single-process reference of the whole training pipeline: PIFA, tree, classifiers and
         ``clusters.rounds`` of overlapping clusters + retraining (``tree`` / ``train`` override
         those parts of ``train_params``)."""
@@ -341,7 +341,7 @@ class XMCModel:
         Xb = append_bias(X, tp.train.bias)
         n_cols = X.shape[1] + (1 if tp.train.bias > 0 else 0)
 
-        def fit(ix: TreeIndex) -> "XMCModel":
+        def fit(ix: TreeIndex) -> XMCModel:
             node_cols, slot_cols = train_all_groups(ix, Xb, Y, tp.train, weights)
             return cls(ix, KeyedColumns.from_dict(node_cols, n_cols), KeyedColumns.from_dict(slot_cols, n_cols),
                        X.shape[1], bias=tp.train.bias, normalize=tp.normalize, pred_params=pred_params)

@@ -25,8 +25,8 @@ from pyspark.sql import functions as F
 from .arrow_utils import list_offsets_values, to_arrow
 from .config import dump_params
 from .kernels.tree import TreeIndex
-from .model import KeyedColumns, XMCModel
-from .params import PipelineParams
+from .model import KeyedColumns, ModelTrainParams, XMCModel
+from .params import PipelineParams, PredictParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
 from .stages import (
@@ -97,52 +97,53 @@ def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams) -> Tre
     return TreeIndex(rows["label_idx"].to_numpy(), rows["node"].to_numpy(), n_labels, params.tree.nr_splits)
 
 
-def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int, params: PipelineParams,
-                      timer: StageTimer) -> XMCModel:
-    """Node classifiers for ``index``, then ``clusters.rounds`` of overlapping clusters + retraining;
-    writes ``weights`` and ``slots`` (the label -> leaf assignment the final weights belong to)."""
+def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
+                      pred: PredictParams, timer: StageTimer) -> XMCModel:
+    """Node classifiers for ``index``, then ``clusters.rounds`` of overlapping clusters + retraining
+    (the Spark rendering of :meth:`XMCModel.train_local`, same parameters); writes ``weights``
+    and ``slots`` (the label -> leaf assignment the final weights belong to)."""
     spark = samples.sparkSession
-    copies = params.clusters.copies
+    copies = tp.clusters.copies
     with timer.stage("train"):
-        model = train_weights(samples, index, tables, n_features, params)
-    rounds = params.clusters.rounds if copies > 1 else 0
-    for r in range(rounds):
+        model = train_weights(samples, index, tables, n_features, tp, pred)
+    for r in range(tp.cluster_rounds):
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
-            tables.write("matcher", label_clusters.matcher(samples, model, params.clusters.beam_size))
+            tables.write("matcher", label_clusters.matcher(samples, model, tp.clusters.beam_size))
             current = spark.createDataFrame(
                 pd.DataFrame({"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf}))
             slots = label_clusters.project(samples, tables.read("matcher"), current, copies).toPandas()
             tables.write("clusters", spark.createDataFrame(slots))
-            index = TreeIndex(slots["label_idx"].to_numpy(), slots["node"].to_numpy(), index.n_labels,
-                              params.tree.nr_splits)
+            index = TreeIndex(slots["label_idx"].to_numpy(), slots["node"].to_numpy(), index.n_labels, index.B)
             log.info("overlapping clusters (%d copies): %s", copies,
                      label_clusters.cluster_stats(index.slot_label, index.slot_leaf))
         with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
-            model = train_weights(samples, index, tables, n_features, params)
+            model = train_weights(samples, index, tables, n_features, tp, pred)
     tables.write("slots", spark.createDataFrame(pd.DataFrame(
         {"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf.astype(np.int64)})))
     return model
 
 
-def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, params: PipelineParams) -> XMCModel:
+def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
+                  pred: PredictParams) -> XMCModel:
     """Train every node's classifiers for ``index``; write the weights table; build the model."""
-    w = node_training.run(samples, index, n_features, params.train).cache()
+    w = node_training.run(samples, index, n_features, tp.train).cache()
     tables.write("weights", w)
     w.unpersist()
-    return model_from_weights(tables.read("weights"), index, n_features, params)
+    return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
 
 
-def model_from_weights(weights, index: TreeIndex, n_features: int, params: PipelineParams) -> XMCModel:
-    n_cols = n_features + (1 if params.train.bias > 0 else 0)
+def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrainParams,
+                       pred: PredictParams) -> XMCModel:
+    n_cols = n_features + (1 if tp.train.bias > 0 else 0)
     node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
-    return XMCModel(index, node_w, slot_w, n_features, bias=params.train.bias, normalize=params.ingest.normalize,
-                    pred_params=params.predict)
+    return XMCModel(index, node_w, slot_w, n_features, bias=tp.train.bias, normalize=tp.normalize, pred_params=pred)
 
 
 def model_from_tables(tables: Tables, n_features: int, n_labels: int, params: PipelineParams) -> XMCModel:
     """The model a train stage left in ``tables`` (``slots`` + ``weights``)."""
     index = tree_index(tables.read("slots").toPandas(), n_labels, params)
-    return model_from_weights(tables.read("weights"), index, n_features, params)
+    return model_from_weights(tables.read("weights"), index, n_features, ModelTrainParams.from_pipeline(params),
+                              params.predict)
 
 
 # ---- the stages (see registry.STAGES) -------------------------------------------------------
@@ -227,7 +228,8 @@ def train_stage(ctx: StageContext) -> StageResult:
     ing, tables, params = ctx.dataset, ctx.tables, ctx.params
     samples = tables.read("train")
     index = tree_index(tables.read("tree").toPandas(), ing.n_labels, params)
-    model = train_classifiers(samples, index, tables, ing.n_features, params, ctx.timer)
+    model = train_classifiers(samples, index, tables, ing.n_features, ModelTrainParams.from_pipeline(params),
+                              params.predict, ctx.timer)
     model.meta.update({"train": ing.train, "n_train": ing.n_train,
                        **({"run_key": ctx.run_key} if ctx.run_key else {})})
     counts = ctx.memo.get("label_counts")

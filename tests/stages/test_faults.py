@@ -11,6 +11,7 @@ from pyspark import TaskContext, cloudpickle
 
 from tests.conftest import write_split
 from xmc_spark import pipeline
+from xmc_spark.model import ModelTrainParams
 from xmc_spark.params import PipelineParams
 from xmc_spark.runner import StageTimer
 from xmc_spark.stages import evaluation, ingest, node_training, prediction
@@ -49,7 +50,8 @@ def _train_and_score(spark, data):
     d, params, info, samples, index = data
     w = node_training.run(samples, index, info.n_features, params.train).cache()
     weights = sorted((r["is_leaf"], r["key"], tuple(r["w_idx"]), tuple(np.round(r["w_val"], 6))) for r in w.collect())
-    model = pipeline.model_from_weights(w, index, info.n_features, params)
+    model = pipeline.model_from_weights(w, index, info.n_features, ModelTrainParams.from_pipeline(params),
+                                        params.predict)
     w.unpersist()
     test = read_delta(spark, str(d / "test_tbl"))
     preds = prediction.run(test, model, params.predict.beam_size, params.predict.topk)
