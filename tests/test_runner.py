@@ -40,9 +40,16 @@ def _weights(spark, path, key=None):
                   for r in read_delta(spark, path, key).collect())
 
 
-def test_run_and_stage_all_give_identical_weights_and_metrics(env, spark):
+@pytest.fixture(scope="module")
+def unkeyed(env, spark):
+    """`xmc-spark run` on the same data: OUT = d/run."""
+    d, params, _ = env
+    return pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "run"), params)
+
+
+def test_run_and_stage_all_give_identical_weights_and_metrics(env, unkeyed, spark):
     d, params, res = env
-    m = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "run"), params)
+    m = unkeyed
     assert _weights(spark, str(d / "run" / "tables" / "weights")) == \
         _weights(spark, str(d / "root" / "tables" / "weights"), KA)
     for k in ("p@1", "p@3", "p@5", "psp@5", "ndcg@5", "depth@1"):
@@ -86,13 +93,12 @@ def _records(n_features=40, n_labels=12, test="t.txt"):
     ("train", "tree", "label_idx int, node string"),
     ("predict", "weights", "is_leaf boolean, key long, w_idx array<long>, w_val array<float>"),
 ])
-def test_a_wrong_schema_table_stops_the_stage_naming_table_and_column(env, spark, tmp_path, stage, table, bad):
+def test_a_wrong_schema_table_stops_the_stage_naming_table_and_column(env, unkeyed, spark, tmp_path, stage, table,
+                                                                     bad):
     from xmc_spark.runner import Runner
     from xmc_spark.schemas import SchemaError
     d, params, _ = env
     good = d / "run" / "tables"
-    if not (good / "weights").exists():
-        pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "run"), params)
     spark.createDataFrame([], bad).write.format("delta").save(str(tmp_path / "bad"))
     links = {t: str(good / t) for t in ("train", "test", "tree", "slots", "weights")}
     links[table] = str(tmp_path / "bad")
@@ -182,24 +188,22 @@ def test_bad_test_input_writes_no_table(tmp_path, spark):
     assert not (d / "out" / "tables" / "train").exists()
 
 
-def test_test_labels_unseen_in_training_are_counted_misses(tmp_path, spark):
+def test_test_labels_unseen_in_training_are_counted_misses(env, unkeyed, spark):
     from xmc_spark.local_io import read_xc
-    write_split(tmp_path, 120, n=160, d=40, L=12, seed=3)
-    X, Y = read_xc(str(tmp_path / "test.txt"))
-    lines = (tmp_path / "test.txt").read_text().splitlines()
+    d, params, _ = env
+    X, Y = read_xc(str(d / "test.txt"))
+    lines = (d / "test.txt").read_text().splitlines()
     lines[0] = f"{X.shape[0]} 40 200"                       # the header declares 200 labels
     lines[1] = "170," + lines[1] if not lines[1].startswith(" ") else "170" + lines[1]
-    (tmp_path / "test200.txt").write_text("\n".join(lines) + "\n")
-    m = pipeline.run(spark, str(tmp_path / "train.txt"), str(tmp_path / "test200.txt"), str(tmp_path / "out"),
-                     _params(tmp_path))
+    (d / "test200.txt").write_text("\n".join(lines) + "\n")
+    m = pipeline.run(spark, str(d / "train.txt"), str(d / "test200.txt"), str(d / "out200"), params)
     assert (m["test_unseen_labels"], m["test_unseen_positives"], m["test_rows_with_unseen"]) == (1, 1, 1)
-    base = pipeline.run(spark, str(tmp_path / "train.txt"), str(tmp_path / "test.txt"), str(tmp_path / "base"),
-                        _params(tmp_path))
+    base = unkeyed
     # the one extra positive is a miss: P@k unchanged, recall of that row lower
     for k in ("p@1", "p@3", "p@5"):
         assert m[k] == base[k], k
     assert m["recall@5"] < base["recall@5"] and base["test_unseen_labels"] == 0
-    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["test_unseen_labels"] == 1
+    assert json.loads((d / "out200" / "metrics.json").read_text())["test_unseen_labels"] == 1
 
 
 @pytest.mark.slow
