@@ -26,8 +26,11 @@ import os
 import sys
 from datetime import datetime, timedelta
 
-from airflow import DAG
-from airflow.models.param import Param
+try:                                        # Airflow 3: the Task SDK
+    from airflow.sdk import DAG, Param
+except ImportError:                         # Airflow 2.10 / 2.11
+    from airflow import DAG
+    from airflow.models.param import Param
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

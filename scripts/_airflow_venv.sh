@@ -1,9 +1,14 @@
-# Sourced by test.sh: Airflow lives in its own environment (.venv-airflow): its pins (SQLAlchemy 1.4,
-# Flask 2) clash with MLflow 3's, and a scheduler never imports xmc_spark anyway. Set up once.
+# Sourced by test.sh: Airflow lives in its own environment (.venv-airflow): its pins clash with
+# MLflow's, and a scheduler never imports xmc_spark anyway. Set up once; remade when it holds
+# another Airflow version than the one pinned here.
 PY=${PYTHON:-python3}
-if [ ! -x .venv-airflow/bin/airflow ]; then
+AIRFLOW_VERSION=3.1.8
+AIRFLOW_SPARK_PROVIDER=6.3.4
+if ! .venv-airflow/bin/python -c "import airflow, sys; sys.exit(airflow.__version__ != '$AIRFLOW_VERSION')" \
+        2>/dev/null; then
+    rm -rf .venv-airflow
     "$PY" -m venv .venv-airflow
     .venv-airflow/bin/python -m pip install -q --upgrade pip
     .venv-airflow/bin/python -m pip install -q -c scripts/airflow-constraints.txt \
-        "apache-airflow==2.10.5" "apache-airflow-providers-apache-spark==5.3.4"
+        "apache-airflow==$AIRFLOW_VERSION" "apache-airflow-providers-apache-spark==$AIRFLOW_SPARK_PROVIDER"
 fi

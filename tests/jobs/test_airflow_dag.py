@@ -45,6 +45,7 @@ def wheel(tmp_path_factory):
 def test_dag_loads_with_one_spark_submit_task_per_stage(tmp_path):
     out = inspect_dag(tmp_path, {"XMC_SPARK_WHEEL": "/opt/xmc/xmc_spark-0.1.0-py3-none-any.whl"},
                       {"max_leaf_size": 16, "environment": "databricks"})
+    assert out["airflow"].startswith("3.")                 # Airflow 3 (Task SDK imports)
     assert out["import_errors"] == {} and out["dag_ids"] == ["xmc_spark_pipeline"]
     assert out["heavy_modules"] == []                    # light top-level code
     from xmc_spark.registry import STAGES
