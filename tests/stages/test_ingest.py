@@ -81,3 +81,14 @@ def test_line_numbers_and_sample_ids_across_input_partitions(spark, tmp_path, sm
     f.write_text("200 7 3\n" + "\n".join(lines) + "\n")
     with pytest.raises(IngestError, match=f"^{f}:152: label id is not an integer in 'x'$"):
         ingest.read_samples(spark, str(f), IngestParams())
+
+
+def test_lines_checks_a_wrong_one_split_hint(spark, tmp_path, small_splits):
+    f = tmp_path / "many.txt"
+    f.write_text("".join(f"line {i}\n" for i in range(100)))
+    df = ingest.text_lines(spark, str(f), "value LIKE 'line 7%' AS seven")
+    assert not ingest.one_split(spark, str(f)) and df.rdd.getNumPartitions() > 1
+    lines = ingest.Lines(df, True, first7=ingest.first_where("seven", "value"))   # told one split, wrongly
+    assert lines.n == 100 and lines.first("first7") == (8, "line 7")
+    got = sorted((r.value, r.line) for r in df.withColumn("line", lines.line()).collect())
+    assert got == sorted((f"line {i}", i + 1) for i in range(100))

@@ -1,6 +1,8 @@
 """Bad inputs: a clear error naming the file and line (or row), and no table written."""
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from xmc_spark.params import IngestParams
@@ -26,6 +28,11 @@ GOOD = "3 5 4\n0,1 0:1 3:0.5\n2 1:1\n 4:2\n"
     ("2 5 4\n0 1:1\n\n1 2:1\n", r":3: empty line"),              # ... or not: still the blank line
     ("2 5 4\n0 1:1\n \t \n1 2:1\n", r":3: empty line"),
     ("2 5 4\n0 1:1\n1 2:1\n\n", r":4: empty line"),
+    ("2 5 4\n0 1:1\n 3\n", r":3: malformed feature token .*'3'"),   # a leading blank: no label list
+    ("2 5 4\n0 1:1\n99999999999 1:1\n", r":3: label id 99999999999 out of range \[0, 4\)"),
+    ("2 9999999999 4\n0 1:1\n1 3000000000:1\n", r":3: feature index 3000000000 out of range \[0, 2147483647\)"),
+    ("2 5 4\n0 1:1\n1 1:1e39\n", r":3: feature value is (not a number: '1:1e39'|NaN or infinite)"),
+    ("2 5 4\n0 1:1\n1 :1\n", r":3: feature index is not an integer: ':1'"),
     ("", r"the file is empty"),
     ("2 5 4\n", r"no samples"),
 ])
@@ -42,6 +49,12 @@ def test_bad_xc_file(spark, tmp_path, text, match):
 def test_missing_path(spark, tmp_path):
     with pytest.raises(IngestError, match="no such file"):
         ingest.run(spark, str(tmp_path / "nope.txt"), str(tmp_path / "tbl"), IngestParams())
+    for fmt in ("xc", "parquet"):               # a format given: still this error, not Spark's
+        with pytest.raises(IngestError, match=f"^{tmp_path / 'nope'}: no such file"):
+            ingest.read_samples(spark, str(tmp_path / "nope"), IngestParams(), fmt=fmt)
+    (tmp_path / "empty.parquet").mkdir()
+    with pytest.raises(IngestError, match=f"^{tmp_path / 'empty.parquet'}: cannot read the input"):
+        ingest.read_samples(spark, str(tmp_path / "empty.parquet"), IngestParams())
 
 
 def test_good_file_with_unlabelled_line(spark, tmp_path):
@@ -74,6 +87,41 @@ def test_svmlight_one_based(spark, tmp_path):
     assert (info.fmt, info.n_samples, info.n_features, info.n_labels) == ("svmlight", 2, 4, 3)
     rows = sorted(spark.read.format("delta").load(str(tmp_path / "tbl")).collect(), key=lambda r: r.sample_id)
     assert list(rows[0].feature_idx) == [0, 3] and list(rows[1].feature_idx) == [1]
+
+
+def test_svmlight_ids_beyond_int(spark, tmp_path):
+    f = tmp_path / "a.svm"
+    f.write_text("0 2147483648:1\n")              # one-based: index 2^31 - 1, one more than an int count allows
+    with pytest.raises(IngestError, match=f"^{f}:1: feature index 2147483647 out of range \\[0, 2147483647\\)$"):
+        ingest.read_samples(spark, str(f), IngestParams())
+
+
+@pytest.mark.parametrize("rows,types,match", [
+    ([(1, [0, None], [1.0, 2.0], [0])], {}, r"row with sample_id 1: feature_idx holds a null"),
+    ([(1, [0], [1.0], [0]), (2, [2 ** 31], [1.0], [0])], {},
+     r"row with sample_id 2: feature index 2147483648 out of range"),
+    ([(1, [0], [1e39], [0])], {}, r"row with sample_id 1: feature value 1.0E39 does not fit a float"),
+    ([(1, [0], [1.0], [0]), (None, [1], [1.0], [0])], {}, r": 1 row\(s\) with a null sample_id"),
+    ([(1, [0], [1.0], [0], float("nan"))], {"weight": pa.float64()}, r"row with sample_id 1: weight is NaN"),
+])
+def test_bad_table_values(spark, tmp_path, rows, types, match):
+    cols = ["sample_id", "feature_idx", "feature_val", "label_idx", "weight"][:len(rows[0])]
+    schema = {"sample_id": pa.int64(), "feature_idx": pa.list_(pa.int64()), "feature_val": pa.list_(pa.float64()),
+              "label_idx": pa.list_(pa.int64()), **types}
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.table({c: pa.array([r[i] for r in rows], schema[c]) for i, c in enumerate(cols)}), p)
+    with pytest.raises(IngestError, match=f"^{p}{match}" if match.startswith(":") else f"^{p}: {match}"):
+        ingest.read_samples(spark, str(p), IngestParams())
+
+
+def test_corrupt_parquet(spark, tmp_path):
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"sample_id": [1, 2], "feature_idx": [[0], [1]], "feature_val": [[1.0], [2.0]],
+                             "label_idx": [[0], [1]]}), p, write_page_checksum=True)
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])           # truncated: no footer
+    with pytest.raises(IngestError, match=f"^{p}: cannot read the input"):
+        ingest.read_samples(spark, str(p), IngestParams())
 
 
 def test_svmlight_blank_line(spark, tmp_path):

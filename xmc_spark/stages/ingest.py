@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
+from py4j.protocol import Py4JJavaError
+from pyspark.errors import PySparkException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -44,51 +48,113 @@ def _detect(spark: SparkSession, path: str):
         return "parquet", None
     if not _exists(spark, path):
         raise IngestError(f"{path}: no such file or directory")
-    first = spark.read.text(path).first()
+    first = _first_line(spark, path)
     if first is None:
         raise IngestError(f"{path}: the file is empty")
     if path.rstrip("/").endswith((".svm", ".svmlight", ".libsvm")):
-        return "svmlight", first[0]
+        return "svmlight", first
     # an XC header holds only integers; an svmlight line always has index:value tokens
-    toks = first[0].split()
-    if ":" not in first[0] and all(t.lstrip("-").isdigit() for t in toks):
-        return "xc", first[0]
-    return "svmlight", first[0]
+    toks = first.split()
+    if ":" not in first and all(t.lstrip("-").isdigit() for t in toks):
+        return "xc", first
+    return "svmlight", first
 
 
 def _has_parquet_parts(path: str) -> bool:
     return os.path.isdir(path) and any(f.endswith(".parquet") for f in os.listdir(path))
 
 
+def _hadoop_path(spark: SparkSession, path: str):
+    hpath = spark.sparkContext._jvm.org.apache.hadoop.fs.Path(path)
+    return hpath, hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+
+
 def _exists(spark: SparkSession, path: str) -> bool:
-    jvm = spark.sparkContext._jvm
-    hpath = jvm.org.apache.hadoop.fs.Path(path)
-    fs = hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    hpath, fs = _hadoop_path(spark, path)
     return fs.exists(hpath)
 
 
+def _first_line(spark: SparkSession, path: str) -> Optional[str]:
+    """The first line of a text input, None when it is empty. A single file is read through
+    Hadoop's FileSystem (decompressed by its codec) with no Spark job; a folder by Spark."""
+    hpath, fs = _hadoop_path(spark, path)
+    if fs.getFileStatus(hpath).isDirectory():
+        row = spark.read.text(path).first()
+        return None if row is None else row[0]
+    jvm = spark.sparkContext._jvm
+    stream = fs.open(hpath)
+    try:
+        codec = jvm.org.apache.hadoop.io.compress.CompressionCodecFactory(
+            spark.sparkContext._jsc.hadoopConfiguration()).getCodec(hpath)
+        if codec is not None:
+            stream = codec.createInputStream(stream)
+        return jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8")).readLine()
+    finally:
+        stream.close()
+
+
+# JVM errors that mean the input itself cannot be read (corrupt, truncated, gone, or no Parquet in it)
+_READ_FAILURES = ("FAILED_READ_FILE", "org.apache.parquet.", "java.io.EOFException", "java.util.zip.ZipException",
+                  "UNABLE_TO_INFER_SCHEMA", "PATH_NOT_FOUND")
+
+
+@contextmanager
+def _read_errors(path: str):
+    """Turn a Spark failure to read ``path`` (a corrupt or truncated Parquet file, a broken
+    compressed text file) into an :class:`IngestError` naming the file and the deepest cause."""
+    try:
+        yield
+    except (Py4JJavaError, PySparkException) as e:
+        text = str(e)
+        if not any(m in text for m in _READ_FAILURES):
+            raise
+        causes = re.findall(r"(?:Caused by: |^: )([\w.$]+(?:Exception|Error)): ([^\n]*)", text, re.M)
+        cls, msg = causes[-1] if causes else ("", text.strip().splitlines()[0])
+        raise IngestError(f"{path}: cannot read the input ({cls.rsplit('.', 1)[-1]}: {msg.strip()[:200]})") from None
+
+
 # ---- line numbers of text input ----------------------------------------------------------------
-def text_lines(spark: SparkSession, path: str) -> DataFrame:
+def text_lines(spark: SparkSession, path: str, *columns: str) -> DataFrame:
     """The lines (``value``) of a text input with ``_pid`` (input partition) and ``_mid``
-    (``monotonically_increasing_id``), which :class:`Lines` turns into line numbers."""
-    return (spark.read.text(path)
-            .withColumn("_pid", F.spark_partition_id())
-            .withColumn("_mid", F.monotonically_increasing_id()))
+    (``monotonically_increasing_id``), which :class:`Lines` turns into line numbers, and
+    ``columns`` (SQL over these and each other), all in one projection."""
+    return spark.read.text(path).selectExpr("value", "spark_partition_id() AS _pid",
+                                            "monotonically_increasing_id() AS _mid", *columns)
 
 
-def first_where(cond: Column, value: Column) -> Column:
-    """An aggregate for :class:`Lines`: the first row (in file order) where ``cond`` holds,
-    with its ``value``; read it with :meth:`Lines.first`."""
-    return F.min(F.when(cond, F.struct(F.col("_mid").alias("mid"), value.alias("value"))))
+def one_split(spark: SparkSession, path: str) -> bool:
+    """True when Spark reads the input ``path`` as one partition for sure: a single file no
+    larger than both spark.sql.files.maxPartitionBytes and openCostInBytes (a size hint: small
+    inputs are validated by one task, without a shuffle)."""
+    hpath, fs = _hadoop_path(spark, path)
+    status = fs.getFileStatus(hpath)
+    conf = spark._jsparkSession.sessionState().conf()
+    return not status.isDirectory() and status.getLen() <= min(conf.filesMaxPartitionBytes(),
+                                                               conf.filesOpenCostInBytes())
+
+
+def first_where(cond: str, value: str) -> str:
+    """An aggregate (SQL) for :class:`Lines`: the first row (in file order) where ``cond``
+    holds, with its ``value``; read it with :meth:`Lines.first`."""
+    return f"min(CASE WHEN {cond} THEN struct(_mid AS mid, {value} AS value) END)"
 
 
 class Lines:
     """Line numbers of a :func:`text_lines` frame, from one Spark job that counts the rows of
-    each input partition and computes the aggregates ``aggs`` (Columns) per partition."""
+    each input partition and computes the SQL aggregates ``aggs`` per partition. With
+    ``one_split`` (see :func:`one_split`) that job is one task with no shuffle (a global
+    aggregate over ``coalesce(1)``), checked to have seen one partition, else redone by partition."""
 
-    def __init__(self, df: DataFrame, **aggs: Column):
-        parts = df.groupBy("_pid").agg(F.count(F.lit(1)).alias("_n"), F.min("_mid").alias("_m0"),
-                                       *[c.alias(k) for k, c in aggs.items()]).collect()
+    def __init__(self, df: DataFrame, one_split: bool = False, **aggs: str):
+        exprs = ["count(1) AS _n", "min(_mid) AS _m0", *[f"{c} AS {k}" for k, c in aggs.items()]]
+        parts = None
+        if one_split:
+            r = df.coalesce(1).agg(*[F.expr(e) for e in ("min(_pid) AS _pid", "max(_pid) AS _last_pid",
+                                                         *exprs)]).collect()[0]
+            if r["_pid"] == r["_last_pid"]:
+                parts = [r] if r["_n"] else []
+        if parts is None:
+            parts = df.groupBy("_pid").agg(*[F.expr(e) for e in exprs]).collect()
         self.parts = sorted(parts, key=lambda r: r["_pid"])
         self._base, acc = {}, 0
         for r in self.parts:
@@ -116,59 +182,60 @@ class Lines:
         return F.expr(f"element_at(array({', '.join(f'CAST({b} AS BIGINT)' for b in base)}), _pid + 1) + _mid + 1")
 
 
-# ---- parsing and validation -------------------------------------------------------------------
-def _parse_tokens(df: DataFrame, one_based: bool) -> DataFrame:
-    """Split 'l1,l2 f:v f:v' lines into typed arrays plus checks, with SQL expressions."""
-    toks = F.filter(F.split(F.trim(F.col("value")), r"\s+"), lambda t: t != "")
-    df = df.withColumn("_toks", toks)
-    has_labels = (F.size("_toks") > 0) & ~F.col("_toks")[0].contains(":")
-    df = df.withColumn("_lab", F.when(has_labels, F.col("_toks")[0]))
-    df = df.withColumn("_ft", F.filter(F.col("_toks"), lambda t, i: (i > 0) | ~has_labels))
-    # svmlight files may carry qid:N tokens; they are not features
-    df = df.withColumn("_ft", F.filter(F.col("_ft"), lambda t: ~t.startswith("qid:")))
-    lab = F.when(F.col("_lab").isNull(), F.array().cast("array<string>")).otherwise(F.split("_lab", ","))
-    shift = 1 if one_based else 0
-    return (df
-            .withColumn("_labs", lab)
-            # SQL try_cast (Spark >= 3.2; Column.try_cast is 4.x-only): NULL for a non-number
-            .withColumn("label_idx", F.expr("transform(_labs, x -> try_cast(x AS INT))"))
-            .withColumn("_badtok", F.exists("_ft", lambda t: F.size(F.split(t, ":")) != 2))
-            .withColumn("feature_idx",
-                        F.expr(f"transform(_ft, t -> try_cast(substring_index(t, ':', 1) AS INT) - {shift})"))
-            .withColumn("feature_val", F.expr("transform(_ft, t -> try_cast(substring_index(t, ':', -1) AS FLOAT))")))
+# ---- parsing and validation: Spark SQL, one projection and one aggregation job ----------------
+ID_END = 2 ** 31 - 1            # ids and their count (max id + 1) must fit an int
+_FLOAT_MAX = 3.4028234663852886e38
+_BAD_TOKEN = "t -> size(split(t, ':')) != 2"
 
 
-def _error_column(n_features: Optional[int], n_labels: Optional[int]):
-    """First problem of a row as a message, or NULL when the row is fine."""
-    def first_bad(col, cond):
-        return F.filter(col, cond)[0].cast("string")
-
-    checks = [
-        (F.col("_badtok"), F.concat(F.lit("malformed feature token (expected index:value): '"),
-                                    F.filter("_ft", lambda t: F.size(F.split(t, ":")) != 2)[0], F.lit("'"))),
-        (F.exists("label_idx", lambda x: x.isNull()),
-         F.concat(F.lit("label id is not an integer in '"), F.col("_lab"), F.lit("'"))),
-        (F.exists("feature_idx", lambda x: x.isNull()), F.lit("feature index is not an integer")),
-        (F.exists("feature_val", lambda x: x.isNull()), F.lit("feature value is not a number")),
-        (F.exists("label_idx", lambda x: x < 0),
-         F.concat(F.lit("negative label id "), first_bad("label_idx", lambda x: x < 0))),
-        (F.exists("feature_idx", lambda x: x < 0),
-         F.concat(F.lit("negative feature index "), first_bad("feature_idx", lambda x: x < 0))),
-        (F.exists("feature_val", lambda x: F.isnan(x) | (F.abs(x) == F.lit(float("inf")))),
-         F.lit("feature value is NaN or infinite")),
+def _text_columns(one_based: bool) -> list:
+    """SQL for ``value`` lines -> tokens, labels and features (bigint ids: an id beyond int is
+    caught by the range checks) and ``_tokerr``, the first token-level problem (NULL if none).
+    One projection over lateral aliases; no Python per line."""
+    idx = f"try_subtract(try_cast(substring_index(t, ':', 1) AS BIGINT), {int(one_based)})"
+    val = "try_cast(substring_index(t, ':', -1) AS FLOAT)"
+    return [
+        r"filter(split(value, '\\s+'), t -> t != '') AS _toks",
+        # the label list is the first field: a line that starts with whitespace has none
+        r"CASE WHEN NOT value RLIKE '^\\s' AND NOT contains(get(_toks, 0), ':') THEN get(_toks, 0) END AS _lab",
+        # svmlight files may carry qid:N tokens; they are not features
+        "filter(_toks, (t, i) -> (i > 0 OR _lab IS NULL) AND NOT startswith(t, 'qid:')) AS _ft",
+        "transform(coalesce(split(_lab, ','), CAST(array() AS array<string>)), x -> try_cast(x AS BIGINT))"
+        " AS label_idx",
+        f"transform(_ft, t -> {idx}) AS feature_idx",
+        f"transform(_ft, t -> {val}) AS feature_val",
+        f"""CASE WHEN size(_toks) = 0 THEN 'empty line'
+            WHEN exists(_ft, {_BAD_TOKEN}) THEN concat('malformed feature token (expected index:value): ''',
+                get(filter(_ft, {_BAD_TOKEN}), 0), '''')
+            WHEN exists(label_idx, x -> x IS NULL) THEN concat('label id is not an integer in ''', _lab, '''')
+            WHEN exists(feature_idx, x -> x IS NULL) THEN concat('feature index is not an integer: ''',
+                get(filter(_ft, t -> {idx} IS NULL), 0), '''')
+            WHEN exists(feature_val, x -> x IS NULL) THEN concat('feature value is not a number: ''',
+                get(filter(_ft, t -> {val} IS NULL), 0), '''')
+            END AS _tokerr""",
     ]
-    if n_labels:
-        checks.append((F.exists("label_idx", lambda x: x >= n_labels),
-                       F.concat(F.lit("label id "), first_bad("label_idx", lambda x: x >= n_labels),
-                                F.lit(f" out of range [0, {n_labels})"))))
-    if n_features:
-        checks.append((F.exists("feature_idx", lambda x: x >= n_features),
-                       F.concat(F.lit("feature index "), first_bad("feature_idx", lambda x: x >= n_features),
-                                F.lit(f" out of range [0, {n_features})"))))
-    expr = None
-    for cond, msg in reversed(checks):
-        expr = F.when(cond, msg) if expr is None else F.when(cond, msg).otherwise(expr)
-    return expr
+
+
+def _error_sql(d: Optional[int], L: Optional[int], first: Optional[str] = None) -> str:
+    """SQL: the first problem of a row as a message, NULL when the row is fine; ``first`` (a
+    message or NULL) goes before the range and value checks."""
+    def first_of(col, pred):
+        return f"CAST(get(filter({col}, x -> {pred}), 0) AS STRING)"
+
+    checks = [] if first is None else [(f"{first} IS NOT NULL", first)]
+    for col, what, end in (("label_idx", "label id", L), ("feature_idx", "feature index", d)):
+        end = min(end or ID_END, ID_END)
+        checks += [(f"exists({col}, x -> x < 0)", f"concat('negative {what} ', {first_of(col, 'x < 0')})"),
+                   (f"exists({col}, x -> x >= {end})",
+                    f"concat('{what} ', {first_of(col, f'x >= {end}')}, ' out of range [0, {end})')")]
+    checks += [("exists(feature_val, x -> isnan(x) OR abs(x) = double('inf'))", "'feature value is NaN or infinite'"),
+               (f"exists(feature_val, x -> abs(x) > {_FLOAT_MAX!r})",
+                f"concat('feature value ', {first_of('feature_val', f'abs(x) > {_FLOAT_MAX!r}')}, "
+                "' does not fit a float')")]
+    return "CASE " + " ".join(f"WHEN {c} THEN {m}" for c, m in checks) + " END"
+
+
+_REPEATED = "size(array_distinct(feature_idx)) != size(feature_idx)"    # a feature index listed twice
 
 
 def _finish(df: DataFrame, normalize: bool) -> DataFrame:
@@ -179,10 +246,9 @@ def _finish(df: DataFrame, normalize: bool) -> DataFrame:
             yield from finish_batch(t, normalize).to_batches()
             worker_progress("ingest", rows=t.num_rows)
 
-    if "weight" not in df.columns:
-        df = df.withColumn("weight", F.lit(1.0).cast("float"))
-    cols = [F.col(f.name).cast(f.dataType) for f in SAMPLES_SCHEMA.fields]
-    return df.select(*cols).mapInArrow(fix, SAMPLES_SCHEMA)
+    weight = {"weight": "weight" if "weight" in df.columns else "1.0"}
+    return df.selectExpr(*[f"CAST({weight.get(f.name, f.name)} AS {f.dataType.simpleString()}) AS {f.name}"
+                           for f in SAMPLES_SCHEMA.fields]).mapInArrow(fix, SAMPLES_SCHEMA)
 
 
 def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
@@ -204,11 +270,6 @@ def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
     })
 
 
-def _repeated_features():
-    """True for a row that lists some feature index more than once."""
-    return F.size(F.array_distinct("feature_idx")) != F.size("feature_idx")
-
-
 def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
               expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
               header: Optional[str] = None):
@@ -217,14 +278,12 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     One Spark job validates every line and counts the lines of each input partition; line
     numbers (for errors) and sample ids (line order) follow from those counts.
     """
-    raw = text_lines(spark, path)
     header_n = None
     d = params.num_features or expect_features
     L = params.num_labels or expect_labels
     if fmt == "xc":
-        if header is None:                         # the first line of the first split
-            row = raw.select("value").first()
-            header = row[0] if row else ""
+        if header is None:
+            header = _first_line(spark, path) or ""
         toks = header.split()
         if len(toks) != 3 or not all(t.isdigit() for t in toks):
             raise IngestError(f"{path}:1: malformed header {header!r} "
@@ -237,16 +296,16 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         one_based = False
     else:
         one_based = params.svmlight_one_based
-    parsed = _parse_tokens(raw, one_based)
+    is_data = "_mid != 0" if fmt == "xc" else "true"     # the XC header is the first line of the first split
     # a blank line is an error, not an empty sample (a final newline makes no line at all)
-    parsed = parsed.withColumn("_err", F.when(F.size("_toks") == 0, F.lit("empty line"))
-                               .otherwise(_error_column(d, L)))
-    is_data = F.col("_mid") != 0 if fmt == "xc" else F.lit(True)
-    rep = is_data & _repeated_features()
-    lines = Lines(parsed, err=first_where(F.col("_err").isNotNull() & is_data, F.col("_err")),
-                  max_label=F.max(F.when(is_data, F.array_max("label_idx"))),
-                  max_feature=F.max(F.when(is_data, F.array_max("feature_idx"))),
-                  n_rep=F.count(F.when(rep, 1)), rep=first_where(rep, F.lit(True)))
+    parsed = text_lines(spark, path, *_text_columns(one_based),
+                        f"CASE WHEN {is_data} THEN {_error_sql(d, L, first='_tokerr')} END AS _err")
+    rep = f"{is_data} AND {_REPEATED}"
+    with _read_errors(path):
+        lines = Lines(parsed, one_split(spark, path), err=first_where("_err IS NOT NULL", "_err"),
+                      max_label=f"max(CASE WHEN {is_data} THEN array_max(label_idx) END)",
+                      max_feature=f"max(CASE WHEN {is_data} THEN array_max(feature_idx) END)",
+                      n_rep=f"count(CASE WHEN {rep} THEN 1 END)", rep=first_where(rep, "true"))
     bad = lines.first("err")
     if bad is not None:
         raise IngestError(f"{path}:{bad[0]}: {bad[1]}")
@@ -262,36 +321,51 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     if n_rep:
         log.warning("%s:%d: %d line(s) list a feature index more than once (the first here); "
                     "their values are summed", path, lines.first("rep")[0], n_rep)
-    data = parsed.filter(is_data).withColumn("sample_id", (lines.line() - 1 - skip).cast("long"))
+    data = parsed.where(is_data).withColumn("sample_id", lines.line() - 1 - skip)
     return _finish(data, params.normalize), DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep))
+
+
+def _table_errors(columns) -> str:
+    """SQL: the first row-level problem of an input table (before the range and value checks),
+    on its own column types (the casts to the samples schema come after validation)."""
+    checks = [("coalesce(size(feature_idx), 0) != coalesce(size(feature_val), 0)",
+               "'feature_idx and feature_val have different lengths'")]
+    checks += [(f"exists({c}, x -> x IS NULL)", f"'{c} holds a null'") for c in ("feature_idx", "feature_val",
+                                                                                  "label_idx")]
+    if "weight" in columns:
+        checks.append(("weight IS NULL OR isnan(weight) OR weight < 0 OR abs(weight) = double('inf')",
+                       "concat('weight is ', coalesce(CAST(weight AS STRING), 'null'), ' (must be >= 0 and finite)')"))
+    return "CASE " + " ".join(f"WHEN {c} THEN {m}" for c, m in checks) + " END"
 
 
 def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
                expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
-    """Validate a Parquet/Delta samples table (schema, ranges, unique ids)."""
-    df = spark.read.format(fmt).load(path)
-    df = check_samples_columns(df, path)
+    """Validate a Parquet/Delta samples table (schema, ranges, unique ids) in one Spark job;
+    a corrupt file (Parquet page checksums are verified) is an :class:`IngestError`."""
+    with _read_errors(path):
+        raw = spark.read.format(fmt).option("parquet.page.verify-checksum.enabled", "true").load(path)
+    df = check_samples_columns(raw, path)       # the schema (no job); its casts run after validation
     d = params.num_features or expect_features
     L = params.num_labels or expect_labels
-    checked = df.withColumn("_ft", F.lit(None).cast("array<string>")).withColumn("_badtok", F.lit(False)) \
-        .withColumn("_lab", F.array_join(F.transform("label_idx", lambda x: x.cast("string")), ",")) \
-        .withColumn("_err", _error_column(d, L))
-    checked = checked.withColumn("_err", F.when(
-        F.size("feature_idx") != F.size("feature_val"),
-        F.lit("feature_idx and feature_val have different lengths")).otherwise(F.col("_err")))
-    stats = checked.agg(
-        F.count(F.lit(1)).alias("n"), F.countDistinct("sample_id").alias("n_ids"),
-        F.min(F.when(F.col("_err").isNotNull(), F.struct("sample_id", "_err"))).alias("err"),
-        F.max(F.array_max("label_idx")).alias("max_label"),
-        F.max(F.array_max("feature_idx")).alias("max_feature"),
-        F.count(F.when(_repeated_features(), 1)).alias("n_rep"),
-        F.min(F.when(_repeated_features(), F.col("sample_id"))).alias("rep"),
-    ).first()
-    if stats["err"] is not None:
-        raise IngestError(f"{path}: row with sample_id {stats['err']['sample_id']}: {stats['err']['_err']}")
+    checked = raw.selectExpr("*", f"{_table_errors(raw.columns)} AS _rowerr",
+                             f"{_error_sql(d, L, first='_rowerr')} AS _err")
+    if one_split(spark, path):
+        checked = checked.coalesce(1)          # a small file: one task, no shuffle
+    with _read_errors(path):
+        stats = checked.agg(*[F.expr(e) for e in (
+            "count(1) AS n", "count(sample_id) AS n_ids", "count(DISTINCT sample_id) AS n_distinct",
+            "min(CASE WHEN _err IS NOT NULL THEN struct(sample_id, _err) END) AS err",
+            "max(array_max(label_idx)) AS max_label", "max(array_max(feature_idx)) AS max_feature",
+            f"count(CASE WHEN {_REPEATED} THEN 1 END) AS n_rep",
+            f"min(CASE WHEN {_REPEATED} THEN sample_id END) AS rep",
+        )]).first()
     if stats["n"] == 0:
         raise IngestError(f"{path}: the table has no rows")
     if stats["n_ids"] != stats["n"]:
+        raise IngestError(f"{path}: {stats['n'] - stats['n_ids']} row(s) with a null sample_id")
+    if stats["err"] is not None:
+        raise IngestError(f"{path}: row with sample_id {stats['err']['sample_id']}: {stats['err']['_err']}")
+    if stats["n_distinct"] != stats["n"]:
         dup = df.groupBy("sample_id").count().filter("count > 1").orderBy("sample_id").first()
         raise IngestError(f"{path}: duplicate sample_id {dup['sample_id']} ({dup['count']} rows)")
     d = d or (stats["max_feature"] or 0) + 1
@@ -309,6 +383,8 @@ def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Opti
     first = None
     if fmt is None:
         fmt, first = _detect(spark, path)
+    elif not _exists(spark, path):
+        raise IngestError(f"{path}: no such file or directory")
     if fmt in ("xc", "svmlight"):
         return read_text(spark, path, fmt, params, expect_features, expect_labels, header=first)
     if fmt in ("parquet", "delta"):
