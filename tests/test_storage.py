@@ -8,6 +8,8 @@ from xmc_spark.storage import (
     check_run_key,
     is_conflict,
     is_local_path,
+    list_names,
+    path_kind,
     read_delta,
     table_version,
     write_delta,

@@ -8,7 +8,7 @@ import time
 from airflow.exceptions import ParamValidationError
 
 try:
-    from airflow.dag_processing.dagbag import DagBag        # Airflow >= 3.1
+    from airflow.dag_processing.dagbag import DagBag  # Airflow >= 3.1
 except ImportError:
     from airflow.models import DagBag
 
@@ -19,7 +19,8 @@ bag = DagBag(dag_folder=folder, include_examples=False)
 seconds = time.perf_counter() - t0
 import airflow  # noqa: E402
 
-out = {"airflow": airflow.__version__, "import_errors": {k: str(v) for k, v in bag.import_errors.items()}, "dag_ids": sorted(bag.dags),
+out = {"airflow": airflow.__version__, "import_errors": {k: str(v) for k, v in bag.import_errors.items()},
+       "dag_ids": sorted(bag.dags),
        "parse_seconds": seconds, "heavy_modules": sorted(m for m in ("pyspark", "xmc_spark", "mlflow", "numba")
                                                          if m in sys.modules)}
 dag = bag.dags.get("xmc_spark_pipeline")

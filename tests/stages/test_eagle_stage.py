@@ -126,7 +126,8 @@ def test_group_tables_errors_and_counts(spark, tmp_path):
     write_delta(spark.createDataFrame([(0, 1), (9, 2)], "group_id long, label_idx int"), str(tmp_path / "group_labels"))
     with pytest.raises(IngestError, match="group_id 9 has labels but no members"):
         aggregated.read(spark, str(tmp_path), IngestParams())
-    write_delta(spark.createDataFrame([(0, 1), (1, -2)], "group_id long, label_idx int"), str(tmp_path / "group_labels"))
+    write_delta(spark.createDataFrame([(0, 1), (1, -2)], "group_id long, label_idx int"),
+                str(tmp_path / "group_labels"))
     with pytest.raises(IngestError, match="group_id 1: negative label -2"):
         aggregated.read(spark, str(tmp_path), IngestParams())
     write_delta(spark.createDataFrame([(0, "a")], "group_id long, label string"), str(tmp_path / "group_labels"))

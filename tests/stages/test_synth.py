@@ -15,7 +15,7 @@ def test_synth_sizes_ranges_power_law_and_groups(spark, tmp_path):
     counts = np.sort(np.bincount(labels, minlength=200))[::-1]
     share = counts[:10].sum() / counts.sum()                    # Zipf(1) over 200 labels: H(10)/H(200) = 0.50
     assert 0.4 < share < 0.6 and counts[0] > 20 * np.median(counts)
-    assert all(len(set(l)) == len(l) for l in train.label_idx)   # no duplicate labels in a row
+    assert all(len(set(labs)) == len(labs) for labs in train.label_idx)   # no duplicate labels in a row
     groups = spark.read.format("delta").load(info["aggregated"] + "/groups").toPandas()
     assert sorted(groups.sample_id) == list(range(3000))         # every sample in exactly one group
     assert set(groups.groupby("group_id").size()) == {4}
