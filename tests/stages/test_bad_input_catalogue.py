@@ -34,6 +34,8 @@ def _table(rows, schema, fmt):
 def _aggregated(groups_txt):
     def make(spark, d):
         X, Y = random_problem(n=6, d=5, L=4, seed=1)
+        keep = (X.getnnz(axis=1) + Y.getnnz(axis=1)) > 0    # a row with neither would be a blank line
+        X, Y = X[keep], Y[keep]
         agg = d / "agg"
         agg.mkdir()
         write_xc(agg / "samples.txt", X, Y)
