@@ -22,9 +22,11 @@ from xmc_spark.params import IngestParams
 from xmc_spark.schemas import IngestError
 from xmc_spark.stages import ingest
 
+pytestmark = pytest.mark.slow          # 200 Spark validations: about a minute on 2 cores
+
 SEED = 20261126
-N_TEXT = {"xc": 80, "svmlight": 60}
-N_PARQUET = 64
+N_TEXT = {"xc": 80, "svmlight": 64}
+N_PARQUET = 56
 
 # sample i: (labels, [(feature, value)]); XC ids are 0-based, svmlight ones 1-based
 ROWS = [([0, 2], [(0, "1"), (3, "0.5")]), ([1], [(2, "2"), (7, "1")]), ([], [(5, "1.5")]),
