@@ -80,7 +80,7 @@ def read_groups_text(spark: SparkSession, path: str):
                           F.element_at(F.filter(lab_items, lambda x: ~x.rlike(r"^[0-9]+(:[0-9]+)?$")), 1)))
            .when(F.exists(lab_items, lambda x: x.rlike(r":0+$")), F.lit("label count must be >= 1")))
     checked = toks.withColumn("_err", err).withColumn("_items", lab_items)
-    lines = ingest.Lines(checked, err=ingest.first_where("_err IS NOT NULL", "_err"))
+    lines = ingest.Lines(checked, ingest.one_split(spark, path), err=ingest.first_where("_err IS NOT NULL", "_err"))
     bad = lines.first("err")
     if bad is not None:
         raise IngestError(f"{path}:{bad[0]}: {bad[1]}")
