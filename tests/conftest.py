@@ -22,7 +22,9 @@ def write_xc(path, X, Y):
             labs = ",".join(str(j) for j in Y.indices[Y.indptr[i]:Y.indptr[i + 1]])
             feats = " ".join(f"{j}:{v:.6g}" for j, v in zip(X.indices[X.indptr[i]:X.indptr[i + 1]],
                                                               X.data[X.indptr[i]:X.indptr[i + 1]]))
-            f.write(f"{labs} {feats}\n")
+            # a row with neither labels nor features would be a blank line, which ingest rejects:
+            # it is written with one explicit zero feature (the same sample once parsed)
+            f.write(f"{labs} {feats or ('0:0' if not labs else '')}\n")
 
 
 def write_split(folder, n_train, **problem):

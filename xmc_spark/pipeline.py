@@ -259,7 +259,12 @@ def write_predictions(tables: Tables, model: XMCModel, params: PipelineParams, s
 
 def predict_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
-    model = ctx.memo.get("model") or model_from_tables(ctx.tables, ing.n_features, ing.n_labels, ctx.params)
+    model = ctx.memo.get("model")
+    if model is None:
+        model = model_from_tables(ctx.tables, ing.n_features, ing.n_labels, ctx.params)
+    else:                                   # the train stage's model, as its tables hold it
+        for t in ("slots", "weights"):
+            ctx.tables.note_read(t)
     with ctx.timer.stage("predict"):
         write_predictions(ctx.tables, model, ctx.params, "test")
     return StageResult({"n_test": ing.n_test})
@@ -273,6 +278,7 @@ def evaluate_stage(ctx: StageContext) -> StageResult:
         counts = evaluation.label_counts(tables.read("train"), ing.n_labels)
     else:
         depth, counts = model.label_depth(), model.label_counts
+        tables.note_read("slots")
     with ctx.timer.stage("evaluate"):
         m = evaluation.run(tables.read("predictions"), tables.read("test"), counts, ing.n_train,
                            ctx.params.eval, label_depth=depth)

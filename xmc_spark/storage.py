@@ -209,6 +209,11 @@ class Tables:
         except SchemaError as e:
             raise SchemaError(f"{self.path(name)}: {e}") from None
 
+    def note_read(self, name: str) -> None:
+        """Record table ``name`` as read at its pinned (else latest) version without reading it:
+        for a stage that uses the same data already in memory (e.g. the trained model)."""
+        self.reads[name] = self.pins[name] if name in self.pins else self.version(name)
+
     def version(self, name: str) -> int:
         return table_version(self.spark, self.path(name))
 

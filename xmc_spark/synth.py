@@ -100,7 +100,7 @@ def _write_xc(df, path: Path, n: int, n_features: int, n_labels: int) -> None:
         for r in df.orderBy("sample_id").toLocalIterator():
             labs = ",".join(str(x) for x in r["label_idx"])
             feats = " ".join(f"{i}:{v:.6g}" for i, v in zip(r["feature_idx"], r["feature_val"]))
-            f.write(f"{labs} {feats}\n")
+            f.write(f"{labs} {feats or ('0:0' if not labs else '')}\n")   # never a blank line
 
 
 def run(spark: SparkSession, out: str, n_train: int, n_test: int, n_labels: int, n_features: int,
