@@ -76,7 +76,7 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
     ``label_counts`` (training label frequencies), when given, spare the frequency stage a pass."""
     spark = samples.sparkSession
     with timer.stage("embedding"):
-        emb = label_embedding.run(samples, n_features, n_labels, params.embedding,
+        emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
                                   n_buckets=shuffle_partitions(spark))
         tables.write("label_embeddings", emb)
     f = ft = None
@@ -86,7 +86,8 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
             f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree, label_counts)
             facts = {f"frequencies.{k}": v for k, v in finfo.items()}
     with timer.stage("tree"):
-        tree = label_tree.run(tables.read("label_embeddings"), n_labels, n_features, params.tree, f, ft)
+        tree = label_tree.run(tables.read("label_embeddings"), params.tree, n_features=n_features,
+                              n_labels=n_labels, f=f, f_tilde=ft)
         tables.write("tree", tree)
         index = tree_index(tables.read("tree").toPandas(), n_labels, params)   # O(labels)
         log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)

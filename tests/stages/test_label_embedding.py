@@ -11,7 +11,8 @@ from xmc_spark.stages import label_embedding
 
 def test_pifa_stage_equals_kernel(problem):
     samples, Xl, Yl = problem
-    emb = check_table(label_embedding.run(samples, D, L, EmbeddingParams(), n_buckets=3), "label_embeddings")
+    emb = check_table(label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=3),
+                      "label_embeddings")
     Z = to_csr(emb.collect(), "emb_idx", "emb_val", D, id_col="label_idx")
     np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
 
@@ -20,7 +21,8 @@ def test_labels_without_samples_are_omitted_and_y_unnormalized(problem, spark):
     _, Xl, Yl = problem
     Y = sp.csr_matrix(Yl.multiply(np.arange(L) != 5))           # label 5 never occurs
     Y.eliminate_zeros()
-    emb = label_embedding.run(samples_frame(spark, Xl, Y), D, L, EmbeddingParams(normalize_y=False), n_buckets=2)
+    emb = label_embedding.run(samples_frame(spark, Xl, Y), EmbeddingParams(normalize_y=False), n_features=D,
+                              n_labels=L, n_buckets=2)
     rows = emb.collect()
     assert sorted(r["label_idx"] for r in rows) == [k for k in range(L) if k != 5]
     ref = pifa(Xl, Y, normalize_y=False).toarray()

@@ -16,7 +16,7 @@ from xmc_spark.stages import label_embedding, label_tree
 @pytest.fixture(scope="module")
 def emb(problem):
     samples, _, _ = problem
-    return label_embedding.run(samples, D, L, EmbeddingParams(), n_buckets=2).cache()
+    return label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=2).cache()
 
 
 def _assert_tree(spark, tree, leaf):
@@ -29,17 +29,19 @@ def _assert_tree(spark, tree, leaf):
 def test_tree_stage_equals_kernel(problem, emb, spark, local):
     _, Xl, Yl = problem
     params = TreeParams(max_leaf_size=3, nr_splits=2, seed=4, local_subtree_size=local)
-    _assert_tree(spark, label_tree.run(emb, L, D, params),
+    _assert_tree(spark, label_tree.run(emb, params, n_features=D, n_labels=L),
                  build_tree(pifa(Xl, Yl), params.max_leaf_size, params.nr_splits, params.max_iter, params.seed))
     params3 = TreeParams(max_leaf_size=2, nr_splits=3, seed=1, local_subtree_size=local)
-    _assert_tree(spark, label_tree.run(emb, L, D, params3), build_tree(pifa(Xl, Yl), 2, 3, params3.max_iter, 1))
+    _assert_tree(spark, label_tree.run(emb, params3, n_features=D, n_labels=L),
+                 build_tree(pifa(Xl, Yl), 2, 3, params3.max_iter, 1))
 
 
 def test_labels_without_embedding_are_placed(problem, emb, spark):
     _, Xl, Yl = problem
     params = TreeParams(max_leaf_size=4, seed=2)
     Z = sp.csr_matrix(pifa(Xl, Yl).multiply((np.arange(L) % 4 != 1)[:, None]))   # labels 1, 5, 9, 13
-    _assert_tree(spark, label_tree.run(emb.filter("label_idx % 4 != 1"), L, D, params), tree_from_params(Z, params))
+    _assert_tree(spark, label_tree.run(emb.filter("label_idx % 4 != 1"), params, n_features=D, n_labels=L),
+                 tree_from_params(Z, params))
 
 
 @pytest.mark.parametrize("lam", [0.5, 2.0])
@@ -48,6 +50,7 @@ def test_interpolated_tree_stage_equals_kernel(problem, emb, spark, lam):
     Yl = sp.csr_matrix(Yl)
     params = TreeParams(max_leaf_size=2, lam=lam, seed=2, local_subtree_size=0 if lam < 2 else 5)
     f, ft = FQ.label_frequencies(Yl.indptr, Yl.indices, L, "marginal")
-    _assert_tree(spark, label_tree.run(emb, L, D, params, f, ft), tree_from_params(pifa(Xl, Yl), params, f, ft))
+    _assert_tree(spark, label_tree.run(emb, params, n_features=D, n_labels=L, f=f, f_tilde=ft),
+                 tree_from_params(pifa(Xl, Yl), params, f, ft))
     with pytest.raises(ValueError, match="frequencies"):
-        label_tree.run(emb, L, D, params)
+        label_tree.run(emb, params, n_features=D, n_labels=L)

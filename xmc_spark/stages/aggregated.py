@@ -204,7 +204,7 @@ def kmeans_groups(samples: DataFrame, n_samples: int, n_features: int, depth: in
     dense = spark.createDataFrame(ids, "sample_id long, label_idx int")
     pts = samples.drop("label_idx").join(dense, "sample_id").select("label_idx", F.col("feature_idx").alias("emb_idx"),
                                                   F.col("feature_val").alias("emb_val"))
-    tree = label_tree.run(pts, n_samples, n_features, TreeParams(max_leaf_size=leaf, seed=seed))
+    tree = label_tree.run(pts, TreeParams(max_leaf_size=leaf, seed=seed), n_features=n_features, n_labels=n_samples)
     first = 2 ** depth - 1                        # heap id of the first node at that depth
     back = dense.select(F.col("label_idx").alias("_pt"), F.col("sample_id").alias("_sid"))
     nodes = tree.join(back, tree["label_idx"] == back["_pt"]).select(F.col("_sid").alias("sample_id"), "node")

@@ -25,7 +25,7 @@ def _sparse_rows_table(row_ids: np.ndarray, M: sp.csr_matrix, extra: dict | None
     return pa.table(cols)
 
 
-def run(samples: DataFrame, n_features: int, n_labels: int, params: EmbeddingParams,
+def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_labels: int,
         n_buckets: int = 8) -> DataFrame:
     """(label_idx, emb_idx, emb_val): L2-normalized Y^T X rows, labels with no sample omitted."""
     normalize_y = params.normalize_y

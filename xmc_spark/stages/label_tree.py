@@ -49,7 +49,7 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
     return grouped_apply(todo, ["node"], split, TREE_SCHEMA)
 
 
-def run(embeddings: DataFrame, n_labels: int, n_features: int, params: TreeParams, f=None,
+def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels: int, f=None,
         f_tilde=None) -> DataFrame:
     """(label_idx, node): the leaf of each label. Labels without an embedding (no training
     sample) are still placed: they join the tree with an empty embedding.
