@@ -159,7 +159,7 @@ def ingest_stage(ctx: StageContext) -> StageResult:
     spark, p, tables = ctx.spark, ctx.params, ctx.tables
     with ctx.timer.stage("ingest"):
         agg = train_df = test_df = tinfo = None
-        if aggregated.is_aggregated(ctx.train):
+        if aggregated.is_aggregated(spark, ctx.train):
             agg = aggregated.read(spark, ctx.train, p.ingest)
             info = agg.info
         else:

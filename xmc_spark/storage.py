@@ -59,7 +59,7 @@ def is_local_path(path: str) -> bool:
     return "://" not in path and not path.startswith("dbfs:")
 
 
-def _hadoop_fs(spark: SparkSession, path: str):
+def hadoop_fs(spark: SparkSession, path: str):
     """(FileSystem, Path) of Hadoop's view of ``path`` (local, s3://, abfss://, dbfs:, ...), or
     None without JVM access (Spark Connect)."""
     try:
@@ -72,7 +72,7 @@ def _hadoop_fs(spark: SparkSession, path: str):
 
 def path_kind(spark: SparkSession, path: str) -> Optional[str]:
     """'file', 'dir' or None (nothing there), through Hadoop's file system for any scheme."""
-    fs = _hadoop_fs(spark, path)
+    fs = hadoop_fs(spark, path)
     if fs is None:
         if not is_local_path(path):
             raise ConnectionError(f"{path}: cannot probe a remote path without a classic SparkContext")
@@ -88,7 +88,7 @@ def list_names(spark: SparkSession, path: str) -> List[str]:
     """Names of the entries of folder ``path`` (empty when it is not a folder), any scheme."""
     if path_kind(spark, path) != "dir":
         return []
-    fs = _hadoop_fs(spark, path)
+    fs = hadoop_fs(spark, path)
     if fs is None:
         return sorted(p.name for p in Path(path).iterdir())
     fs, hpath = fs

@@ -35,7 +35,7 @@ from pyspark.sql import functions as F
 
 from ..params import IngestParams
 from ..schemas import IngestError
-from ..storage import write_delta
+from ..storage import list_names, path_kind, write_delta
 from . import ingest
 
 log = logging.getLogger("xmc_spark.aggregated")
@@ -51,17 +51,19 @@ class AggregatedInput:
     stats: dict
 
 
-def _table(spark: SparkSession, path: Path) -> Optional[DataFrame]:
-    if (path / "_delta_log").is_dir():
+def _table(spark: SparkSession, path: str) -> Optional[DataFrame]:
+    names = list_names(spark, path)
+    if "_delta_log" in names:
         return spark.read.format("delta").load(str(path))
-    if path.is_dir() and any(p.suffix == ".parquet" for p in path.iterdir()):
+    if any(n.endswith(".parquet") for n in names):
         return spark.read.parquet(str(path))
     return None
 
 
-def is_aggregated(path: str) -> bool:
-    p = Path(path)
-    return p.is_dir() and ((p / "groups.txt").is_file() or (p / "groups").is_dir())
+def is_aggregated(spark: SparkSession, path: str) -> bool:
+    """A folder holding ``groups.txt`` or a ``groups`` table (local or remote: Hadoop's file system)."""
+    names = list_names(spark, path)
+    return "groups.txt" in names or ("groups" in names and path_kind(spark, f"{path.rstrip('/')}/groups") == "dir")
 
 
 def read_groups_text(spark: SparkSession, path: str):
@@ -112,26 +114,29 @@ def _check_tables(groups: DataFrame, group_labels: DataFrame, where: str):
 
 def read(spark: SparkSession, path: str, params: IngestParams) -> AggregatedInput:
     """Read and validate an aggregated folder (see the module docstring)."""
-    p = Path(path)
-    meta = json.loads((p / "info.json").read_text()) if (p / "info.json").is_file() else {}
-    if (p / "groups.txt").is_file():
-        sfile = next((p / n for n in ("samples.txt", "samples.svm", "samples") if (p / n).exists()), None)
+    p = path.rstrip("/")
+    names = set(list_names(spark, p))
+    meta = {}
+    if "info.json" in names:          # any file system: read through Spark (a small file)
+        meta = json.loads("\n".join(r[0] for r in spark.read.text(f"{p}/info.json").collect()))
+    if "groups.txt" in names:
+        sfile = next((f"{p}/{n}" for n in ("samples.txt", "samples.svm", "samples") if n in names), None)
         if sfile is None:
             raise IngestError(f"{p}: aggregated input without samples (samples.txt or a samples table)")
-        groups, group_labels = read_groups_text(spark, str(p / "groups.txt"))
-        where_g, where_l = f"{p / 'groups.txt'}", f"{p / 'groups.txt'}"
+        groups, group_labels = read_groups_text(spark, f"{p}/groups.txt")
+        where_g = where_l = f"{p}/groups.txt"
     else:
-        g, gl = _table(spark, p / "groups"), _table(spark, p / "group_labels")
+        g, gl = _table(spark, f"{p}/groups"), _table(spark, f"{p}/group_labels")
         if g is None or gl is None:
             raise IngestError(f"{p}: aggregated input needs both 'groups' and 'group_labels' tables")
-        groups, group_labels = _check_tables(g, gl, str(p))
-        sfile = p / "samples"
-        where_g, where_l = f"{p / 'groups'}", f"{p / 'group_labels'}"
+        groups, group_labels = _check_tables(g, gl, p)
+        sfile = f"{p}/samples"
+        where_g, where_l = f"{p}/groups", f"{p}/group_labels"
     iparams = IngestParams(**{**params.to_dict(), "num_labels": params.num_labels or int(meta.get("n_labels", 0)),
                               "num_features": params.num_features or int(meta.get("n_features", 0))})
-    samples, info = ingest.read_samples(spark, str(sfile), iparams)
+    samples, info = ingest.read_samples(spark, sfile, iparams)
     samples = samples.cache()
-    truth_t = _table(spark, p / "truth")
+    truth_t = _table(spark, f"{p}/truth") if "truth" in names else None
     truth = None if truth_t is None else truth_t.select(F.col("sample_id").cast("long"),
                                                         F.col("label_idx").cast("array<int>"))
 

@@ -7,7 +7,6 @@ checked in full before anything is written: the first bad line (or row) raises
 from __future__ import annotations
 
 import logging
-import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from ..kernels.sparse import csr_from_lists, normalize_lists
 from ..params import IngestParams
 from ..progress import worker_progress
 from ..schemas import SAMPLES_SCHEMA, IngestError, check_samples_columns
-from ..storage import is_delta, write_delta
+from ..storage import hadoop_fs, is_delta, list_names, path_kind, write_delta
 
 log = logging.getLogger("xmc_spark.ingest")
 
@@ -44,7 +43,7 @@ def _detect(spark: SparkSession, path: str):
     """(format, first line of a text file or None): the first line is read once, here."""
     if is_delta(spark, path):
         return "delta", None
-    if path.rstrip("/").endswith(".parquet") or _has_parquet_parts(path):
+    if path.rstrip("/").endswith(".parquet") or _has_parquet_parts(spark, path):
         return "parquet", None
     if not _exists(spark, path):
         raise IngestError(f"{path}: no such file or directory")
@@ -60,24 +59,25 @@ def _detect(spark: SparkSession, path: str):
     return "svmlight", first
 
 
-def _has_parquet_parts(path: str) -> bool:
-    return os.path.isdir(path) and any(f.endswith(".parquet") for f in os.listdir(path))
-
-
-def _hadoop_path(spark: SparkSession, path: str):
-    hpath = spark.sparkContext._jvm.org.apache.hadoop.fs.Path(path)
-    return hpath, hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+def _has_parquet_parts(spark: SparkSession, path: str) -> bool:
+    return any(n.endswith(".parquet") for n in list_names(spark, path))
 
 
 def _exists(spark: SparkSession, path: str) -> bool:
-    hpath, fs = _hadoop_path(spark, path)
-    return fs.exists(hpath)
+    return path_kind(spark, path) is not None
+
+
+def _fs(spark: SparkSession, path: str):
+    fs = hadoop_fs(spark, path)
+    if fs is None:
+        raise IngestError(f"{path}: reading text input needs a classic SparkContext (Hadoop's file system)")
+    return fs
 
 
 def _first_line(spark: SparkSession, path: str) -> Optional[str]:
     """The first line of a text input, None when it is empty. A single file is read through
     Hadoop's FileSystem (decompressed by its codec) with no Spark job; a folder by Spark."""
-    hpath, fs = _hadoop_path(spark, path)
+    fs, hpath = _fs(spark, path)
     if fs.getFileStatus(hpath).isDirectory():
         row = spark.read.text(path).first()
         return None if row is None else row[0]
@@ -126,7 +126,7 @@ def one_split(spark: SparkSession, path: str) -> bool:
     """True when Spark reads the input ``path`` as one partition for sure: a single file no
     larger than both spark.sql.files.maxPartitionBytes and openCostInBytes (a size hint: small
     inputs are validated by one task, without a shuffle)."""
-    hpath, fs = _hadoop_path(spark, path)
+    fs, hpath = _fs(spark, path)
     status = fs.getFileStatus(hpath)
     conf = spark._jsparkSession.sessionState().conf()
     return not status.isDirectory() and status.getLen() <= min(conf.filesMaxPartitionBytes(),
