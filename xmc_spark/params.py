@@ -210,6 +210,7 @@ class SparkParams(BaseParams):
     delta_from_maven: bool = True   # add Delta's jars through spark.jars.packages
     log_level: str = "WARN"
     progress_seconds: float = 15.0  # log running Spark stages' task counts this often (0 = off)
+    remote: str = ""                # Spark Connect: "sc://host:15002" or "local[2]" (a local server); "" = classic
     conf: Dict[str, Any] = field(default_factory=lambda: {
         "spark.sql.shuffle.partitions": "8",
         "spark.default.parallelism": "4",
@@ -323,8 +324,25 @@ class TrainParams(BaseParams):
     max_iter: int = 100
     eps: float = 0.1
     seed: int = 0
+    # a node with more training rows than this is trained across the partitions holding its rows
+    # (distributed trust-region Newton, same problem); "auto" derives it from executor memory,
+    # "off" never distributes, an integer sets it
+    max_node_rows: str = "auto"
+    tron_eps: float = 0.01          # distributed solver: stop at ||grad|| <= tron_eps * ||grad at 0||
+    tron_max_iter: int = 50         # distributed solver: Newton steps at most
+
+    def node_row_bound(self) -> Optional[int]:
+        """The integer bound, None for "auto" (resolved against Spark's memory by the trainer),
+        0 for "off"."""
+        v = str(self.max_node_rows).strip().lower()
+        return None if v == "auto" else 0 if v == "off" else int(v)
 
     def validate(self, prefix=""):
+        v = str(self.max_node_rows).strip().lower()
+        _check(v in ("auto", "off") or (v.isdigit() and int(v) >= 1), prefix + "max_node_rows",
+               f"must be auto, off or an integer >= 1, got {self.max_node_rows!r}")
+        _check(self.tron_eps > 0, prefix + "tron_eps", "must be > 0")
+        _check(self.tron_max_iter >= 1, prefix + "tron_max_iter", "must be >= 1")
         _check(self.C > 0, prefix + "C", "must be > 0")
         _check(self.threshold >= 0, prefix + "threshold", "must be >= 0")
         _check(self.bias >= 0, prefix + "bias", "must be >= 0")
@@ -342,10 +360,14 @@ class PredictParams(BaseParams):
     topk: int = 5
     post_processor: str = "l3-hinge"
     search: str = "layered"
+    # a model whose weights exceed this is not broadcast whole: the top levels are (within this
+    # bound), the subtrees below are scored by tasks that each load only their subtree's weights
+    max_broadcast_mb: float = 256.0
 
     def validate(self, prefix=""):
         _check(self.beam_size >= 1, prefix + "beam_size", "must be >= 1")
         _check(self.topk >= 1, prefix + "topk", "must be >= 1")
+        _check(self.max_broadcast_mb >= 0, prefix + "max_broadcast_mb", "must be >= 0")
         _check(self.post_processor in ("l3-hinge", "l2-hinge", "sigmoid"), prefix + "post_processor",
                "must be one of l3-hinge, l2-hinge, sigmoid")
         _check(self.search in ("layered", "tree", "adaptive"), prefix + "search",
