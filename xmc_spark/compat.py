@@ -1,0 +1,126 @@
+"""What differs between a classic Spark session and a Spark Connect one, in one place.
+
+Spark Connect (Databricks serverless and standard-access clusters, ``spark.remote`` here) runs
+the Python driver as a thin client: no ``SparkContext``, no RDDs, no ``sc.broadcast``, no status
+tracker, no ``_jvm``. Stages use these three functions instead of the ``SparkContext``:
+
+- :func:`is_connect` (``spark`` or a DataFrame): is this a Spark Connect session?
+- :func:`share` (``spark``, value) -> an object with ``.value`` to read inside tasks (UDFs,
+  ``mapInArrow``/``mapInPandas``/``applyInPandas`` functions):
+
+  * classic: ``sparkContext.broadcast(value)`` (sent once per executor, kept in its block store);
+  * Connect: the value pickled *once* on the driver and captured in the task function's closure.
+    **Size caveat**: the closure travels inside every query plan that uses it (one gRPC message,
+    the server's ``spark.connect.grpc.maxInboundMessageSize``, 128 MiB by default) and is
+    unpickled once per task, not once per executor. Keep shared values small (counts per label,
+    a tree index, a few embedding rows); :func:`share` refuses a value over ``max_mb``
+    (default :data:`CONNECT_MAX_MB`) with :class:`ShareTooLargeError` instead of failing deep
+    in gRPC. Larger data belongs in a table joined to the rows.
+
+  Both kinds answer ``.unpersist()`` and ``.destroy()`` (no-ops on Connect), so callers that
+  release broadcasts need no branch.
+- :func:`default_parallelism` (``spark``): ``sparkContext.defaultParallelism`` on classic; on
+  Connect ``spark.default.parallelism`` / ``spark.sql.leafNodeDefaultParallelism`` when set, else
+  the number of partitions Spark gives ``spark.range`` (one tiny job).
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Any, Generic, TypeVar
+
+from .errors import XmcError
+
+log = logging.getLogger("xmc_spark.compat")
+
+T = TypeVar("T")
+
+CONNECT_MAX_MB = 100.0   # below the Connect server's default 128 MiB gRPC message limit
+
+
+class ShareTooLargeError(XmcError, ValueError):
+    """A value too large to travel in a Spark Connect query plan."""
+
+
+def is_connect(spark_or_df: Any) -> bool:
+    """True for a Spark Connect session (or a DataFrame of one), False for a classic one."""
+    spark = getattr(spark_or_df, "sparkSession", spark_or_df)
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+class Captured(Generic[T]):
+    """A value shipped to tasks inside the closure that references it (Spark Connect's stand-in
+    for a broadcast). Pickled once on the driver; unpickled on first ``.value`` in each task."""
+
+    __slots__ = ("_blob", "_value", "_loaded")
+
+    def __init__(self, value: T):
+        from pyspark import cloudpickle  # what Spark pickles closures with (lambdas, local classes)
+        self._blob = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        self._value = value
+        self._loaded = True
+
+    @property
+    def value(self) -> T:
+        if not self._loaded:
+            self._value = pickle.loads(self._blob)
+            self._loaded = True
+        return self._value
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the pickled value (what every plan using it carries)."""
+        return len(self._blob)
+
+    def unpersist(self, blocking: bool = False) -> None:
+        """Nothing to release (the value lives in the closures); for Broadcast compatibility."""
+
+    def destroy(self, blocking: bool = False) -> None:
+        """Nothing to release (the value lives in the closures); for Broadcast compatibility."""
+
+    # what a closure carries: the bytes only (the driver's unpickled copy stays home)
+    def __getstate__(self):
+        return self._blob
+
+    def __setstate__(self, blob):
+        self._blob, self._value, self._loaded = blob, None, False
+
+
+def share(spark: Any, value: T, max_mb: float = CONNECT_MAX_MB, name: str = "value") -> Any:
+    """``value`` readable in tasks as ``.value``: a broadcast on classic Spark, a closure-captured
+    copy on Spark Connect (see the module docstring for the size caveat; ``name`` labels the
+    error). ``spark`` may also be a DataFrame of the session."""
+    spark = getattr(spark, "sparkSession", spark)
+    if not is_connect(spark):
+        return spark.sparkContext.broadcast(value)
+    c = Captured(value)
+    mb = c.nbytes / 2**20
+    if mb > max_mb:
+        raise ShareTooLargeError(
+            f"{name} is {mb:.1f} MiB pickled: too large to ship inside a Spark Connect query plan "
+            f"(limit {max_mb:g} MiB; the server's spark.connect.grpc.maxInboundMessageSize caps "
+            "every plan). Use a classic session (spark.remote: \"\") or keep the data in a table "
+            "joined to the rows")
+    if mb > 8:
+        log.info("sharing %s (%.1f MiB) through the query plan (Spark Connect: no broadcast)", name, mb)
+    return c
+
+
+def default_parallelism(spark: Any) -> int:
+    """``sparkContext.defaultParallelism`` on classic Spark; on Spark Connect the configured
+    ``spark.default.parallelism`` or ``spark.sql.leafNodeDefaultParallelism``, else the number of
+    partitions of ``spark.range`` (what Spark itself defaults to: one small job)."""
+    spark = getattr(spark, "sparkSession", spark)
+    if not is_connect(spark):
+        return int(spark.sparkContext.defaultParallelism)
+    for key in ("spark.default.parallelism", "spark.sql.leafNodeDefaultParallelism"):
+        try:
+            v = spark.conf.get(key, None)
+        except Exception:  # noqa: BLE001 - a key the server does not expose
+            v = None
+        if v is not None and str(v).strip().isdigit() and int(v) > 0:
+            return int(v)
+    from pyspark.sql import functions as F
+    # a range of 2^20 rows is split over the default slices, each holding rows: max id + 1
+    r = spark.range(0, 1 << 20).agg(F.max(F.spark_partition_id()).alias("p")).first()
+    return int(r["p"]) + 1
