@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import warnings
 
+from .compat import is_connect
 from .errors import XmcError
 from .params import SparkParams
 
@@ -43,17 +46,22 @@ def get_spark(params: SparkParams | None = None):
     from Maven Central through ``spark.jars.packages`` (cached after the first run). Under
     spark-submit on a cluster set ``spark.master: ""`` and ``delta_from_maven: false`` when the
     platform already ships Delta (Databricks).
+
+    ``spark.remote`` selects Spark Connect (see :func:`connect_session`). A platform whose own
+    session is already a Spark Connect one (Databricks serverless jobs) returns it from the
+    classic builder too: both kinds are handled after start-up (:mod:`.compat`).
     """
     from pyspark.sql import SparkSession
 
     params = params or SparkParams()
+    if params.remote:
+        return connect_session(params)
     if under_spark_submit():
         # spark-submit already chose the master and resolved --packages/--jars: its flags win
         log.info("launched by spark-submit: master and packages come from its command line")
         params = SparkParams(**{**params.to_dict(), "master": "", "delta_from_maven": False})
     if params.master.startswith("local"):
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        _local_python()
     builder = SparkSession.builder.appName(params.app_name)
     if params.master:
         builder = builder.master(params.master)
@@ -66,15 +74,109 @@ def get_spark(params: SparkParams | None = None):
                                                  os.environ.get("YARN_CONF_DIR")):
         raise SparkStartError(f"spark.master={params.master} needs HADOOP_CONF_DIR or YARN_CONF_DIR set to the "
                               "cluster's Hadoop configuration folder (or run under spark-submit on the cluster)")
-    try:
-        spark = builder.getOrCreate()
-    except Exception as e:  # noqa: BLE001 - PySparkRuntimeError [JAVA_GATEWAY_EXITED] and kin
-        if "JAVA_GATEWAY_EXITED" not in str(e) and "Java gateway" not in str(e):
-            raise
-        raise SparkStartError(f"Spark could not start (master={params.master or 'from spark-submit'}): the JVM "
-                              f"exited; its own message is printed above this line. Check Java 17 is on PATH "
-                              f"(JAVA_HOME) and the spark.* settings. ({e.__class__.__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    spark = _start(builder, f"master={params.master or 'from spark-submit'}")
+    if is_connect(spark):       # the platform's session is Spark Connect (Databricks serverless)
+        log.info("Spark %s: the platform's session is Spark Connect", spark.version)
+        return spark
     spark.sparkContext.setLogLevel(params.log_level)
     log.info("Spark %s session ready (master=%s)", spark.version, spark.sparkContext.master)
     return spark
+
+
+def connect_session(params: SparkParams):
+    """A Spark Connect session for ``spark.remote``.
+
+    - ``local[N]`` (or ``local[*]``): PySpark starts a Spark Connect server in a JVM of this
+      process with every ``spark.conf`` key, Delta's SQL extension and catalog and (with
+      ``delta_from_maven``) Delta's jars; the client then keeps only the runtime SQL settings.
+      Only one session kind can live in a process: a classic session already started here
+      makes this fail (``SESSION_OR_CONTEXT_EXISTS``).
+    - ``sc://host:port[/;token=...]``: an existing server (``sbin/start-connect-server.sh``,
+      Databricks Connect). Its static settings (Delta's extension and jars, memory) are the
+      server's: only ``spark.sql.*`` runtime keys of ``spark.conf`` are applied, the others are
+      listed in the log and skipped.
+
+    Needs the Connect client libraries (``pip install "pyspark[connect]"``: grpcio,
+    grpcio-status, googleapis-common-protos, zstandard).
+    """
+    from pyspark.sql import SparkSession
+
+    remote = params.remote
+    local = remote.startswith("local")
+    if not local and not remote.startswith("sc://"):
+        raise SparkStartError(f"spark.remote={remote!r}: expected sc://host:port or local[N] (\"\" = classic Spark)")
+    try:
+        from pyspark.sql.connect.utils import check_dependencies
+        check_dependencies()
+    except ImportError as e:
+        raise SparkStartError(f"spark.remote needs the Spark Connect client libraries: pip install "
+                              f"'pyspark[connect]' ({e})") from None
+    conf = {**DELTA_CONF, **params.conf}
+    builder = SparkSession.builder.remote(remote).appName(params.app_name)
+    if local:
+        _local_python()
+        for k, v in conf.items():
+            builder = builder.config(k, str(v))
+        if params.delta_from_maven:
+            from delta import configure_spark_with_delta_pip
+            builder = configure_spark_with_delta_pip(builder)
+    else:
+        skipped = sorted(k for k in conf if not k.startswith("spark.sql.") or k in DELTA_STATIC)
+        for k, v in conf.items():
+            if k not in skipped:
+                builder = builder.config(k, str(v))
+        if skipped:
+            log.info("Spark Connect server %s: static settings are the server's, not set here: %s",
+                     redact_remote(remote), ", ".join(skipped))
+    with warnings.catch_warnings():
+        # the client re-applies every builder option to the session; the local server already
+        # started with the static ones, which it then refuses to change (a warning per key)
+        warnings.filterwarnings("ignore", message=r"Failed to set .*CANNOT_MODIFY", category=UserWarning)
+        spark = _start(builder, f"remote={redact_remote(remote)}")
+    try:
+        version = spark.version                 # the first round trip: is the server there?
+    except Exception as e:  # noqa: BLE001 - gRPC UNAVAILABLE and kin
+        raise SparkStartError(f"cannot reach the Spark Connect server {redact_remote(remote)}: "
+                              f"{_first_line(e)}") from None
+    if local:
+        # the local server's JVM lives in this process: its log level is ours to set
+        from pyspark import SparkContext
+        if SparkContext._active_spark_context is not None:
+            SparkContext._active_spark_context.setLogLevel(params.log_level)
+    log.info("Spark %s Spark Connect session ready (remote=%s)", version, redact_remote(remote))
+    return spark
+
+
+# SQL settings a Connect client cannot change (the server was started with them)
+DELTA_STATIC = ("spark.sql.extensions", "spark.sql.catalog.spark_catalog", "spark.sql.warehouse.dir")
+
+
+def redact_remote(remote: str) -> str:
+    """A Spark Connect URL with its token (``;token=...``) masked, for logs and errors."""
+    return re.sub(r"(?i)(;\s*token\s*=)[^;]*", r"\1***", remote)
+
+
+def _local_python() -> None:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else e.__class__.__name__
+
+
+def _start(builder, where: str):
+    try:
+        return builder.getOrCreate()
+    except Exception as e:  # noqa: BLE001 - PySparkRuntimeError [JAVA_GATEWAY_EXITED] and kin
+        if "SESSION_OR_CONTEXT_EXISTS" in str(e):
+            raise SparkStartError(f"Spark could not start ({where}): a classic Spark session already runs in this "
+                                  "process, and a local Spark Connect server needs its own (one session kind "
+                                  "per process)") from None
+        if "JAVA_GATEWAY_EXITED" not in str(e) and "Java gateway" not in str(e):
+            raise
+        raise SparkStartError(f"Spark could not start ({where}): the JVM "
+                              f"exited; its own message is printed above this line. Check Java 17 is on PATH "
+                              f"(JAVA_HOME) and the spark.* settings. ({e.__class__.__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
