@@ -1,14 +1,54 @@
-"""Per-node linear trainer on Spark: samples fan out to the nodes they reach, one kernel call
-per node trains all of that node's one-vs-rest classifiers."""
+"""Per-node linear trainer on Spark: samples fan out to the nodes they reach; a node's
+one-vs-rest classifiers are trained either in one task (small nodes) or across the partitions
+holding its rows (big nodes).
+
+**Small nodes** (at most ``train.max_node_rows`` training rows): one ``applyInArrow`` group per
+node, the dual coordinate descent kernel (:func:`..model.train_group`).
+
+**Big nodes** (more rows than the bound; the root has every sample): the same problem,
+min_w 0.5 ||w||^2 + sum_i C_i max(0, 1 - y_i w^T x_i)^2 per classifier, solved in the primal
+by trust-region Newton (:mod:`..kernels.tron`) with the rows left spread over the partitions.
+The big nodes' rows (of every level) are fanned out once, tagged with their node and their
+positive classifiers, repartitioned over ``spark.sql.shuffle.partitions`` and persisted. Then
+one TRON loop runs on the driver for all big nodes' classifiers at once: every function /
+gradient evaluation and every Hessian-vector product of a CG step is one Spark query over the
+persisted rows (``mapInArrow``: per-partition partial sums, cut into blocks of
+:data:`BLOCK` doubles -> ``groupBy(block).applyInArrow(sum)`` -> collect), so the driver
+receives one summed vector per query, of size (features + 1) x (classifiers still running),
+and never a row. W and the CG direction travel to the tasks inside the query's closure (no
+``SparkContext``: also Spark Connect). Weights are pruned by ``train.threshold`` as the kernel
+prunes them and become rows of the returned DataFrame (same schema as the grouped path's).
+
+**The bound.** ``train.max_node_rows``: an integer, ``off`` (never distribute) or ``auto``
+(default)::
+
+    auto = floor(MEMORY_FRACTION * memory / (concurrent tasks * BYTES_PER_ROW))
+
+with ``memory`` = ``spark.executor.pyspark.memory`` if set, else ``spark.executor.memory``
+(``spark.driver.memory`` in local mode, where the tasks run next to the driver), concurrent
+tasks = ``spark.executor.cores`` / ``spark.task.cpus`` (local[N]: N), :data:`MEMORY_FRACTION`
+= 0.5 and :data:`BYTES_PER_ROW` = 16 KiB: the grouped kernel holds a node's rows about five
+times (Arrow input, sorted copy, CSR with the bias, float64/int64 local copy, solver state), ~80
+bytes per non-zero, so 16 KiB is a row of ~200 non-zeros. With the default 6g driver on
+local[2] that is 98,304 rows: bibtex (4,880) and delicious (12,920) never distribute.
+"""
 from __future__ import annotations
 
 import logging
+import os
+import re
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import scipy.sparse as sp
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_offsets_values
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
+from ..compat import share
+from ..kernels import tron
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TreeIndex
 from ..model import train_group
@@ -19,27 +59,32 @@ from ..schemas import WEIGHTS_SCHEMA
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, sample_id long, feature_idx array<int>, feature_val array<float>, "
                   "label_idx array<int>, weight float")
+BIG_SCHEMA = ("node int, feature_idx array<int>, feature_val array<float>, weight float, "
+              "pos array<int>, pos_w array<float>")
+PARTIAL_SCHEMA = "block int, part int, vals array<double>"
+BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
+MEMORY_FRACTION = 0.5
+BYTES_PER_ROW = 16 * 1024
 
 
-def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainParams) -> DataFrame:
+def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainParams,
+        n_samples: Optional[int] = None) -> DataFrame:
     """(is_leaf, key, w_idx, w_val): one row per classifier (key = node id, or slot id at leaves).
 
     A ``label_weight`` column (array<float> aligned with ``label_idx``, e.g. EAGLE's soft
-    assignment) weights each positive; without it every positive weighs 1.
+    assignment) weights each positive; without it every positive weighs 1. ``n_samples`` (the
+    number of rows of ``samples``, when the caller knows it) saves a count; nodes are only
+    counted when it exceeds the bound. Big nodes are trained here (Spark jobs run before this
+    returns); the small nodes' training runs when the result is computed.
     """
-    sc = samples.sparkSession.sparkContext
-    bindex = sc.broadcast(index)
+    bindex = share(samples, index, name="the tree index")
     weighted = "label_weight" in samples.columns
     cols = ["group", "sample_id", "feature_idx", "feature_val", "label_idx", "weight"] + (
         ["label_weight"] if weighted else [])
     schema = GROUPED_SCHEMA + (", label_weight array<float>" if weighted else "")
 
     def expand(batches):
-        ix = bindex.value
-        for b in batches:
-            t = pa.Table.from_batches([b])
-            off, labels = list_offsets_values(t, "label_idx")
-            rows, groups = ix.groups_of_samples(off, labels)
+        for t, _, _, rows, groups in _fan_out(bindex, batches):
             out = t.take(pa.array(rows))
             out = out.add_column(0, "group", pa.array(groups, pa.int64()))
             yield from out.select(cols).to_batches()
@@ -56,8 +101,263 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
         is_leaf, children, W = train_group(ix, group, X, off, labels, params, weights, lw)
         idx, val = csr_rows_to_arrays(W.T.tocsr())
         worker_progress("train", nodes=1, classifiers=len(children), node_samples=X.shape[0])
-        return pa.table({"is_leaf": pa.array(np.full(len(children), is_leaf)),
-                         "key": pa.array(np.asarray(children, np.int64)), "w_idx": idx, "w_val": val})
+        return _weights_table(is_leaf, children, idx, val)
 
     grouped = samples.mapInArrow(expand, schema)
-    return grouped_apply(grouped, ["group"], train, WEIGHTS_SCHEMA)
+    big = big_nodes(samples, bindex, node_row_bound(samples.sparkSession, params), n_samples)
+    if not len(big):
+        return grouped_apply(grouped, ["group"], train, WEIGHTS_SCHEMA)
+    small = grouped.where(~F.col("group").isin([int(g) for g in big]))
+    big_weights = train_big_nodes(samples, index, bindex, big, n_features, params)
+    return grouped_apply(small, ["group"], train, WEIGHTS_SCHEMA).unionByName(big_weights)
+
+
+def _fan_out(bindex, batches):
+    """Per Arrow batch of samples: (table, label offsets, labels, sample rows, group nodes), one
+    (row, group) pair for every node whose classifiers see the sample."""
+    ix = bindex.value
+    for b in batches:
+        t = pa.Table.from_batches([b])
+        off, labels = list_offsets_values(t, "label_idx")
+        yield (t, off, labels, *ix.groups_of_samples(off, labels))
+
+
+def _weights_table(is_leaf, keys, idx: pa.Array, val: pa.Array) -> pa.Table:
+    """Weights rows: ``is_leaf`` one flag for all keys or one per key."""
+    flags = np.broadcast_to(np.asarray(is_leaf, bool), (len(keys),))
+    return pa.table({"is_leaf": pa.array(flags), "key": pa.array(np.asarray(keys, np.int64)),
+                     "w_idx": idx, "w_val": val})
+
+
+# ---- the bound -------------------------------------------------------------------------------
+
+_UNITS = {"": 2**20, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30,
+          "t": 2**40, "tb": 2**40, "p": 2**50, "pb": 2**50}
+
+
+def memory_bytes(text: str) -> int:
+    """Spark's memory strings ("6g", "512m", "2048" = MiB as for spark.*.memory) in bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a Spark memory size: {text!r} (e.g. 6g, 512m)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _conf(spark, key: str, default=None):
+    try:
+        return spark.conf.get(key, default)
+    except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
+        return default
+
+
+def auto_row_bound(spark) -> int:
+    """``auto`` value of ``train.max_node_rows`` for this session (formula: module docstring)."""
+    master = str(_conf(spark, "spark.master", "") or "")
+    local = master.startswith("local")
+    mem = _conf(spark, "spark.executor.pyspark.memory") or (
+        _conf(spark, "spark.driver.memory", "1g") if local else _conf(spark, "spark.executor.memory", "1g"))
+    if local:
+        m = re.match(r"local\[(\*|\d+)", master)
+        tasks = 1 if not m else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
+    else:
+        tasks = int(_conf(spark, "spark.executor.cores", "1") or 1) // max(1, int(_conf(spark, "spark.task.cpus", "1")))
+    return max(1, int(MEMORY_FRACTION * memory_bytes(mem) / (max(tasks, 1) * BYTES_PER_ROW)))
+
+
+def node_row_bound(spark, params: TrainParams) -> int:
+    """Rows above which a node is trained across tasks; 0 = never."""
+    b = params.node_row_bound()
+    return auto_row_bound(spark) if b is None else b
+
+
+def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] = None) -> np.ndarray:
+    """Nodes with more than ``bound`` training rows (sorted). No node has more rows than there
+    are samples (the root has them all), so nodes are counted only when the samples exceed
+    the bound: one aggregation over the label lists, O(nodes) rows to the driver."""
+    if bound <= 0:
+        return np.zeros(0, np.int64)
+    n = samples.count() if n_samples is None else int(n_samples)
+    if n <= bound:
+        return np.zeros(0, np.int64)
+
+    def count(batches):
+        for *_, groups in _fan_out(bindex, batches):
+            g, c = np.unique(groups, return_counts=True)
+            yield pa.RecordBatch.from_pydict({"group": pa.array(g, pa.int64()), "rows": pa.array(c, pa.int64())})
+
+    counts = to_arrow(samples.select("label_idx").mapInArrow(count, "group long, rows long")
+                      .groupBy("group").agg(F.sum("rows").alias("rows")))
+    g, c = counts.column("group").to_numpy(), counts.column("rows").to_numpy()
+    big = np.sort(g[c > bound])
+    log.info("train: %d of %d nodes have more than %d rows (largest %d): trained across tasks",
+             len(big), len(g), bound, int(c.max(initial=0)))
+    return big
+
+
+# ---- big nodes: distributed TRON ---------------------------------------------------------------
+
+def _gather(offsets: np.ndarray, rows: np.ndarray):
+    """(offsets of the selected lists, positions of their elements) for list rows ``rows``."""
+    cnt = np.diff(offsets)[rows]
+    sub = np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64)
+    pos = np.repeat(offsets[rows] - sub[:-1], cnt) + np.arange(sub[-1])
+    return sub, pos
+
+
+def _big_rows(samples: DataFrame, bindex, big: np.ndarray, node_ptr: np.ndarray) -> DataFrame:
+    """The big nodes' rows: (node = index into ``big``, features, weight, positives as global
+    classifier ids ``pos`` with their label weights ``pos_w``)."""
+    weighted = "label_weight" in samples.columns
+    n_cls = int(node_ptr[-1])
+
+    def tag(batches):
+        ix = bindex.value
+        for t, off, labels, rows, groups in _fan_out(bindex, batches):
+            j = np.minimum(np.searchsorted(big, groups), len(big) - 1)
+            keep = big[j] == groups
+            rows, j = rows[keep], j[keep]
+            if not len(rows):
+                continue
+            lw = list_offsets_values(t, "label_weight")[1] if weighted else None
+            pr, pc, pv = [], [], []
+            for k in np.unique(j):
+                q = np.flatnonzero(j == k)
+                sub, at = _gather(off, rows[q])
+                _, Y = ix.node_problem(int(big[k]), sub, labels[at], None if lw is None else lw[at])
+                Y = Y.tocoo()
+                pr.append(q[Y.row])
+                pc.append(node_ptr[k] + Y.col)
+                pv.append(Y.data)
+            P = sp.csr_matrix((np.concatenate(pv), (np.concatenate(pr), np.concatenate(pc))),
+                              shape=(len(rows), n_cls))
+            P.sort_indices()
+            pos, pos_w = csr_rows_to_arrays(P)
+            out = t.select(["feature_idx", "feature_val", "weight"]).take(pa.array(rows))
+            yield from pa.table({"node": pa.array(j, pa.int32()), "feature_idx": out.column("feature_idx"),
+                                 "feature_val": out.column("feature_val"), "weight": out.column("weight"),
+                                 "pos": pos, "pos_w": pos_w}).to_batches()
+
+    return samples.mapInArrow(tag, BIG_SCHEMA)
+
+
+class SparkOracle:
+    """TRON's oracle over persisted big-node rows: each call is one Spark query whose tasks
+    return per-partition partial sums by blocks, summed per block by a grouped task; the
+    driver collects the summed blocks only."""
+
+    def __init__(self, rows: DataFrame, node_ptr: np.ndarray, n_features: int, params: TrainParams):
+        self.rows, self.node_ptr = rows, np.asarray(node_ptr, np.int64)
+        self.n_features, self.bias, self.C = n_features, params.bias, params.C
+        self.d = n_features + (1 if params.bias > 0 else 0)
+        self.queries = 0
+
+    def fun_grad(self, W: np.ndarray, cols: np.ndarray):
+        m = len(cols)
+        flat = self._reduce(W, None, cols, m + self.d * m)
+        return tron.regularized(flat[:m], flat[m:].reshape(self.d, m), W)
+
+    def hess_vec(self, W: np.ndarray, V: np.ndarray, cols: np.ndarray):
+        return V + self._reduce(W, V, cols, self.d * len(cols)).reshape(self.d, len(cols))
+
+    def _reduce(self, W, V, cols, size: int) -> np.ndarray:
+        node_ptr, n_features, bias, C = self.node_ptr, self.n_features, self.bias, self.C
+        n_cls = int(node_ptr[-1])
+        cols = np.asarray(cols, np.int64)
+        Wp, Vp = _pack(W), None if V is None else _pack(V)
+
+        def partial(batches):
+            from pyspark import TaskContext
+            Wl, Vl = _unpack(Wp), None if Vp is None else _unpack(Vp)
+            acc, n = None, 0
+            for b in batches:
+                t = pa.Table.from_batches([b])
+                X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
+                cost = C * t.column("weight").to_numpy().astype(np.float64)
+                rows = tron.RowBlock(X, t.column("node").to_numpy(), cost, csr_from_table(t, "pos", "pos_w", n_cls))
+                if Vl is None:
+                    loss, G = tron.partial_fun_grad(rows, node_ptr, Wl, cols)
+                    part = np.concatenate([loss, G.ravel()])
+                else:
+                    part = tron.partial_hess_vec(rows, node_ptr, Wl, Vl, cols).ravel()
+                if acc is None:
+                    acc = part
+                else:
+                    acc += part
+                n += t.num_rows
+            if acc is None:
+                return
+            worker_progress("train (distributed)", rows=n)
+            blocks = [k for k in range(-(-len(acc) // BLOCK)) if np.any(acc[k * BLOCK:(k + 1) * BLOCK])]
+            if not blocks:
+                return
+            segs = [acc[k * BLOCK:(k + 1) * BLOCK] for k in blocks]
+            offs = np.concatenate([[0], np.cumsum([len(s) for s in segs])])
+            tc = TaskContext.get()
+            yield pa.RecordBatch.from_pydict({
+                "block": pa.array(blocks, pa.int32()),
+                "part": pa.array(np.full(len(blocks), tc.partitionId() if tc else 0), pa.int32()),
+                "vals": list_array(offs, np.concatenate(segs), pa.float64())})
+
+        df = self.rows
+        nodes = np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
+        if len(nodes) < len(node_ptr) - 1:
+            df = df.where(F.col("node").isin([int(j) for j in nodes]))
+        summed = to_arrow(grouped_apply(df.mapInArrow(partial, PARTIAL_SCHEMA), ["block"], _sum_blocks,
+                                        PARTIAL_SCHEMA))
+        self.queries += 1
+        out = np.zeros(size)
+        off, vals = list_offsets_values(summed, "vals")
+        for r, k in enumerate(summed.column("block").to_numpy()):
+            out[k * BLOCK:k * BLOCK + off[r + 1] - off[r]] = vals[off[r]:off[r + 1]]
+        return out
+
+
+def _sum_blocks(t: pa.Table) -> pa.Table:
+    """One block's partial sums added in partition order (deterministic)."""
+    t = t.take(pa.array(np.argsort(t.column("part").to_numpy(), kind="stable")))
+    off, vals = list_offsets_values(t, "vals")
+    total = vals.reshape(t.num_rows, -1).sum(axis=0)
+    return pa.table({"block": pa.array([t.column("block")[0].as_py()], pa.int32()),
+                     "part": pa.array([0], pa.int32()),
+                     "vals": list_array(np.array([0, len(total)]), total, pa.float64())})
+
+
+def _pack(M: np.ndarray):
+    """A d x m matrix as (shape, non-zero rows, their values): what a task closure carries."""
+    r = np.flatnonzero(np.any(M != 0, axis=1))
+    return M.shape, r, np.ascontiguousarray(M[r])
+
+
+def _unpack(p) -> np.ndarray:
+    shape, r, v = p
+    M = np.zeros(shape)
+    M[r] = v
+    return M
+
+
+def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, n_features: int,
+                    params: TrainParams) -> DataFrame:
+    """Weights rows of the nodes ``big`` trained by distributed TRON (all nodes in one loop)."""
+    spark = samples.sparkSession
+    kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
+    node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
+    parts = max(1, int(_conf(spark, "spark.sql.shuffle.partitions", "8") or 8))
+    rows = _big_rows(samples, bindex, big, node_ptr).repartition(parts).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        n_rows = rows.count()
+        oracle = SparkOracle(rows, node_ptr, n_features, params)
+        log.info("train: %d big nodes, %d classifiers, %d rows over %d partitions: distributed TRON "
+                 "(eps %g, at most %d steps)", len(big), node_ptr[-1], n_rows, parts, params.tron_eps,
+                 params.tron_max_iter)
+        W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, oracle.d, int(node_ptr[-1]), eps=params.tron_eps,
+                            max_iter=params.tron_max_iter, log=log.info)
+    finally:
+        rows.unpersist()
+    log.info("train: distributed TRON done in %d queries; Newton steps per classifier %d-%d, CG steps %d-%d, "
+             "%d of %d met |g| <= %g |g0|", oracle.queries, info.steps.min(), info.steps.max(),
+             info.cg_steps.min(), info.cg_steps.max(), int(info.converged.sum()), len(info.steps), params.tron_eps)
+    Wc = tron.prune(W, params.threshold)
+    idx, val = csr_rows_to_arrays(Wc.T.tocsr())
+    is_leaf = np.isin(np.repeat(big, np.diff(node_ptr)), index.leaves)
+    table = _weights_table(is_leaf, np.concatenate(kids), idx, val)
+    return spark.createDataFrame(table, schema=WEIGHTS_SCHEMA)

@@ -1,0 +1,302 @@
+"""Trust-region Newton (TRON) for many L2-regularized squared-hinge classifiers at once.
+
+Each classifier k solves the per-node kernel's problem (:func:`.squared_hinge.train_node`)
+in the primal::
+
+    f_k(w) = 0.5 ||w||^2 + sum_i C_ik max(0, 1 - y_ik w^T x_i)^2
+    C_ik   = C * weight_i * (label weight of i for k if i is a positive of k, else 1)
+
+over the rows x_i of its node (the bias is an appended feature, regularized like the rest).
+With the active set I = {i : 1 - y_ik w^T x_i > 0} (Lin, Weng and Keerthi 2008; LIBLINEAR's
+``L2R_L2LOSS_SVC`` primal solver)::
+
+    grad f_k(w)     = w + 2 X_I^T (C_I (X_I w - y_I))
+    H_k(w) v        = v + 2 X_I^T (C_I (X_I v))          (generalized Hessian)
+
+:func:`tron` is the driver loop, vectorized across the K classifiers (W is d x K): every
+classifier keeps its own iterate, trust region and conjugate-gradient state, and the CG steps
+of all classifiers still running are taken together, so one call of the oracle serves all of
+them. The oracle is two callables,
+
+- ``fun_grad(W, cols) -> (f, G)``: objective (len(cols),) and gradient (d x len(cols)) of the
+  classifiers ``cols`` at W (d x len(cols));
+- ``hess_vec(W, V, cols) -> HV``: generalized Hessian at W times V for those classifiers,
+
+so the same loop runs with a local oracle (:func:`local_oracle`, the tests) and with the Spark
+one of :mod:`..stages.node_training`, which sums the per-partition partial sums of
+:func:`partial_fun_grad` / :func:`partial_hess_vec` over the partitions holding the rows.
+
+Rows of several nodes are mixed: each row belongs to one node (``RowBlock.node``) and only
+that node's classifiers (columns ``node_ptr[j]:node_ptr[j + 1]``) see it. The partial sums
+hold the loss part only; :func:`regularized` adds 0.5 ||w||^2 and w (once, on the driver).
+
+Stopping, per classifier: ||grad f_k(w)|| <= eps ||grad f_k(0)|| or ``max_iter`` trust-region
+steps (accepted or not, so the number of oracle calls is bounded), or the degenerate cases
+LIBLINEAR stops on (no predicted reduction, reductions below 1e-12 |f|).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Tuple
+
+import numpy as np
+import scipy.sparse as sp
+
+# trust-region constants (Lin and More 1999, as LIBLINEAR's tron.cpp)
+ETA0, ETA1, ETA2 = 1e-4, 0.25, 0.75
+SIGMA1, SIGMA2, SIGMA3 = 0.25, 0.5, 4.0
+
+FunGrad = Callable[[np.ndarray, np.ndarray], Tuple[np.ndarray, np.ndarray]]
+HessVec = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass
+class RowBlock:
+    """Training rows of one or more nodes.
+
+    ``X`` (n x d CSR, bias column included), ``node`` (n,) the node index of each row (into the
+    caller's ``node_ptr``), ``cost`` (n,) C * sample weight, ``pos`` (n x K CSR) the positives:
+    entry (i, k) present when row i is a positive of classifier k, its value the positive's
+    label weight (cost multiplier). Classifier k must belong to the node of row i.
+    """
+
+    X: sp.csr_matrix
+    node: np.ndarray
+    cost: np.ndarray
+    pos: sp.csr_matrix
+
+    def __post_init__(self):
+        n = self.X.shape[0]
+        if not (len(self.node) == len(self.cost) == self.pos.shape[0] == n):
+            raise ValueError(f"RowBlock: X has {n} rows, node {len(self.node)}, cost {len(self.cost)}, "
+                             f"pos {self.pos.shape[0]}")
+
+
+def _node_parts(rows: RowBlock, node_ptr: np.ndarray, cols: np.ndarray):
+    """For every node with a requested classifier and rows: (row ids, global classifier ids,
+    their positions in ``cols``)."""
+    node_ptr = np.asarray(node_ptr, np.int64)
+    cols = np.asarray(cols, np.int64)
+    col_node = np.searchsorted(node_ptr, cols, side="right") - 1
+    order = np.argsort(rows.node, kind="stable")
+    nodes_sorted = np.asarray(rows.node)[order]
+    for j in np.unique(col_node):
+        lo, hi = np.searchsorted(nodes_sorted, [j, j + 1])
+        if hi == lo:
+            continue
+        p = np.flatnonzero(col_node == j)
+        yield order[lo:hi], cols[p], p
+
+
+def _margins(rows: RowBlock, r: np.ndarray, c: np.ndarray, W: np.ndarray):
+    """(X_r, Z = X_r W, sign matrix y, cost matrix C) for rows r and classifiers c (W: d x len(c))."""
+    Xr = rows.X[r]
+    Z = np.asarray(Xr @ W, dtype=np.float64)
+    P = rows.pos[r][:, c].tocoo()
+    Ys = -np.ones_like(Z)
+    Ys[P.row, P.col] = 1.0
+    Cm = np.repeat(np.asarray(rows.cost, np.float64)[r][:, None], len(c), axis=1)
+    Cm[P.row, P.col] *= np.maximum(P.data.astype(np.float64), 1e-12)   # as train_node
+    return Xr, Z, Ys, Cm
+
+
+def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols) -> Tuple[np.ndarray, np.ndarray]:
+    """Loss part of f and of its gradient over ``rows`` for classifiers ``cols`` at W (d x len(cols)):
+    (sum_i C_ik max(0, 1 - y_ik z_ik)^2 per classifier, 2 X_I^T (C_I (z_I - y_I)))."""
+    cols = np.asarray(cols, np.int64)
+    loss = np.zeros(len(cols))
+    G = np.zeros((rows.X.shape[1], len(cols)))
+    for r, c, p in _node_parts(rows, node_ptr, cols):
+        Xr, Z, Ys, Cm = _margins(rows, r, c, W[:, p])
+        m = np.maximum(1.0 - Ys * Z, 0.0)
+        loss[p] = np.sum(Cm * m * m, axis=0)
+        G[:, p] = Xr.T @ (2.0 * Cm * (m > 0) * (Z - Ys))
+    return loss, G
+
+
+def partial_hess_vec(rows: RowBlock, node_ptr, W: np.ndarray, V: np.ndarray, cols) -> np.ndarray:
+    """Loss part of the generalized Hessian at W times V over ``rows``: 2 X_I^T (C_I (X_I V))."""
+    cols = np.asarray(cols, np.int64)
+    HV = np.zeros((rows.X.shape[1], len(cols)))
+    for r, c, p in _node_parts(rows, node_ptr, cols):
+        Xr, Z, Ys, Cm = _margins(rows, r, c, W[:, p])
+        D = 2.0 * Cm * (Ys * Z < 1.0)
+        HV[:, p] = Xr.T @ (D * np.asarray(Xr @ V[:, p]))
+    return HV
+
+
+def regularized(loss: np.ndarray, G: np.ndarray, W: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Add the regularizer to summed loss parts: (loss + 0.5 ||w_k||^2, G + W)."""
+    return loss + 0.5 * np.einsum("ij,ij->j", W, W), G + W
+
+
+def local_oracle(rows: RowBlock, node_ptr) -> Tuple[FunGrad, HessVec]:
+    """(fun_grad, hess_vec) over rows held in memory."""
+    def fun_grad(W, cols):
+        return regularized(*partial_fun_grad(rows, node_ptr, W, cols), W)
+
+    def hess_vec(W, V, cols):
+        return V + partial_hess_vec(rows, node_ptr, W, V, cols)
+
+    return fun_grad, hess_vec
+
+
+def node_rows(X: sp.csr_matrix, Y: sp.csr_matrix, C: float = 1.0, weights=None) -> RowBlock:
+    """One node's problem as a RowBlock: X (bias included), Y (n x K, non-zero = positive, value
+    the label weight) and the per-sample weights, as :func:`.squared_hinge.train_node` takes them."""
+    X = sp.csr_matrix(X)
+    n = X.shape[0]
+    w = np.ones(n) if weights is None else np.asarray(weights, np.float64)
+    return RowBlock(X, np.zeros(n, np.int64), float(C) * w, sp.csr_matrix(Y))
+
+
+def _col_dot(A, B):
+    return np.einsum("ij,ij->j", A, B)
+
+
+def _trcg(hess_vec: HessVec, W, G, delta, cols, eps_cg, max_cg_iter):
+    """Steihaug CG on every column: approx. argmin_s g^T s + 0.5 s^T H s, ||s|| <= delta.
+    Returns (S, R = -G - H S, reached boundary, CG steps)."""
+    d, m = G.shape
+    S = np.zeros((d, m))
+    R = -G.copy()
+    D = R.copy()
+    rtr = _col_dot(R, R)
+    cgtol = eps_cg * np.sqrt(rtr)
+    boundary = np.zeros(m, bool)
+    steps = np.zeros(m, np.int64)
+    run = np.sqrt(rtr) > cgtol
+    while run.any():
+        j = np.flatnonzero(run)
+        HD = hess_vec(W[:, j], D[:, j], cols[j])
+        steps[j] += 1
+        alpha = rtr[j] / _col_dot(D[:, j], HD)
+        Snew = S[:, j] + alpha * D[:, j]
+        out = np.sqrt(_col_dot(Snew, Snew)) > delta[j]
+        if out.any():   # back to the old s, then to the boundary along d
+            jo, Do, So = j[out], D[:, j[out]], S[:, j[out]]
+            std, sts, dtd = _col_dot(So, Do), _col_dot(So, So), _col_dot(Do, Do)
+            dsq = delta[jo] ** 2
+            rad = np.sqrt(std * std + dtd * np.maximum(dsq - sts, 0.0))
+            a = np.where(std >= 0, (dsq - sts) / np.where(std + rad > 0, std + rad, 1.0),
+                         (rad - std) / dtd)
+            S[:, jo] = So + a * Do
+            R[:, jo] -= a * HD[:, out]
+            boundary[jo] = True
+            run[jo] = False
+        ji, inn = j[~out], ~out
+        if len(ji):
+            S[:, ji] = Snew[:, inn]
+            R[:, ji] -= alpha[inn] * HD[:, inn]
+            rnew = _col_dot(R[:, ji], R[:, ji])
+            D[:, ji] = R[:, ji] + (rnew / rtr[ji]) * D[:, ji]
+            rtr[ji] = rnew
+            run[ji] = np.sqrt(rnew) > cgtol[ji]
+        run &= steps < max_cg_iter
+    return S, R, boundary, steps
+
+
+@dataclass
+class TronInfo:
+    """Per classifier: trust-region steps taken, CG steps, final f and ||grad||, ||grad at 0||;
+    the tolerance, and the number of oracle calls (fun_grad, hess_vec) the whole run made."""
+
+    steps: np.ndarray
+    cg_steps: np.ndarray
+    f: np.ndarray
+    gnorm: np.ndarray
+    gnorm0: np.ndarray
+    eps: float
+    fun_grad_calls: int = 0
+    hess_vec_calls: int = 0
+
+    @property
+    def converged(self) -> np.ndarray:
+        """Classifiers that met the gradient test (the others stopped on max_iter or a degenerate step)."""
+        return self.gnorm <= self.gnorm0 * self.eps
+
+
+def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps: float = 0.01, max_iter: int = 50,
+         eps_cg: float = 0.1, max_cg_iter: int | None = None, log=None) -> Tuple[np.ndarray, TronInfo]:
+    """Minimize K independent objectives from w = 0 (see the module docstring); W is d x K.
+
+    ``max_cg_iter`` bounds the CG steps of one trust-region step (default max(d, 5), as
+    LIBLINEAR). ``log(msg)``, when given, receives one line per trust-region round.
+    """
+    if eps <= 0 or max_iter < 1:
+        raise ValueError(f"tron: eps must be > 0 and max_iter >= 1 (got {eps}, {max_iter})")
+    max_cg_iter = max(d, 5) if max_cg_iter is None else int(max_cg_iter)
+    calls = {"fg": 0, "hv": 0}
+
+    def fg(Wc, c):
+        calls["fg"] += 1
+        return fun_grad(Wc, c)
+
+    def hv(Wc, Vc, c):
+        calls["hv"] += 1
+        return hess_vec(Wc, Vc, c)
+
+    W = np.zeros((d, K))
+    allc = np.arange(K)
+    f, G = fg(W, allc)
+    f, G = np.array(f, np.float64), np.array(G, np.float64)
+    gnorm0 = np.sqrt(_col_dot(G, G))
+    gnorm = gnorm0.copy()
+    delta = gnorm0.copy()
+    adjusted = np.zeros(K, bool)
+    steps = np.zeros(K, np.int64)
+    cg_steps = np.zeros(K, np.int64)
+    live = gnorm0 > 0
+    rnd = 0
+    while live.any():
+        c = np.flatnonzero(live)
+        Wc, Gc = W[:, c], G[:, c]
+        S, R, boundary, cgs = _trcg(hv, Wc, Gc, delta[c], c, eps_cg, max_cg_iter)
+        cg_steps[c] += cgs
+        Wn = Wc + S
+        fn, Gn = fg(Wn, c)
+        fc = f[c]
+        gs = _col_dot(Gc, S)
+        prered = -0.5 * (gs - _col_dot(S, R))
+        actred = fc - fn
+        snorm = np.sqrt(_col_dot(S, S))
+        dl = delta[c]
+        first = ~adjusted[c]
+        dl = np.where(first, np.minimum(dl, snorm), dl)
+        adjusted[c] = True
+        curv = fn - fc - gs
+        alpha = np.where(curv <= 0, SIGMA3,
+                         np.maximum(SIGMA1, -0.5 * gs / np.where(curv > 0, curv, 1.0)))
+        dl = np.select(
+            [actred < ETA0 * prered, actred < ETA1 * prered, actred < ETA2 * prered, boundary],
+            [np.minimum(alpha * snorm, SIGMA2 * dl),
+             np.maximum(SIGMA1 * dl, np.minimum(alpha * snorm, SIGMA2 * dl)),
+             np.maximum(SIGMA1 * dl, np.minimum(alpha * snorm, SIGMA3 * dl)),
+             SIGMA3 * dl],
+            np.maximum(dl, np.minimum(alpha * snorm, SIGMA3 * dl)))
+        delta[c] = dl
+        acc = actred > ETA0 * prered
+        ca = c[acc]
+        W[:, ca] = Wn[:, acc]
+        f[ca] = fn[acc]
+        G[:, ca] = Gn[:, acc]
+        gnorm[ca] = np.sqrt(_col_dot(Gn[:, acc], Gn[:, acc]))
+        steps[c] += 1
+        tiny = (np.abs(actred) <= 1e-12 * np.abs(f[c])) & (np.abs(prered) <= 1e-12 * np.abs(f[c]))
+        done = (gnorm[c] <= eps * gnorm0[c]) | (steps[c] >= max_iter) | (prered <= 0) | tiny
+        live[c[done]] = False
+        rnd += 1
+        if log is not None:
+            log(f"tron round {rnd}: {len(c)} classifiers, CG steps <= {int(cgs.max(initial=0))}, "
+                f"{int(acc.sum())} accepted, {int(live.sum())} still running, "
+                f"max |g|/|g0| {float(np.max(gnorm[c] / gnorm0[c])):.2e}")
+    return W, TronInfo(steps, cg_steps, f, gnorm, gnorm0, eps, calls["fg"], calls["hv"])
+
+
+def prune(W: np.ndarray, threshold: float) -> sp.csc_matrix:
+    """Weights with |w| < threshold dropped (all zeros dropped at threshold 0), float32 values,
+    as :func:`.squared_hinge.train_node` returns them."""
+    keep = np.abs(W) >= threshold if threshold > 0 else W != 0
+    M = sp.csc_matrix(np.where(keep, W, 0.0))
+    M.eliminate_zeros()
+    return sp.csc_matrix((M.data.astype(np.float32), M.indices.astype(np.int32), M.indptr), shape=W.shape)
