@@ -98,7 +98,7 @@ def _copy(saved, tmp_path):
 def test_load_rejects_an_unknown_format_version(saved, tmp_path):
     m = _copy(saved, tmp_path)
     param = json.loads((m / "param.json").read_text())
-    for version in (2, None):
+    for version in (3, None):
         param["format_version"] = version
         (m / "param.json").write_text(json.dumps(param))
         with pytest.raises(ModelFormatError, match=re.escape(f"{m}: model format version {version!r}")):

@@ -29,7 +29,8 @@ from .kernels.topk_projection import topk_projection
 from .kernels.tree import TreeIndex, ancestor_at, node_depth, tree_from_params
 from .params import ClustersParams, PipelineParams, PredictParams, TrainParams, TreeParams
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1          # one file per weight kind, written by the driver (XMCModel.save)
+CHUNKED_VERSION = 2         # weights in part files written by Spark tasks (stages.sharded.save)
 
 
 class ModelFormatError(XmcError, ValueError):
@@ -84,6 +85,40 @@ class KeyedColumns:
         except (ValueError, TypeError) as e:
             raise ModelFormatError(f"{path}: not a sparse weight matrix ({e})") from None
         return cls(z["keys"], W)
+
+
+def split_columns(is_leaf: np.ndarray, keys: np.ndarray, W: sp.csc_matrix):
+    """Weight columns keyed (is_leaf, key) -> (node KeyedColumns, slot KeyedColumns), keys sorted."""
+    out = []
+    for mask in (~is_leaf, is_leaf):
+        cols = np.flatnonzero(mask)
+        order = cols[np.argsort(keys[cols], kind="mergesort")]
+        out.append(KeyedColumns(keys[order], W[:, order].tocsc()))
+    return out[0], out[1]
+
+
+PART_ARRAYS = ("is_leaf", "keys", "indptr", "indices", "data", "shape")
+
+
+def save_part(path, is_leaf: np.ndarray, keys: np.ndarray, W: sp.csc_matrix) -> None:
+    """One part file of a chunked model: the columns ``keys`` (node ids, or slot ids where
+    ``is_leaf``) of W."""
+    W = sp.csc_matrix(W)
+    with open(path, "wb") as fh:
+        np.savez(fh, is_leaf=np.asarray(is_leaf, bool), keys=np.asarray(keys, np.int64), indptr=W.indptr,
+                 indices=W.indices, data=W.data, shape=np.array(W.shape))
+
+
+def load_part(path):
+    """(is_leaf, keys, W csc) of a part file; a broken file raises :class:`ModelFormatError`."""
+    z = load_npz(path, PART_ARRAYS)
+    try:
+        W = sp.csc_matrix((z["data"], z["indices"], z["indptr"]), shape=tuple(z["shape"]))
+    except (ValueError, TypeError) as e:
+        raise ModelFormatError(f"{path}: not a sparse weight matrix ({e})") from None
+    if len(z["keys"]) != W.shape[1] or len(z["is_leaf"]) != W.shape[1]:
+        raise ModelFormatError(f"{path}: {len(z['keys'])} keys for {W.shape[1]} weight columns")
+    return z["is_leaf"].astype(bool), z["keys"].astype(np.int64), W
 
 
 def load_npz(path: Path, names) -> Dict[str, np.ndarray]:
@@ -158,43 +193,19 @@ class XMCModel:
         """
         if self._layers is not None:
             return self._layers, self._slot_order
-        ix = self.index
-        B = ix.B
-        leaves = ix.leaves
-        ldep = node_depth(leaves, B)
-        D = ix.depth
-        prev_ids = np.zeros(1, dtype=np.int64)
-        eff_leaf = leaves.copy()           # leaf id padded down to depth D
+        shape = tree_layers(self.index)
         layers = []
-        for t in range(1, D + 1):
-            deep = ldep >= t
-            real = np.unique(ancestor_at(leaves[deep], ldep[deep], t, B))
-            pad = eff_leaf[~deep] * B + 1  # pass-through child of a shallow leaf
-            eff_leaf[~deep] = pad
-            ids = np.concatenate([real, pad])
-            through = np.concatenate([np.zeros(len(real), bool), np.ones(len(pad), bool)])
-            ppos = _positions(prev_ids, (ids - 1) // B)
-            order = np.lexsort((ids, ppos))
-            ids, through, ppos = ids[order], through[order], ppos[order]
-            child_ptr = np.concatenate([[0], np.cumsum(np.bincount(ppos, minlength=len(prev_ids)))])
-            W = self.node_w.select(ids)
+        for t, (ids, child_ptr, through) in enumerate(shape.layers):
+            last = t == len(shape.layers) - 1
+            W = self.slot_w.select(ids) if last else self.node_w.select(ids)
             if through.any():
                 W = (W @ sp.diags((~through).astype(np.float32))).tocsc()
                 W.eliminate_zeros()
             layers.append((child_ptr, W, through))
-            prev_ids = ids
-        # label slots under the (padded) leaves
-        leaf_of_slot = eff_leaf[np.searchsorted(leaves, ix.slot_leaf)]
-        ppos = _positions(prev_ids, leaf_of_slot)
-        order = np.lexsort((ix.slot_label, ppos))
-        child_ptr = np.concatenate([[0], np.cumsum(np.bincount(ppos, minlength=len(prev_ids)))])
-        W = self.slot_w.select(order)
-        layers.append((child_ptr, W, np.zeros(len(order), bool)))
         self._layers = layers
-        self._slot_order = order
-        # real leaf id of each node of the deepest internal layer (pass-through pads included)
-        self._last_leaf = ix.leaves[_positions(eff_leaf, prev_ids)] if D > 0 else np.zeros(1, np.int64)
-        return layers, order
+        self._slot_order = shape.slot_order
+        self._last_leaf = shape.last_leaf
+        return layers, shape.slot_order
 
     def tree_arrays(self):
         """The unpadded tree for :func:`tree_search`: (child_ptr, node W csc, slot_ptr,
@@ -304,21 +315,42 @@ class XMCModel:
             found = param.get("model") if isinstance(param, dict) else param
             raise ModelFormatError(f"{pfile}: model class is {found!r}, expected {cls.__name__!r}")
         version = param.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ModelFormatError(f"{folder}: model format version {version!r}, this xmc-spark reads version "
-                                   f"{FORMAT_VERSION} (saved by another xmc-spark version?)")
+        if version not in (FORMAT_VERSION, CHUNKED_VERSION):
+            raise ModelFormatError(f"{folder}: model format version {version!r}, this xmc-spark reads versions "
+                                   f"{FORMAT_VERSION} and {CHUNKED_VERSION} (saved by another xmc-spark version?)")
         missing = [k for k in ("n_features", "n_labels", "bias", "normalize", "nr_splits", "pred_params")
                    if k not in param]
         if missing:
             raise ModelFormatError(f"{pfile}: missing key(s) {', '.join(missing)}")
         t = load_npz(folder / "tree.npz", ("slot_label", "slot_leaf"))
         index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
-        model = cls(index, KeyedColumns.load(folder / "weights_nodes.npz"),
-                    KeyedColumns.load(folder / "weights_slots.npz"), param["n_features"], bias=param["bias"],
+        if version == CHUNKED_VERSION:
+            node_w, slot_w = cls._load_parts(folder, param)
+        else:
+            node_w = KeyedColumns.load(folder / "weights_nodes.npz")
+            slot_w = KeyedColumns.load(folder / "weights_slots.npz")
+        model = cls(index, node_w, slot_w, param["n_features"], bias=param["bias"],
                     normalize=param["normalize"], pred_params=PredictParams.from_dict(param["pred_params"]),
                     meta=param.get("meta"))
         model.label_counts = t.get("label_counts")
         return model
+
+    @staticmethod
+    def _load_parts(folder: Path, param: dict):
+        """The whole weights of a chunked folder, part by part (``param["weights"]["parts"]``)."""
+        parts = (param.get("weights") or {}).get("parts")
+        if not isinstance(parts, list):
+            raise ModelFormatError(f"{folder / 'param.json'}: a chunked model needs weights.parts (a list of files)")
+        n_cols = int(param["n_features"]) + (1 if float(param["bias"]) > 0 else 0)
+        leaf, keys, mats = [np.zeros(0, bool)], [np.zeros(0, np.int64)], [sp.csc_matrix((n_cols, 0), dtype=np.float32)]
+        for name in parts:
+            is_leaf, k, W = load_part(folder / name)
+            if W.shape[0] != n_cols:
+                raise ModelFormatError(f"{folder / name}: {W.shape[0]} weight rows, the model has {n_cols}")
+            leaf.append(is_leaf)
+            keys.append(k)
+            mats.append(W)
+        return split_columns(np.concatenate(leaf), np.concatenate(keys), sp.hstack(mats, format="csc"))
 
     # ---- numpy reference trainer -----------------------------------------------------
     @classmethod
@@ -370,6 +402,53 @@ def _positions(sorted_or_not_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
     order = np.argsort(sorted_or_not_ids, kind="mergesort")
     pos = np.searchsorted(sorted_or_not_ids[order], query)
     return order[pos]
+
+
+@dataclass
+class TreeLayers:
+    """The padded layered shape of a tree, without weights (O(nodes + slots)).
+
+    ``layers[t] = (ids, child_ptr, through)``: the keys of layer t + 1 (node ids; for the last
+    layer, slot ids), ordered by parent position then id, so the children of position p of
+    the layer above are ``child_ptr[p]:child_ptr[p + 1]`` and the nodes of any subtree are
+    contiguous; ``through`` marks pass-through pads under shallow leaves (no classifier).
+    ``slot_order`` = the last layer's slot ids; ``last_leaf``: the real leaf id of each
+    position of the deepest internal layer.
+    """
+
+    layers: list
+    slot_order: np.ndarray
+    last_leaf: np.ndarray
+
+
+def tree_layers(ix: TreeIndex) -> TreeLayers:
+    B = ix.B
+    leaves = ix.leaves
+    ldep = node_depth(leaves, B)
+    prev_ids = np.zeros(1, dtype=np.int64)
+    eff_leaf = leaves.copy()           # leaf id padded down to depth D
+    layers = []
+    for t in range(1, ix.depth + 1):
+        deep = ldep >= t
+        real = np.unique(ancestor_at(leaves[deep], ldep[deep], t, B))
+        pad = eff_leaf[~deep] * B + 1  # pass-through child of a shallow leaf
+        eff_leaf[~deep] = pad
+        ids = np.concatenate([real, pad])
+        through = np.concatenate([np.zeros(len(real), bool), np.ones(len(pad), bool)])
+        ppos = _positions(prev_ids, (ids - 1) // B)
+        order = np.lexsort((ids, ppos))
+        ids, through, ppos = ids[order], through[order], ppos[order]
+        child_ptr = np.concatenate([[0], np.cumsum(np.bincount(ppos, minlength=len(prev_ids)))])
+        layers.append((ids, child_ptr, through))
+        prev_ids = ids
+    # label slots under the (padded) leaves
+    leaf_of_slot = eff_leaf[np.searchsorted(leaves, ix.slot_leaf)]
+    ppos = _positions(prev_ids, leaf_of_slot)
+    order = np.lexsort((ix.slot_label, ppos))
+    child_ptr = np.concatenate([[0], np.cumsum(np.bincount(ppos, minlength=len(prev_ids)))])
+    layers.append((order.astype(np.int64), child_ptr, np.zeros(len(order), bool)))
+    last_leaf = ix.leaves[_positions(eff_leaf, prev_ids)] if ix.depth > 0 else np.zeros(1, np.int64)
+    return TreeLayers(layers, order, last_leaf)
 
 
 def train_group(index: TreeIndex, group: int, Xb: sp.csr_matrix, offsets, labels, train: TrainParams,

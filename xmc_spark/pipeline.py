@@ -25,7 +25,7 @@ from pyspark.sql import functions as F
 from .arrow_utils import list_offsets_values, to_arrow
 from .config import dump_params
 from .kernels.tree import TreeIndex
-from .model import KeyedColumns, ModelTrainParams, XMCModel
+from .model import ModelTrainParams, XMCModel, split_columns
 from .params import PipelineParams, PredictParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
@@ -61,12 +61,7 @@ def weights_to_columns(t: pa.Table, n_cols: int):
     off, idx = list_offsets_values(t, "w_idx")
     _, val = list_offsets_values(t, "w_val")
     W = sp.csc_matrix((np.array(val, np.float32), np.array(idx, np.int32), off), shape=(n_cols, len(keys)))
-    out = []
-    for mask in (~is_leaf, is_leaf):
-        cols = np.flatnonzero(mask)
-        order = cols[np.argsort(keys[cols], kind="mergesort")]
-        out.append(KeyedColumns(keys[order], W[:, order].tocsc()))
-    return out[0], out[1]
+    return split_columns(is_leaf, keys, W)
 
 
 def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams, timer: StageTimer,

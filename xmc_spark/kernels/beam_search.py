@@ -27,6 +27,24 @@ def _transform(v, post):
     return np.exp(-h * h * h)
 
 
+def transform(v: np.ndarray, post_processor: str) -> np.ndarray:
+    """Vectorized :func:`_transform`: a classifier's margin -> its factor of the path score."""
+    if post_processor == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-v))
+    h = np.maximum(1.0 - v, 0.0)
+    return np.exp(-h * h) if post_processor == "l2-hinge" else np.exp(-h * h * h)
+
+
+def score_children(X: sp.csr_matrix, parent_scores: np.ndarray, W: sp.csc_matrix, passthrough: np.ndarray,
+                   post_processor: str) -> np.ndarray:
+    """Path scores (n x K) of the K children of one node for the n rows of X (bias appended)
+    that reached it with ``parent_scores``: the arithmetic of one step of :func:`beam_search`."""
+    S = np.asarray((sp.csr_matrix(X, dtype=np.float64) @ sp.csc_matrix(W, dtype=np.float64)).todense())
+    S = transform(S, post_processor)
+    S[:, np.asarray(passthrough, bool)] = 1.0
+    return S * np.asarray(parent_scores, np.float64)[:, None]
+
+
 @njit()
 def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
     """w_node . x_i: scan w against the dense copy of x, or, when w has many more non-zeros

@@ -1,0 +1,110 @@
+"""A model kept as a weights DataFrame predicts, matches and saves like the broadcast model."""
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from xmc_spark.arrow_utils import csr_rows_to_arrays
+from xmc_spark.model import ModelTrainParams, XMCModel
+from xmc_spark.params import ClustersParams, TreeParams
+from xmc_spark.schemas import TABLES, check_table
+from xmc_spark.stages import sharded
+
+
+def weights_frame(spark, model: XMCModel):
+    """The weights table of ``model`` (what the training stage writes)."""
+    parts = []
+    for is_leaf, kc in ((False, model.node_w), (True, model.slot_w)):
+        idx, val = csr_rows_to_arrays(kc.W.T.tocsr())
+        parts.append(pa.table({"is_leaf": pa.array(np.full(len(kc.keys), is_leaf)), "key": pa.array(kc.keys),
+                               "w_idx": idx, "w_val": val}))
+    return spark.createDataFrame(pa.concat_tables(parts).to_pandas(), TABLES["weights"]).repartition(3)
+
+
+def as_sharded(spark, model: XMCModel) -> sharded.ShardedModel:
+    return sharded.ShardedModel(model.index, weights_frame(spark, model), model.n_features, model.bias,
+                                model.normalize, model.pred_params, dict(model.meta), model.label_counts)
+
+
+@pytest.fixture(scope="module")
+def models(problem):
+    _, Xl, Yl = problem
+    plain = XMCModel.train_local(Xl, Yl, tree=TreeParams(max_leaf_size=3))
+    overlap = XMCModel.train_local(Xl, Yl, ModelTrainParams(tree=TreeParams(max_leaf_size=3),
+                                                            clusters=ClustersParams(copies=2, beam_size=3)))
+    assert plain.index.depth >= 2 and len(overlap.index.slot_label) > Yl.shape[1]
+    return {"plain": plain, "overlap": overlap}
+
+
+def _rows(df, key="sample_id"):
+    return sorted(df.collect(), key=lambda r: r[key])
+
+
+@pytest.mark.parametrize("kind", ["plain", "overlap"])
+@pytest.mark.parametrize("group_rows", [20000, 7])       # 7: the root's rows split over many salted tasks
+def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group_rows):
+    samples, Xl, _ = problem
+    model = models[kind]
+    labels, scores = model.predict(Xl, beam_size=3, topk=4)
+    got = sharded.predict(samples, as_sharded(spark, model), beam_size=3, topk=4, group_rows=group_rows)
+    rows = _rows(check_table(got, "predictions"))
+    assert [r["sample_id"] for r in rows] == list(range(Xl.shape[0]))
+    for r, lab, sc in zip(rows, labels, scores):
+        assert r["pred_labels"] == [int(x) for x in lab if x >= 0]
+        np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
+
+
+def test_sharded_matcher_equals_match_leaves(spark, problem, models):
+    samples, Xl, _ = problem
+    model = models["plain"]
+    leaves, scores = model.match_leaves(Xl, beam_size=3)
+    got = check_table(sharded.matcher(samples, as_sharded(spark, model), beam_size=3, group_rows=11), "matcher")
+    found = {}
+    for r in got.collect():
+        found.setdefault(r["sample_id"], {})[r["leaf"]] = r["score"]
+    for i in range(Xl.shape[0]):
+        ref = {int(leaf): s for leaf, s in zip(leaves[i], scores[i]) if leaf >= 0}
+        assert sorted(found[i]) == sorted(ref)
+        np.testing.assert_allclose([found[i][k] for k in sorted(ref)], [ref[k] for k in sorted(ref)], rtol=1e-5)
+
+
+def test_single_leaf_tree(spark, problem):
+    samples, Xl, Yl = problem
+    model = XMCModel.train_local(Xl, Yl, tree=TreeParams(max_leaf_size=1000))
+    assert model.index.depth == 0
+    labels, scores = model.predict(Xl, beam_size=2, topk=3)
+    rows = _rows(sharded.predict(samples, as_sharded(spark, model), beam_size=2, topk=3))
+    assert [r["pred_labels"] for r in rows] == [[int(x) for x in lab if x >= 0] for lab in labels]
+    m = sharded.matcher(samples, as_sharded(spark, model), beam_size=2)
+    assert {(r["leaf"], r["score"]) for r in m.collect()} == {(0, 1.0)}
+
+
+def test_chunked_save_load_round_trip(spark, problem, models, tmp_path, monkeypatch):
+    samples, Xl, _ = problem
+    model = models["overlap"]
+    model.label_counts = np.arange(model.n_labels)
+    sm = as_sharded(spark, model)
+    sm.nbytes = sharded.weights_nbytes(sm.weights)
+    assert sm.nbytes == 8 * (model.node_w.W.nnz + model.slot_w.W.nnz)
+    monkeypatch.setattr(sharded, "PART_BYTES", max(1, sm.nbytes // 3))      # several part files
+    param = {"model": "XMCModel", "n_features": model.n_features, "n_labels": model.n_labels, "bias": model.bias,
+             "normalize": model.normalize, "nr_splits": model.index.B, "pred_params": model.pred_params.to_dict(),
+             "meta": {"x": 1}}
+    folder = tmp_path / "m"
+    sharded.save(sm, str(folder), param)
+    parts = sorted(p.name for p in (folder / "weights").iterdir())
+    assert len(parts) >= 2 and sharded.is_chunked(str(folder))
+    back = XMCModel.load(str(folder))                          # whole, in memory
+    np.testing.assert_array_equal(back.label_counts, model.label_counts)
+    for a, b in ((back.node_w, model.node_w), (back.slot_w, model.slot_w)):
+        np.testing.assert_array_equal(a.keys, b.keys)
+        assert abs(a.W - b.W).max() == 0
+    lab, sc = model.predict(Xl, beam_size=3, topk=4)
+    lab2, sc2 = back.predict(Xl, beam_size=3, topk=4)
+    np.testing.assert_array_equal(lab, lab2)
+    lazy = sharded.load(spark, str(folder))                    # weights read by the tasks
+    rows = _rows(sharded.predict(samples, lazy, beam_size=3, topk=4))
+    assert [r["pred_labels"] for r in rows] == [[int(x) for x in r if x >= 0] for r in lab]
+    assert lazy.meta == {"x": 1}
+    (folder / "weights" / parts[0]).unlink()
+    with pytest.raises(Exception, match="missing"):
+        XMCModel.load(str(folder))

@@ -1,0 +1,324 @@
+"""A model too big to broadcast: its weights stay in a DataFrame, prediction runs level by level.
+
+When the ``weights`` table exceeds ``predict.max_broadcast_mb``, the pipeline never collects it:
+a :class:`ShardedModel` holds the tree (O(labels), on the driver) and the weights as a
+DataFrame ``(is_leaf, key, w_idx, w_val)``.
+
+Beam search (:func:`predict`, :func:`matcher`) then runs one tree layer per step, with the
+arithmetic of :func:`~xmc_spark.kernels.beam_search.beam_search`:
+
+1. each (sample, beam node) row is grouped with the weights of that node's children — a
+   cogroup keyed by the parent's position in the layer (and a salt: a parent reached by many
+   rows, like the root, is split over ``ceil(rows / group_rows)`` tasks, each getting its own
+   copy of that node's few classifiers), so a task holds some rows plus one node's children;
+2. the task scores the children (:func:`~xmc_spark.kernels.beam_search.score_children`);
+3. the candidates are merged per sample (top ``beam_size`` by score, ties by position; at the
+   label layer, a label reached through several leaves gets the mean of its scores, then the
+   top ``topk``), and joined back to the rows' features for the next layer.
+
+The answer equals the broadcast beam search (same candidates, same products of the same
+factors; only the summation order of a dot product differs). It costs three shuffles per
+layer, so the pipeline takes it only above the bound. ``search = tree | adaptive`` is a
+broadcast-path option; the sharded path is always ``layered``.
+
+The saved model of a sharded model is chunked (:func:`save`, format version 2): the driver
+writes ``param.json`` and ``tree.npz`` (O(labels)); Spark tasks write ``weights/part-*.npz``,
+one per range of keys, each at most about :data:`PART_BYTES`. The folder must be on storage
+the driver and the executors share (local mode, a Databricks ``/Volumes`` or ``/dbfs`` path).
+:meth:`XMCModel.load` reads both layouts whole; :func:`load` gives a :class:`ShardedModel`
+whose weights DataFrame the tasks read part by part.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import scipy.sparse as sp
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_values
+from ..kernels.beam_search import score_children
+from ..kernels.sparse import append_bias
+from ..kernels.tree import TreeIndex
+from ..model import CHUNKED_VERSION, ModelFormatError, load_npz, load_part, save_part, tree_layers
+from ..params import PredictParams
+from ..progress import worker_progress
+from ..schemas import TABLES, WEIGHTS_SCHEMA
+
+GROUP_ROWS = 20000               # rows of one (parent, salt) group: bounds a task's share of a layer
+PART_BYTES = 64 << 20            # a saved part file holds about this many bytes of weights
+BYTES_PER_NNZ = 8                # int32 index + float32 value
+
+
+@dataclass
+class ShardedModel:
+    """Tree + params on the driver, weights in a DataFrame ``(is_leaf, key, w_idx, w_val)``."""
+
+    index: TreeIndex
+    weights: DataFrame
+    n_features: int
+    bias: float = 1.0
+    normalize: bool = True
+    pred_params: PredictParams = field(default_factory=PredictParams)
+    meta: dict = field(default_factory=dict)
+    label_counts: Optional[np.ndarray] = None
+    nbytes: int = 0
+
+    @property
+    def n_labels(self) -> int:
+        return self.index.n_labels
+
+    def label_depth(self) -> np.ndarray:
+        return self.index.label_depth()
+
+
+def weights_nbytes(weights: DataFrame) -> int:
+    """Size of a weights table's classifiers (one aggregate; 8 bytes a non-zero)."""
+    row = weights.agg(F.sum(F.size("w_idx")).alias("nnz")).collect()[0]
+    return int(row["nnz"] or 0) * BYTES_PER_NNZ
+
+
+def _placement(index: TreeIndex):
+    """Layer shape plus, for every weight key, its layer and position: O(nodes + slots)."""
+    shape = tree_layers(index)
+    ids, layer, pos, parent = [], [], [], []
+    for t, (keys, child_ptr, _) in enumerate(shape.layers[:-1]):
+        ids.append(keys)
+        layer.append(np.full(len(keys), t, np.int32))
+        pos.append(np.arange(len(keys)))
+        parent.append(np.repeat(np.arange(len(child_ptr) - 1), np.diff(child_ptr)))
+    ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    order = np.argsort(ids, kind="mergesort")
+    node = (ids[order], np.concatenate(layer)[order] if layer else np.zeros(0, np.int32),
+            np.concatenate(pos)[order] if pos else np.zeros(0, np.int64),
+            np.concatenate(parent)[order] if parent else np.zeros(0, np.int64))
+    slots, slot_ptr, _ = shape.layers[-1]
+    slot_pos = np.empty(len(slots), np.int64)
+    slot_pos[slots] = np.arange(len(slots))
+    slot_parent = np.repeat(np.arange(len(slot_ptr) - 1), np.diff(slot_ptr))
+    return shape, node, (slot_pos, slot_parent)
+
+
+def _placed(weights: DataFrame, index: TreeIndex) -> DataFrame:
+    """Weights rows with their layer, parent position (the cogroup key) and own position."""
+    _, node, (slot_pos, slot_parent) = _placement(index)
+    n_layers = len(tree_layers(index).layers)
+    nid, nlayer, npos, nparent = node
+
+    def place(batches):
+        for b in batches:
+            t = pa.Table.from_batches([b])
+            leaf = t.column("is_leaf").to_numpy(zero_copy_only=False).astype(bool)
+            key = t.column("key").to_numpy().astype(np.int64)
+            layer = np.full(len(key), n_layers - 1, np.int32)
+            pos = np.zeros(len(key), np.int64)
+            ppos = np.zeros(len(key), np.int64)
+            if leaf.any():
+                pos[leaf] = slot_pos[key[leaf]]
+                ppos[leaf] = slot_parent[pos[leaf]]
+            inner = ~leaf
+            if inner.any():
+                j = np.searchsorted(nid, key[inner])
+                j = np.minimum(j, max(len(nid) - 1, 0))
+                if len(nid) == 0 or not np.array_equal(nid[j], key[inner]):
+                    bad = key[inner][nid[j] != key[inner]] if len(nid) else key[inner]
+                    raise ModelFormatError(f"weights hold node {int(bad[0])}, which is not in the tree")
+                layer[inner], pos[inner], ppos[inner] = nlayer[j], npos[j], nparent[j]
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(layer), pa.array(ppos), pa.array(pos), t.column("w_idx").combine_chunks(),
+                 t.column("w_val").combine_chunks()], names=["layer", "ppos", "pos", "w_idx", "w_val"])
+
+    return weights.mapInArrow(place, "layer int, ppos long, pos long, w_idx array<int>, w_val array<float>")
+
+
+def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int,
+          final_topk: Optional[int]):
+    """The beam over the first ``n_layers`` layers: rows (sample_id, pos, score) of the last
+    one's candidates, top ``beam_size`` per sample — or, with ``final_topk``, the label layer's
+    (sample_id, pred_labels, pred_scores)."""
+    shape = tree_layers(model.index)
+    W = _placed(model.weights, model.index).persist()
+    feats = samples.select("sample_id", "feature_idx", "feature_val")
+    n = max(samples.count(), 1)
+    cur = feats.select("*", F.lit(0).cast("long").alias("ppos"), F.lit(1.0).alias("pscore"))
+    slot_label = model.index.slot_label
+    top = None
+    for t in range(n_layers):
+        keys, child_ptr, through = shape.layers[t]
+        last = final_topk is not None and t == n_layers - 1
+        m_prev = len(child_ptr) - 1
+        salt = max(1, math.ceil(n * min(beam_size, m_prev) / m_prev / group_rows))
+
+        score = _scorer(model, child_ptr, through, slot_label[keys] if last else None)
+        left = cur.withColumn("salt", F.pmod(F.xxhash64("sample_id"), F.lit(salt)))
+        right = W.filter(F.col("layer") == t).withColumn("salt", F.explode(F.sequence(F.lit(0), F.lit(salt - 1))))
+        cand = (left.groupBy("ppos", "salt").cogroup(right.groupBy("ppos", "salt"))
+                .applyInArrow(score, "sample_id long, pos long, score double"))
+        if last:
+            per_label = cand.groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
+            best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1,
+                           final_topk)
+            return (per_label.groupBy("sample_id").agg(best.alias("top"))
+                    .select("sample_id", F.col("top.pos").cast("array<int>").alias("pred_labels"),
+                            F.transform("top.neg", lambda v: -v).cast("array<float>").alias("pred_scores")))
+        best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1, beam_size)
+        top = cand.groupBy("sample_id").agg(best.alias("beam"))
+        if t < n_layers - 1:
+            cur = (top.join(feats, "sample_id")
+                   .select("sample_id", "feature_idx", "feature_val", F.explode("beam").alias("e"))
+                   .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
+                           (-F.col("e.neg")).alias("pscore")))
+    return top.select("sample_id", F.explode("beam").alias("e")).select(
+        "sample_id", F.col("e.pos").alias("pos"), (-F.col("e.neg")).alias("score"))
+
+
+def _scorer(model: ShardedModel, child_ptr: np.ndarray, through: np.ndarray, labels: Optional[np.ndarray]):
+    """The cogroup function of one layer: (rows that reached parent p, weights of p's children)
+    -> (sample_id, child position or, at the label layer, label, path score) per row and child."""
+    n_cols = model.n_features + (1 if model.bias > 0 else 0)
+    n_features, bias, post = model.n_features, model.bias, model.pred_params.post_processor
+
+    def score(left: pa.Table, right: pa.Table) -> pa.Table:
+        if left.num_rows == 0:
+            return pa.table({"sample_id": pa.array([], pa.int64()), "pos": pa.array([], pa.int64()),
+                             "score": pa.array([], pa.float64())})
+        p = int(left.column("ppos")[0].as_py())
+        c0, c1 = int(child_ptr[p]), int(child_ptr[p + 1])
+        off, idx = list_offsets_values(right, "w_idx")
+        _, val = list_offsets_values(right, "w_val")
+        W = _columns(off, idx, val, right.column("pos").to_numpy() - c0, c1 - c0, n_cols)
+        X = append_bias(csr_from_table(left, "feature_idx", "feature_val", n_features), bias)
+        S = score_children(X, left.column("pscore").to_numpy(), W, through[c0:c1], post)
+        ids = left.column("sample_id").to_numpy()
+        out = np.arange(c0, c1) if labels is None else labels[c0:c1]
+        worker_progress("predict", rows_scored=left.num_rows)
+        return pa.table({"sample_id": pa.array(np.repeat(ids, c1 - c0)), "pos": pa.array(np.tile(out, len(ids))),
+                         "score": pa.array(S.ravel())})
+
+    return score
+
+
+def _columns(off, idx, val, col, K: int, n_rows: int):
+    """A csc matrix (n_rows x K) whose column col[j] holds list row j (missing columns empty)."""
+    counts = np.zeros(K, np.int64)
+    lens = np.diff(off)
+    counts[col] = lens
+    order = np.argsort(col, kind="mergesort")
+    starts = off[:-1][order]
+    sl = lens[order]
+    take = np.repeat(starts - np.cumsum(sl) + sl, sl) + np.arange(int(sl.sum()))   # rows' values, by column
+    ptr = np.concatenate([[0], np.cumsum(counts)])
+    return sp.csc_matrix((val[take].astype(np.float64), idx[take], ptr), shape=(n_rows, K))
+
+
+def predict(samples: DataFrame, model: ShardedModel, beam_size: int, topk: int,
+            group_rows: int = GROUP_ROWS) -> DataFrame:
+    """(sample_id, pred_labels, pred_scores), top-k per sample, best first: equal to the
+    broadcast beam search of the same model."""
+    n_layers = len(tree_layers(model.index).layers)
+    return _beam(samples, model, beam_size, n_layers, group_rows, topk).to(TABLES["predictions"])
+
+
+def matcher(samples: DataFrame, model: ShardedModel, beam_size: int, group_rows: int = GROUP_ROWS) -> DataFrame:
+    """M as a table (sample_id, leaf, score): the leaves each sample's beam reaches, as
+    :meth:`XMCModel.match_leaves` (the overlapping-cluster stage's matcher)."""
+    shape = tree_layers(model.index)
+    inner = len(shape.layers) - 1
+    if inner == 0:   # the root is the only leaf
+        return samples.select("sample_id", F.lit(0).cast("long").alias("leaf"), F.lit(1.0).cast("float").alias("score"))
+    beam = _beam(samples, model, beam_size, inner, group_rows, None)
+    leaves = samples.sparkSession.createDataFrame(
+        [(int(p), int(leaf)) for p, leaf in enumerate(shape.last_leaf)], "pos long, leaf long")
+    return (beam.join(F.broadcast(leaves), "pos")
+            .select("sample_id", "leaf", F.col("score").cast("float").alias("score"))).to(TABLES["matcher"])
+
+
+# ---- chunked model folder ------------------------------------------------------------------
+
+def save(model: ShardedModel, folder: str, param: dict) -> None:
+    """Write ``folder`` as a chunked model (format 2): ``param`` (the keys of
+    :meth:`XMCModel._write`'s param.json) and the tree from the driver, the weights' part files
+    from the tasks; atomic like :meth:`XMCModel.save` (a temp folder renamed into place)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-model-{uuid.uuid4().hex}"
+    (tmp / "weights").mkdir(parents=True)
+    try:
+        n_parts = max(1, math.ceil(model.nbytes / PART_BYTES))
+        wdir = str(tmp / "weights")
+        n_cols = model.n_features + (1 if model.bias > 0 else 0)
+
+        def write(batches):
+            batches = list(batches)
+            if not batches or sum(b.num_rows for b in batches) == 0:
+                return
+            t = pa.Table.from_batches(batches)
+            off, idx = list_offsets_values(t, "w_idx")
+            _, val = list_offsets_values(t, "w_val")
+            W = sp.csc_matrix((np.asarray(val, np.float32), np.asarray(idx, np.int32), off), shape=(n_cols, t.num_rows))
+            name = f"part-{uuid.uuid4().hex}.npz"
+            save_part(os.path.join(wdir, name), t.column("is_leaf").to_numpy(zero_copy_only=False),
+                      t.column("key").to_numpy(), W)
+            yield pa.RecordBatch.from_arrays([pa.array([f"weights/{name}"]), pa.array([t.num_rows])],
+                                             names=["part", "columns"])
+
+        parts = (model.weights.repartitionByRange(n_parts, "is_leaf", "key")
+                 .mapInArrow(write, "part string, columns long").collect())   # O(parts) rows
+        names = sorted(r["part"] for r in parts)
+        param = {**param, "format_version": CHUNKED_VERSION,
+                 "weights": {"layout": "chunked", "parts": names, "nbytes": int(model.nbytes)}}
+        (tmp / "param.json").write_text(json.dumps(param, indent=2))
+        extra = {} if model.label_counts is None else {"label_counts": np.asarray(model.label_counts)}
+        np.savez(tmp / "tree.npz", **model.index.to_arrays(), **extra)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def is_chunked(folder: str) -> bool:
+    try:
+        return json.loads((Path(folder) / "param.json").read_text()).get("format_version") == CHUNKED_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load(spark, folder: str) -> ShardedModel:
+    """A chunked model folder as a :class:`ShardedModel`: the tree on the driver, the weights
+    read by tasks, one part file each (nothing of the weights passes through the driver)."""
+    folder = Path(folder)
+    param = json.loads((folder / "param.json").read_text())
+    if param.get("format_version") != CHUNKED_VERSION:
+        raise ModelFormatError(f"{folder}: not a chunked model (format version {param.get('format_version')!r})")
+    t = load_npz(folder / "tree.npz", ("slot_label", "slot_leaf"))
+    index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
+    parts = [str(folder / p) for p in param["weights"]["parts"]]
+    for p in parts:
+        if not os.path.isfile(p):
+            raise ModelFormatError(f"{p}: missing (the model folder is incomplete)")
+
+    def read(batches):
+        for b in batches:
+            for path in b.column(0).to_pylist():
+                is_leaf, keys, W = load_part(path)
+                idx, val = csr_rows_to_arrays(W.T.tocsr())
+                yield pa.RecordBatch.from_arrays([pa.array(is_leaf), pa.array(keys), idx, val],
+                                                 names=["is_leaf", "key", "w_idx", "w_val"])
+
+    files = spark.createDataFrame([(p,) for p in parts], "path string").repartition(max(1, len(parts)))
+    weights = files.mapInArrow(read, WEIGHTS_SCHEMA)
+    model = ShardedModel(index, weights, param["n_features"], param["bias"], param["normalize"],
+                         PredictParams.from_dict(param["pred_params"]), param.get("meta") or {},
+                         t.get("label_counts"), int(param["weights"].get("nbytes", 0)))
+    return model
