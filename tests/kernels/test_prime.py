@@ -92,13 +92,13 @@ def tiny(variant="triplet", residual=True, gmin=GMIN, gmax=GMAX, dropout=0.0, **
     return model, Xq, Yq, pos, neg, valid
 
 
-@pytest.mark.parametrize("variant,dropout", [("triplet", 0.0), ("inverted", 0.0), ("fixed", 0.0),
-                                             ("triplet", 0.3)])
-def test_whole_backward_pass_matches_finite_differences(variant, dropout):
+@pytest.mark.parametrize("variant,dropout,hinge", [("triplet", 0.0, False), ("inverted", 0.0, False),
+                                                   ("fixed", 0.0, False), ("triplet", 0.3, True)])
+def test_whole_backward_pass_matches_finite_differences(variant, dropout, hinge):
     # gamma_min = gamma_max: the detached margin is then a constant, so the finite difference of
     # the loss value is the true derivative (with a moving clip it would also differentiate the
     # margin, which Eq. 14 detaches; that case is the test above)
-    model, Xq, Yq, pos, neg, valid = tiny(variant, gmin=0.2, gmax=0.2, dropout=dropout)
+    model, Xq, Yq, pos, neg, valid = tiny(variant, gmin=0.2, gmax=0.2, dropout=dropout, r_hinge=hinge)
     seed = 11
 
     def loss():
@@ -125,8 +125,9 @@ def test_whole_backward_pass_matches_finite_differences(variant, dropout):
     assert np.linalg.norm(grads["V"]) > 0 and np.linalg.norm(grads["E"]) > 0
 
 
-def test_batch_loss_terms_are_eq5_to_7_by_brute_force():
-    model, Xq, Yq, pos, neg, valid = tiny("triplet")
+@pytest.mark.parametrize("hinge", [False, True])
+def test_batch_loss_terms_are_eq5_to_7_by_brute_force(hinge):
+    model, Xq, Yq, pos, neg, valid = tiny("triplet", r_hinge=hinge)
     loss, _, hq, parts = P.batch_loss(model, Xq, Yq, pos, neg, valid)
     W = model.weights
     L = model.n_labels
@@ -150,6 +151,9 @@ def test_batch_loss_terms_are_eq5_to_7_by_brute_force():
     assert parts["qz"] == pytest.approx(np.mean(qz))
     assert parts["ql"] == pytest.approx(np.mean(ql))
     assert parts["lq"] == pytest.approx(np.mean(lq))
+    if hinge:
+        assert min(rp + rn) < 0 < max(rp + rn)          # the hinge cuts something off
+        rp, rn = np.maximum(rp, 0), np.maximum(rn, 0)
     assert parts["R"] == pytest.approx(0.5 * (np.mean(rp) + np.mean(rn)))
     assert loss == pytest.approx(np.mean(qz) + np.mean(ql) + np.mean(lq) + 0.3 * parts["R"])
 

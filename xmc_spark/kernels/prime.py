@@ -28,7 +28,11 @@ Model
   ``use_centroids`` / ``use_free`` drop a token (the paper's ablations).
 * **Loss** Eq. 5: ``L_T(h_q, z) + L_T(h_q, h_l) + L_T(h_l, h_q) + lambda R``, each triplet term
   the mean over the batch's valid (anchor, positive, negative) triplets of
-  :func:`margin_loss`; R is Eq. 6-7 as written (linear, no hinge: m' only shifts its value).
+  :func:`margin_loss`. R averages its terms over the batch's positive and valid negative pairs;
+  by default (``r_hinge``) each term is ``max(s_qp - b_qp + m', 0)`` / ``max(b_qn - s_qn + m', 0)``:
+  as written (``r_hinge=False``, linear) m' only shifts the value and R_n keeps pulling the
+  negatives' *label* embeddings toward the query without bound, against L_T(h_q, h_l); the
+  hinge stops once the prototype beats the label embedding by m'.
   Query->label terms use the row's sampled positives and its negatives (hard from the given
   shortlist, plus random); the label->query term anchors each sampled positive label and takes
   the other batch rows that do not carry that label as negatives (in-batch).
@@ -78,18 +82,19 @@ class PrimeParams:
     residual: bool = False         # encoder: + GELU(e W + b) residual layer
     ffn: int = 1024                # LPN feed-forward width
     dropout: float = 0.1           # LPN dropout (attention weights, attention out, FFN)
-    lr: float = 1e-3
+    lr: float = 3e-4                # the paper's (Table 10)
     weight_decay: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.999
     adam_eps: float = 1e-8
-    epochs: int = 10
+    epochs: int = 15
     batch_size: int = 256
     n_pos: int = 1                 # positives sampled per row (inverse propensity, Appendix I)
     n_hard: int = 8                # negatives per row drawn from its shortlist
     n_random: int = 8              # random negatives per row (all negatives when no shortlist)
     lambda_r: float = 0.1          # weight of R (Eq. 5)
     r_margin: float = 0.0          # m' of Eq. 6-7
+    r_hinge: bool = True           # R's terms as max(., 0) (so m' matters); False: Eq. 6-7 as written
     gamma_min: float = 0.1
     gamma_max: float = 0.3
     alpha: float = 0.95            # centroid momentum (Eq. 4)
@@ -205,8 +210,13 @@ def margin_loss(d: np.ndarray, gamma_min: float, gamma_max: float, variant: str 
 
 def _segment_sum(idx: np.ndarray, coef: np.ndarray, rows: np.ndarray, vecs: np.ndarray, n: int) -> np.ndarray:
     """out[k] = sum over j with idx[j] == k of coef[j] * vecs[rows[j]] (n x dim), via one sparse product."""
-    M = sp.csr_matrix((coef.ravel(), (idx.ravel(), rows.ravel())), shape=(n, vecs.shape[0]))
+    M = sp.csr_matrix((np.asarray(coef, vecs.dtype).ravel(), (idx.ravel(), rows.ravel())), shape=(n, vecs.shape[0]))
     return np.asarray(M @ vecs)
+
+
+def _mm(x: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """x (..., a) @ W (a, b) as one 2-D BLAS product."""
+    return (x.reshape(-1, x.shape[-1]) @ W).reshape(*x.shape[:-1], W.shape[1])
 
 
 # ---- encoder ----------------------------------------------------------------------------------
@@ -241,9 +251,9 @@ def lpn_forward(W: Dict[str, np.ndarray], T: np.ndarray, dropout: float = 0.0, r
     before the final L2 normalization; dropout is active only when ``rng`` is given."""
     m, t, D = T.shape
     dt = T.dtype
-    Q = T @ W["Wq"] + W["bq"]
-    K = T @ W["Wk"] + W["bk"]
-    Vv = T @ W["Wv"] + W["bv"]
+    Q = _mm(T, W["Wq"]) + W["bq"]
+    K = _mm(T, W["Wk"]) + W["bk"]
+    Vv = _mm(T, W["Wv"]) + W["bv"]
     S = Q @ K.transpose(0, 2, 1) / math.sqrt(D)
     S = S - S.max(-1, keepdims=True)
     A = np.exp(S)
@@ -251,14 +261,14 @@ def lpn_forward(W: Dict[str, np.ndarray], T: np.ndarray, dropout: float = 0.0, r
     mA = _dropout_mask(A.shape, dropout, rng, dt)
     Ad = _drop(A, mA)
     Oh = Ad @ Vv
-    att = Oh @ W["Wo"] + W["bo"]
+    att = _mm(Oh, W["Wo"]) + W["bo"]
     m1 = _dropout_mask(att.shape, dropout, rng, dt)
     x1, c1 = layer_norm(T + _drop(att, m1), W["ln1_g"], W["ln1_b"])
-    a = x1 @ W["Wf1"] + W["bf1"]
+    a = _mm(x1, W["Wf1"]) + W["bf1"]
     g = gelu(a)
     m2 = _dropout_mask(g.shape, dropout, rng, dt)
     gd = _drop(g, m2)
-    f = gd @ W["Wf2"] + W["bf2"]
+    f = _mm(gd, W["Wf2"]) + W["bf2"]
     m3 = _dropout_mask(f.shape, dropout, rng, dt)
     y, c2 = layer_norm(x1 + _drop(f, m3), W["ln2_g"], W["ln2_b"])
     return y.mean(1), (T, Q, K, Vv, A, mA, Ad, Oh, m1, x1, c1, a, m2, gd, m3, c2)
@@ -273,15 +283,15 @@ def lpn_backward(W, dpool: np.ndarray, cache, grads):
     df = _drop(dr2, m3)
     grads["Wf2"] = gd.reshape(-1, gd.shape[-1]).T @ df.reshape(-1, D)
     grads["bf2"] = df.sum((0, 1))
-    da = _drop(df @ W["Wf2"].T, m2) * gelu_grad(a)
+    da = _drop(_mm(df, W["Wf2"].T), m2) * gelu_grad(a)
     grads["Wf1"] = x1.reshape(-1, D).T @ da.reshape(-1, da.shape[-1])
     grads["bf1"] = da.sum((0, 1))
-    dx1 = dr2 + da @ W["Wf1"].T
+    dx1 = dr2 + _mm(da, W["Wf1"].T)
     dr1, grads["ln1_g"], grads["ln1_b"] = layer_norm_backward(dx1, c1)
     datt = _drop(dr1, m1)
     grads["Wo"] = Oh.reshape(-1, D).T @ datt.reshape(-1, D)
     grads["bo"] = datt.sum((0, 1))
-    dO = datt @ W["Wo"].T
+    dO = _mm(datt, W["Wo"].T)
     dVv = Ad.transpose(0, 2, 1) @ dO
     dA = _drop(dO @ Vv.transpose(0, 2, 1), mA)
     dS = A * (dA - (dA * A).sum(-1, keepdims=True)) / math.sqrt(D)
@@ -292,7 +302,7 @@ def lpn_backward(W, dpool: np.ndarray, cache, grads):
     for name, dP in (("q", dQ), ("k", dK), ("v", dVv)):
         grads["W" + name] = Tf.T @ dP.reshape(-1, D)
         grads["b" + name] = dP.sum((0, 1))
-        dT += dP @ W["W" + name].T
+        dT += _mm(dP, W["W" + name].T)
     return dT
 
 
@@ -435,13 +445,17 @@ def batch_loss(model: PrimeModel, Xq: sp.csr_matrix, Yq: sp.csr_matrix, pos: np.
     # R = (R_p + R_n) / 2, Eq. 6-7
     lam = prm.lambda_r
     nv = max(int(valid.sum()), 1)
-    r_p = float(np.mean(slp - bzp) + prm.r_margin)
-    r_n = float(((bzn - sln) * valid).sum() / nv + prm.r_margin)
+    t_p = slp - bzp + prm.r_margin
+    t_n = bzn - sln + prm.r_margin
+    a_p = (t_p > 0) if prm.r_hinge else np.ones(t_p.shape, bool)
+    a_n = ((t_n > 0) if prm.r_hinge else np.ones(t_n.shape, bool)) & valid
+    r_p = float((t_p * a_p).sum() / pos.size)
+    r_n = float((t_n * a_n).sum() / nv)
     reg = 0.5 * (r_p + r_n)
-    d_slp = d_slp + 0.5 * lam / pos.size
-    d_bzp = d_bzp - 0.5 * lam / pos.size
-    d_bzn = d_bzn + 0.5 * lam * valid / nv
-    d_sln = d_sln - 0.5 * lam * valid / nv
+    d_slp = d_slp + 0.5 * lam * a_p / pos.size
+    d_bzp = d_bzp - 0.5 * lam * a_p / pos.size
+    d_bzn = d_bzn + 0.5 * lam * a_n / nv
+    d_sln = d_sln - 0.5 * lam * a_n / nv
 
     loss = l_qz + l_ql + l_lq + lam * reg
     # back to h_q, z_U, h_U
@@ -456,6 +470,8 @@ def batch_loss(model: PrimeModel, Xq: sp.csr_matrix, Yq: sp.csr_matrix, pos: np.
     dhU += _segment_sum(pu.ravel(), np.ones(pu.size), np.arange(pu.size), dS @ hq, nU)
 
     grads: Dict[str, np.ndarray] = {}
+    dt = h.dtype
+    dhq, dz, dhU = dhq.astype(dt, copy=False), dz.astype(dt, copy=False), dhU.astype(dt, copy=False)
     dT = lpn_backward(W, l2n_backward(dz, z, zn), lcache, grads)
     dhU += dT[:, 0]
     if prm.use_free:
@@ -536,11 +552,12 @@ def sample_negatives(Yq: sp.csr_matrix, n_labels: int, n_hard: int, n_random: in
 
 # ---- training ---------------------------------------------------------------------------------
 def train(X: sp.csr_matrix, Y: sp.csr_matrix, prm: PrimeParams, shortlist: Optional[np.ndarray] = None,
-          label_features=None, on_epoch: Optional[Callable[[int, float], None]] = None) -> PrimeModel:
+          label_features=None, on_epoch: Optional[Callable[[int, PrimeModel], None]] = None) -> PrimeModel:
     """Train on the rows of X (n x features, L2-normalized as ingest gives them) with labels Y
     (n x L); ``shortlist`` n x K label ids (-1 padded) gives the hard negatives (e.g. the tree's
     beam search over the training rows). Rows without labels are skipped. One process, the
-    rows streamed in mini-batches; float32."""
+    rows streamed in mini-batches; float32. ``on_epoch(epoch, model)`` runs after every epoch
+    (``model.history`` holds the mean batch loss of each epoch so far)."""
     X = sp.csr_matrix(X, dtype=np.float32)
     Y = sp.csr_matrix(Y)
     n, L = Y.shape
@@ -568,7 +585,7 @@ def train(X: sp.csr_matrix, Y: sp.csr_matrix, prm: PrimeParams, shortlist: Optio
             nb += 1
         model.history.append(total / max(nb, 1))
         if on_epoch is not None:
-            on_epoch(ep, model.history[-1])
+            on_epoch(ep, model)
     return model
 
 
