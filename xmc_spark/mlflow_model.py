@@ -113,16 +113,18 @@ def log_model(model_dir: str, registered_model: str = "", alias: str = "", name:
     from mlflow.models import ModelSignature, infer_signature
     from mlflow.types.schema import ColSpec, Schema
 
-    from .model import XMCModel
+    from .model import read_header
+    from .params import PredictParams
 
-    model = XMCModel.load(model_dir)
+    param, _, _ = read_header(model_dir)        # the header only: a chunked model may not fit here
+    n_features, pred = int(param["n_features"]), PredictParams.from_dict(param["pred_params"])
     rng = np.random.default_rng(0)
-    k = min(3, model.n_features)
+    k = min(3, n_features)
     example = pd.DataFrame({"sample_id": [0],
-                            "feature_idx": [np.sort(rng.choice(model.n_features, k, replace=False)).tolist()],
+                            "feature_idx": [np.sort(rng.choice(n_features, k, replace=False)).tolist()],
                             "feature_val": [[1.0] * k]})
-    signature = infer_signature(example, score_frame(model, example), params={"topk": model.pred_params.topk,
-                                                                              "beam_size": model.pred_params.beam_size})
+    output = pd.DataFrame({"sample_id": [0], "labels": [np.zeros(1, np.int64)], "scores": [np.ones(1)]})
+    signature = infer_signature(example, output, params={"topk": pred.topk, "beam_size": pred.beam_size})
     signature = ModelSignature(    # sample_id is optional: it (like any extra column) passes through
         inputs=Schema([ColSpec(c.type, c.name, required=c.name != "sample_id") for c in signature.inputs.inputs]),
         outputs=signature.outputs, params=signature.params)

@@ -87,6 +87,80 @@ class KeyedColumns:
         return cls(z["keys"], W)
 
 
+def write_header(folder: Path, model, version: int, **extra_param) -> None:
+    """``param.json`` and ``tree.npz`` of a model folder (an :class:`XMCModel` or a sharded
+    model: anything with index, sizes, bias, normalize, pred_params, meta, label_counts)."""
+    param = {
+        "model": "XMCModel", "format_version": version,
+        "n_features": model.n_features, "n_labels": model.n_labels, "bias": model.bias,
+        "normalize": model.normalize, "nr_splits": model.index.B,
+        "pred_params": model.pred_params.to_dict(), "meta": model.meta, **extra_param,
+    }
+    (folder / "param.json").write_text(json.dumps(param, indent=2))
+    extra = {} if model.label_counts is None else {"label_counts": np.asarray(model.label_counts)}
+    np.savez(folder / "tree.npz", **model.index.to_arrays(), **extra)
+
+
+def atomic_folder(folder, write) -> None:
+    """``write(tmp)`` into a fresh sibling folder, then rename it to ``folder`` (replacing it);
+    on failure nothing is left behind. The folder's mode follows the umask."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-model-{uuid.uuid4().hex}"
+    tmp.mkdir()                       # not tempfile.mkdtemp: that one is always 0700
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def is_chunked(folder) -> bool:
+    """Whether ``folder`` holds a chunked (format 2) model."""
+    try:
+        return json.loads((Path(folder) / "param.json").read_text()).get("format_version") == CHUNKED_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_header(folder) -> tuple:
+    """(param dict, TreeIndex, label counts or None) of a model folder of either layout, checked:
+    a missing or broken part raises :class:`ModelFormatError` naming the file. For a chunked
+    folder the part files' presence is checked too, not their contents."""
+    folder = Path(folder)
+    pfile = folder / "param.json"
+    if not pfile.is_file():
+        raise ModelFormatError(f"{folder} is not an xmc-spark model folder (no param.json)")
+    try:
+        param = json.loads(pfile.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"{pfile}: not valid JSON ({e})") from None
+    if not isinstance(param, dict) or param.get("model") != "XMCModel":
+        found = param.get("model") if isinstance(param, dict) else param
+        raise ModelFormatError(f"{pfile}: model class is {found!r}, expected 'XMCModel'")
+    version = param.get("format_version")
+    if version not in (FORMAT_VERSION, CHUNKED_VERSION):
+        raise ModelFormatError(f"{folder}: model format version {version!r}, this xmc-spark reads versions "
+                               f"{FORMAT_VERSION} and {CHUNKED_VERSION} (saved by another xmc-spark version?)")
+    missing = [k for k in ("n_features", "n_labels", "bias", "normalize", "nr_splits", "pred_params")
+               if k not in param]
+    if missing:
+        raise ModelFormatError(f"{pfile}: missing key(s) {', '.join(missing)}")
+    if version == CHUNKED_VERSION:
+        parts = (param.get("weights") or {}).get("parts") if isinstance(param.get("weights"), dict) else None
+        if not isinstance(parts, list):
+            raise ModelFormatError(f"{pfile}: a chunked model needs weights.parts (a list of files)")
+        for name in parts:
+            if not (folder / str(name)).is_file():
+                raise ModelFormatError(f"{folder / str(name)}: missing (the model folder is incomplete)")
+    t = load_npz(folder / "tree.npz", ("slot_label", "slot_leaf"))
+    index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
+    return param, index, t.get("label_counts")
+
+
 def split_columns(is_leaf: np.ndarray, keys: np.ndarray, W: sp.csc_matrix):
     """Weight columns keyed (is_leaf, key) -> (node KeyedColumns, slot KeyedColumns), keys sorted."""
     out = []
@@ -272,58 +346,35 @@ class XMCModel:
         return self.index.label_depth()
 
     # ---- persistence -----------------------------------------------------------------
-    def save(self, folder: str) -> None:
+    def save(self, folder: str, parts: int = 0) -> None:
         """Write the model folder atomically (a temp folder renamed into place); its mode
-        follows the umask like any new folder (0755 under the usual umask 022)."""
-        folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.parent / f".tmp-model-{uuid.uuid4().hex}"
-        tmp.mkdir()                       # not tempfile.mkdtemp: that one is always 0700
-        try:
-            self._write(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        follows the umask like any new folder (0755 under the usual umask 022). ``parts`` > 0
+        writes the chunked layout (format 2) with that many weight part files, as a sharded
+        model's tasks do."""
+        atomic_folder(folder, lambda tmp: self._write(tmp, parts))
 
-    def _write(self, tmp: Path) -> None:
-        param = {
-            "model": type(self).__name__, "format_version": FORMAT_VERSION,
-            "n_features": self.n_features, "n_labels": self.n_labels, "bias": self.bias,
-            "normalize": self.normalize, "nr_splits": self.index.B,
-            "pred_params": self.pred_params.to_dict(), "meta": self.meta,
-        }
-        (tmp / "param.json").write_text(json.dumps(param, indent=2))
-        extra = {} if self.label_counts is None else {"label_counts": np.asarray(self.label_counts)}
-        np.savez(tmp / "tree.npz", **self.index.to_arrays(), **extra)
-        self.node_w.save(tmp / "weights_nodes.npz")
-        self.slot_w.save(tmp / "weights_slots.npz")
+    def _write(self, tmp: Path, parts: int) -> None:
+        if parts <= 0:
+            write_header(tmp, self, FORMAT_VERSION)
+            self.node_w.save(tmp / "weights_nodes.npz")
+            self.slot_w.save(tmp / "weights_slots.npz")
+            return
+        is_leaf = np.concatenate([np.zeros(len(self.node_w.keys), bool), np.ones(len(self.slot_w.keys), bool)])
+        keys = np.concatenate([self.node_w.keys, self.slot_w.keys])
+        W = sp.hstack([self.node_w.W, self.slot_w.W], format="csc")
+        (tmp / "weights").mkdir()
+        names = []
+        for j, cols in enumerate(np.array_split(np.arange(len(keys)), parts)):
+            names.append(f"weights/part-{j:05d}.npz")
+            save_part(tmp / names[-1], is_leaf[cols], keys[cols], W[:, cols])
+        write_header(tmp, self, CHUNKED_VERSION,
+                     weights={"layout": "chunked", "parts": names, "nbytes": int(W.nnz * 8)})
 
     @classmethod
     def load(cls, folder: str) -> XMCModel:
         folder = Path(folder)
-        pfile = folder / "param.json"
-        if not pfile.is_file():
-            raise ModelFormatError(f"{folder} is not an xmc-spark model folder (no param.json)")
-        try:
-            param = json.loads(pfile.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ModelFormatError(f"{pfile}: not valid JSON ({e})") from None
-        if not isinstance(param, dict) or param.get("model") != cls.__name__:
-            found = param.get("model") if isinstance(param, dict) else param
-            raise ModelFormatError(f"{pfile}: model class is {found!r}, expected {cls.__name__!r}")
-        version = param.get("format_version")
-        if version not in (FORMAT_VERSION, CHUNKED_VERSION):
-            raise ModelFormatError(f"{folder}: model format version {version!r}, this xmc-spark reads versions "
-                                   f"{FORMAT_VERSION} and {CHUNKED_VERSION} (saved by another xmc-spark version?)")
-        missing = [k for k in ("n_features", "n_labels", "bias", "normalize", "nr_splits", "pred_params")
-                   if k not in param]
-        if missing:
-            raise ModelFormatError(f"{pfile}: missing key(s) {', '.join(missing)}")
-        t = load_npz(folder / "tree.npz", ("slot_label", "slot_leaf"))
-        index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
+        param, index, label_counts = read_header(folder)
+        version = param["format_version"]
         if version == CHUNKED_VERSION:
             node_w, slot_w = cls._load_parts(folder, param)
         else:
@@ -332,15 +383,13 @@ class XMCModel:
         model = cls(index, node_w, slot_w, param["n_features"], bias=param["bias"],
                     normalize=param["normalize"], pred_params=PredictParams.from_dict(param["pred_params"]),
                     meta=param.get("meta"))
-        model.label_counts = t.get("label_counts")
+        model.label_counts = label_counts
         return model
 
     @staticmethod
     def _load_parts(folder: Path, param: dict):
         """The whole weights of a chunked folder, part by part (``param["weights"]["parts"]``)."""
-        parts = (param.get("weights") or {}).get("parts")
-        if not isinstance(parts, list):
-            raise ModelFormatError(f"{folder / 'param.json'}: a chunked model needs weights.parts (a list of files)")
+        parts = param["weights"]["parts"]          # checked by read_header
         n_cols = int(param["n_features"]) + (1 if float(param["bias"]) > 0 else 0)
         leaf, keys, mats = [np.zeros(0, bool)], [np.zeros(0, np.int64)], [sp.csc_matrix((n_cols, 0), dtype=np.float32)]
         for name in parts:

@@ -25,7 +25,7 @@ from pyspark.sql import functions as F
 from .arrow_utils import list_offsets_values, to_arrow
 from .config import dump_params
 from .kernels.tree import TreeIndex
-from .model import ModelTrainParams, XMCModel, split_columns
+from .model import ModelTrainParams, XMCModel, is_chunked, split_columns
 from .params import PipelineParams, PredictParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
@@ -40,6 +40,7 @@ from .stages import (
     label_tree,
     node_training,
     prediction,
+    sharded,
 )
 from .storage import Tables
 from .tracking import Tracker
@@ -129,7 +130,15 @@ def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp
 
 
 def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrainParams,
-                       pred: PredictParams) -> XMCModel:
+                       pred: PredictParams):
+    """The model of a weights table: an :class:`XMCModel` (collected to the driver, broadcast
+    to predict) when its weights fit ``predict.max_broadcast_mb``, else a
+    :class:`~.stages.sharded.ShardedModel` whose weights never leave the executors."""
+    nbytes = sharded.weights_nbytes(weights)
+    if nbytes > pred.max_broadcast_mb * 2 ** 20:
+        log.info("model weights %.1f MB > predict.max_broadcast_mb %.1f: kept sharded on the executors",
+                 nbytes / 2 ** 20, pred.max_broadcast_mb)
+        return sharded.ShardedModel(index, weights, n_features, tp.train.bias, tp.normalize, pred, nbytes=nbytes)
     n_cols = n_features + (1 if tp.train.bias > 0 else 0)
     node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
     return XMCModel(index, node_w, slot_w, n_features, bias=tp.train.bias, normalize=tp.normalize, pred_params=pred)
@@ -231,6 +240,7 @@ def train_stage(ctx: StageContext) -> StageResult:
     counts = ctx.memo.get("label_counts")
     model.label_counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     facts = {"tree_depth": int(model.index.depth), "n_leaves": int(len(model.index.leaves)),
+             "model_layout": "sharded" if isinstance(model, sharded.ShardedModel) else "whole",
              **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
     tmp = None if ctx.model_dir else Path(tempfile.mkdtemp(prefix="xmc-model-"))
     folder = ctx.model_dir or str(tmp / "model")
@@ -397,10 +407,20 @@ def plot_sweep(results, path: str, ks) -> None:
     plt.close(fig)
 
 
+def load_model(spark, folder, params: PipelineParams):
+    """A saved model folder: whole in memory, or sharded (weights read by the tasks) when it is
+    chunked and bigger than ``predict.max_broadcast_mb``."""
+    if is_chunked(folder):
+        model = sharded.load(spark, str(folder))
+        if model.nbytes > params.predict.max_broadcast_mb * 2 ** 20:
+            return model
+    return XMCModel.load(folder)
+
+
 def predict(spark, model, data: str, out: str, params: PipelineParams) -> Dict:
-    """Score a file or table with a saved model (an :class:`XMCModel` or its folder); writes
-    predictions (Delta) and, when the input has labels, metrics.json."""
-    model = XMCModel.load(model) if isinstance(model, (str, Path)) else model
+    """Score a file or table with a saved model (an :class:`XMCModel`, a sharded model or a
+    folder); writes predictions (Delta) and, when the input has labels, metrics.json."""
+    model = load_model(spark, model, params) if isinstance(model, (str, Path)) else model
     model.pred_params = dataclasses.replace(model.pred_params, search=params.predict.search)
     tables = Tables(spark, Path(out) / "tables")
     ing = dataclasses.replace(params.ingest, normalize=model.normalize)   # rows as the model was trained

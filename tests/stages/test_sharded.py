@@ -4,7 +4,7 @@ import pyarrow as pa
 import pytest
 
 from xmc_spark.arrow_utils import csr_rows_to_arrays
-from xmc_spark.model import ModelTrainParams, XMCModel
+from xmc_spark.model import ModelTrainParams, XMCModel, is_chunked
 from xmc_spark.params import ClustersParams, TreeParams
 from xmc_spark.schemas import TABLES, check_table
 from xmc_spark.stages import sharded
@@ -86,13 +86,11 @@ def test_chunked_save_load_round_trip(spark, problem, models, tmp_path, monkeypa
     sm.nbytes = sharded.weights_nbytes(sm.weights)
     assert sm.nbytes == 8 * (model.node_w.W.nnz + model.slot_w.W.nnz)
     monkeypatch.setattr(sharded, "PART_BYTES", max(1, sm.nbytes // 3))      # several part files
-    param = {"model": "XMCModel", "n_features": model.n_features, "n_labels": model.n_labels, "bias": model.bias,
-             "normalize": model.normalize, "nr_splits": model.index.B, "pred_params": model.pred_params.to_dict(),
-             "meta": {"x": 1}}
+    sm.meta = {"x": 1}
     folder = tmp_path / "m"
-    sharded.save(sm, str(folder), param)
+    sm.save(str(folder))
     parts = sorted(p.name for p in (folder / "weights").iterdir())
-    assert len(parts) >= 2 and sharded.is_chunked(str(folder))
+    assert len(parts) >= 2 and is_chunked(str(folder))
     back = XMCModel.load(str(folder))                          # whole, in memory
     np.testing.assert_array_equal(back.label_counts, model.label_counts)
     for a, b in ((back.node_w, model.node_w), (back.slot_w, model.slot_w)):

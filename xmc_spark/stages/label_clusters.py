@@ -20,7 +20,11 @@ log = logging.getLogger("xmc_spark.clusters")
 
 
 def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
-    """M as a table: (sample_id, leaf, score), the b leaf clusters each sample is matched to."""
+    """M as a table: (sample_id, leaf, score), the b leaf clusters each sample is matched to
+    (a sharded model's beam runs layer by layer, without a broadcast)."""
+    from . import sharded
+    if isinstance(model, sharded.ShardedModel):
+        return sharded.matcher(samples, model, beam_size)
     def match(m, t, X):
         leaves, scores = m.match_leaves(X, beam_size)
         ok = leaves >= 0

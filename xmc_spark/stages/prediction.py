@@ -27,8 +27,12 @@ def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind
     return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(fn, schema)
 
 
-def run(samples: DataFrame, model: XMCModel, beam_size: int, topk: int) -> DataFrame:
-    """(sample_id, pred_labels, pred_scores), top-k per sample, best first."""
+def run(samples: DataFrame, model, beam_size: int, topk: int) -> DataFrame:
+    """(sample_id, pred_labels, pred_scores), top-k per sample, best first; a
+    :class:`~.sharded.ShardedModel` is scored layer by layer without a broadcast."""
+    from . import sharded
+    if isinstance(model, sharded.ShardedModel):
+        return sharded.predict(samples, model, beam_size, topk)
     def score(m, t, X):
         labels, scores = m.predict(X, beam_size=beam_size, topk=topk)
         keep = labels >= 0

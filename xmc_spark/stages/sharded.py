@@ -30,10 +30,8 @@ whose weights DataFrame the tasks read part by part.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +47,16 @@ from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_value
 from ..kernels.beam_search import score_children
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TreeIndex
-from ..model import CHUNKED_VERSION, ModelFormatError, load_npz, load_part, save_part, tree_layers
+from ..model import (
+    CHUNKED_VERSION,
+    ModelFormatError,
+    atomic_folder,
+    load_part,
+    read_header,
+    save_part,
+    tree_layers,
+    write_header,
+)
 from ..params import PredictParams
 from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA
@@ -79,6 +86,9 @@ class ShardedModel:
 
     def label_depth(self) -> np.ndarray:
         return self.index.label_depth()
+
+    def save(self, folder: str) -> None:
+        save(self, folder)
 
 
 def weights_nbytes(weights: DataFrame) -> int:
@@ -244,15 +254,12 @@ def matcher(samples: DataFrame, model: ShardedModel, beam_size: int, group_rows:
 
 # ---- chunked model folder ------------------------------------------------------------------
 
-def save(model: ShardedModel, folder: str, param: dict) -> None:
-    """Write ``folder`` as a chunked model (format 2): ``param`` (the keys of
-    :meth:`XMCModel._write`'s param.json) and the tree from the driver, the weights' part files
-    from the tasks; atomic like :meth:`XMCModel.save` (a temp folder renamed into place)."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".tmp-model-{uuid.uuid4().hex}"
-    (tmp / "weights").mkdir(parents=True)
-    try:
+def save(model: ShardedModel, folder: str) -> None:
+    """Write ``folder`` as a chunked model (format 2): param.json and the tree from the driver,
+    the weights' part files from the tasks; atomic like :meth:`XMCModel.save` (a temp folder
+    renamed into place)."""
+    def write_all(tmp: Path) -> None:
+        (tmp / "weights").mkdir()
         n_parts = max(1, math.ceil(model.nbytes / PART_BYTES))
         wdir = str(tmp / "weights")
         n_cols = model.n_features + (1 if model.bias > 0 else 0)
@@ -273,40 +280,20 @@ def save(model: ShardedModel, folder: str, param: dict) -> None:
 
         parts = (model.weights.repartitionByRange(n_parts, "is_leaf", "key")
                  .mapInArrow(write, "part string, columns long").collect())   # O(parts) rows
-        names = sorted(r["part"] for r in parts)
-        param = {**param, "format_version": CHUNKED_VERSION,
-                 "weights": {"layout": "chunked", "parts": names, "nbytes": int(model.nbytes)}}
-        (tmp / "param.json").write_text(json.dumps(param, indent=2))
-        extra = {} if model.label_counts is None else {"label_counts": np.asarray(model.label_counts)}
-        np.savez(tmp / "tree.npz", **model.index.to_arrays(), **extra)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+        write_header(tmp, model, CHUNKED_VERSION, weights={"layout": "chunked", "nbytes": int(model.nbytes),
+                                                           "parts": sorted(r["part"] for r in parts)})
 
-
-def is_chunked(folder: str) -> bool:
-    try:
-        return json.loads((Path(folder) / "param.json").read_text()).get("format_version") == CHUNKED_VERSION
-    except (OSError, ValueError, AttributeError):
-        return False
+    atomic_folder(folder, write_all)
 
 
 def load(spark, folder: str) -> ShardedModel:
     """A chunked model folder as a :class:`ShardedModel`: the tree on the driver, the weights
     read by tasks, one part file each (nothing of the weights passes through the driver)."""
     folder = Path(folder)
-    param = json.loads((folder / "param.json").read_text())
-    if param.get("format_version") != CHUNKED_VERSION:
-        raise ModelFormatError(f"{folder}: not a chunked model (format version {param.get('format_version')!r})")
-    t = load_npz(folder / "tree.npz", ("slot_label", "slot_leaf"))
-    index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
+    param, index, label_counts = read_header(folder)
+    if param["format_version"] != CHUNKED_VERSION:
+        raise ModelFormatError(f"{folder}: not a chunked model (format version {param['format_version']!r})")
     parts = [str(folder / p) for p in param["weights"]["parts"]]
-    for p in parts:
-        if not os.path.isfile(p):
-            raise ModelFormatError(f"{p}: missing (the model folder is incomplete)")
 
     def read(batches):
         for b in batches:
@@ -320,5 +307,5 @@ def load(spark, folder: str) -> ShardedModel:
     weights = files.mapInArrow(read, WEIGHTS_SCHEMA)
     model = ShardedModel(index, weights, param["n_features"], param["bias"], param["normalize"],
                          PredictParams.from_dict(param["pred_params"]), param.get("meta") or {},
-                         t.get("label_counts"), int(param["weights"].get("nbytes", 0)))
+                         label_counts, int(param["weights"].get("nbytes", 0)))
     return model
