@@ -1,0 +1,172 @@
+"""Trust-region Newton over many classifiers: its oracle pieces against brute-force numpy, its
+optimum against the dual coordinate descent kernel's."""
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from xmc_spark.kernels import tron
+from xmc_spark.kernels.sparse import append_bias
+from xmc_spark.kernels.squared_hinge import train_node
+
+
+def weighted_problem(n=300, d=50, K=4, seed=0, bias=0.7):
+    """(X with bias column, Y with label weights as values, per-sample weights)."""
+    rng = np.random.default_rng(seed)
+    X = sp.random(n, d, density=0.15, random_state=seed, format="csr", dtype=np.float32)
+    # labels tied to a few features each, so the classifiers learn something
+    owner = rng.integers(0, K, d)
+    score = np.asarray(X @ np.eye(K)[owner]) + rng.normal(0, 0.05, (n, K))
+    pos = score > np.quantile(score, 0.8, axis=0)
+    Y = sp.csr_matrix(pos * rng.uniform(0.2, 1.0, (n, K)), dtype=np.float32)
+    return append_bias(X, bias), Y, rng.uniform(0.3, 2.0, n)
+
+
+def brute_costs(Y, weights, C):
+    """(signs n x K, costs n x K) written out entry by entry."""
+    Yd = Y.toarray()
+    n, K = Yd.shape
+    S, Cm = -np.ones((n, K)), np.zeros((n, K))
+    for i in range(n):
+        for k in range(K):
+            Cm[i, k] = C * weights[i]
+            if Yd[i, k] != 0:
+                S[i, k] = 1.0
+                Cm[i, k] *= Yd[i, k]
+    return S, Cm
+
+
+def brute_objective(X, S, Cm, W):
+    Xd = X.toarray().astype(np.float64)
+    f = np.zeros(W.shape[1])
+    for k in range(W.shape[1]):
+        f[k] = 0.5 * W[:, k] @ W[:, k]
+        for i in range(Xd.shape[0]):
+            f[k] += Cm[i, k] * max(0.0, 1.0 - S[i, k] * (Xd[i] @ W[:, k])) ** 2
+    return f
+
+
+def brute_hessian(X, S, Cm, w, k):
+    Xd = X.toarray().astype(np.float64)
+    H = np.eye(Xd.shape[1])
+    for i in range(Xd.shape[0]):
+        if 1.0 - S[i, k] * (Xd[i] @ w) > 0:
+            H += 2.0 * Cm[i, k] * np.outer(Xd[i], Xd[i])
+    return H
+
+
+@pytest.fixture(scope="module")
+def prob():
+    X, Y, sw = weighted_problem()
+    return X, Y, sw, 1.3
+
+
+def test_objective_gradient_hessian_against_brute_force(prob):
+    X, Y, sw, C = prob
+    d, K = X.shape[1], Y.shape[1]
+    fun_grad, hess_vec = tron.local_oracle(tron.node_rows(X, Y, C, sw), [0, K])
+    S, Cm = brute_costs(Y, sw, C)
+    rng = np.random.default_rng(1)
+    W = rng.normal(0, 0.5, (d, K))
+    cols = np.arange(K)
+    f, G = fun_grad(W, cols)
+    np.testing.assert_allclose(f, brute_objective(X, S, Cm, W), rtol=1e-10)
+    h = 1e-6
+    for j in rng.choice(d, 8, replace=False):        # central differences of the brute objective
+        E = np.zeros_like(W)
+        E[j] = h
+        fd = (brute_objective(X, S, Cm, W + E) - brute_objective(X, S, Cm, W - E)) / (2 * h)
+        np.testing.assert_allclose(G[j], fd, rtol=1e-5, atol=1e-6)
+    V = rng.normal(0, 1, (d, K))
+    HV = hess_vec(W, V, cols)
+    for k in range(K):
+        np.testing.assert_allclose(HV[:, k], brute_hessian(X, S, Cm, W[:, k], k) @ V[:, k], rtol=1e-10)
+    # the generalized Hessian is the gradient's derivative wherever the active set does not change
+    t = 1e-7
+    Gp, Gm = fun_grad(W + t * V, cols)[1], fun_grad(W - t * V, cols)[1]
+    np.testing.assert_allclose((Gp - Gm) / (2 * t), HV, rtol=1e-4, atol=1e-4)
+    # a subset of classifiers gives those columns
+    sub = np.array([2, 0])
+    f2, G2 = fun_grad(W[:, sub], sub)
+    np.testing.assert_allclose(f2, f[sub])
+    np.testing.assert_allclose(G2, G[:, sub])
+    np.testing.assert_allclose(hess_vec(W[:, sub], V[:, sub], sub), HV[:, sub])
+
+
+def test_partial_sums_over_a_split_add_up(prob):
+    X, Y, sw, C = prob
+    K = Y.shape[1]
+    whole = tron.node_rows(X, Y, C, sw)
+    rng = np.random.default_rng(2)
+    W, V = rng.normal(0, 0.5, (X.shape[1], K)), rng.normal(0, 1, (X.shape[1], K))
+    cols = np.arange(K)
+    part_of = rng.integers(0, 3, X.shape[0])
+    parts = [tron.node_rows(X[part_of == p], Y[part_of == p], C, sw[part_of == p]) for p in range(3)]
+    loss, G = tron.partial_fun_grad(whole, [0, K], W, cols)
+    sums = [tron.partial_fun_grad(p, [0, K], W, cols) for p in parts]
+    np.testing.assert_allclose(sum(s[0] for s in sums), loss, rtol=1e-12)
+    np.testing.assert_allclose(sum(s[1] for s in sums), G, rtol=1e-10, atol=1e-12)
+    HV = tron.partial_hess_vec(whole, [0, K], W, V, cols)
+    np.testing.assert_allclose(sum(tron.partial_hess_vec(p, [0, K], W, V, cols) for p in parts), HV,
+                               rtol=1e-10, atol=1e-12)
+    assert np.abs(G).max() > 0 and np.abs(HV).max() > 0
+
+
+def test_reaches_the_dual_kernels_optimum(prob):
+    X, Y, sw, C = prob
+    d, K = X.shape[1], Y.shape[1]
+    fun_grad, hess_vec = tron.local_oracle(tron.node_rows(X, Y, C, sw), [0, K])
+    ref = train_node(X, Y, C=C, weights=sw, threshold=0, eps=1e-4, max_iter=10000).toarray()
+    S, Cm = brute_costs(Y, sw, C)
+    f_ref = brute_objective(X, S, Cm, ref)
+    # LIBLINEAR's scaling of the default 0.01 by the smaller class, a tight uniform eps
+    scaled = tron.liblinear_eps(0.01, np.asarray((Y != 0).sum(axis=0)).ravel(), X.shape[0])
+    for eps, gap in ((scaled, 1e-3), (1e-6, 1e-6)):
+        W, info = tron.tron(fun_grad, hess_vec, d, K, eps=eps, max_iter=100)
+        assert info.converged.all() and (info.steps < 100).all()
+        rel = (brute_objective(X, S, Cm, W) - f_ref) / f_ref
+        assert np.all(rel <= gap), (eps, rel)
+        assert np.all(rel >= -1e-6), (eps, rel)       # the DCD run is (near) optimal itself
+    big = np.abs(ref) > 1e-3
+    assert big.sum() > K * 10
+    np.testing.assert_array_equal(np.sign(W[big]), np.sign(ref[big]))
+    np.testing.assert_allclose(W, ref, atol=1e-3)
+
+
+def test_nodes_mixed_in_one_block_are_solved_apart():
+    """Rows of two nodes interleaved: each node's classifiers see only its rows."""
+    X1, Y1, w1 = weighted_problem(n=200, d=30, K=2, seed=3, bias=1.0)
+    X2, Y2, w2 = weighted_problem(n=150, d=30, K=3, seed=4, bias=1.0)
+    node_ptr = np.array([0, 2, 5])
+    n1, n2 = X1.shape[0], X2.shape[0]
+    P = sp.block_diag([Y1, Y2], format="csr")                       # node 2's labels are columns 2..4
+    order = np.random.default_rng(5).permutation(n1 + n2)
+    rows = tron.RowBlock(sp.vstack([X1, X2], format="csr")[order], np.r_[np.zeros(n1), np.ones(n2)][order].astype(int),
+                         np.r_[w1, w2][order], P[order])
+    W, info = tron.tron(*tron.local_oracle(rows, node_ptr), 31, 5, eps=1e-6, max_iter=100)
+    for (X, Y, w), c in (((X1, Y1, w1), slice(0, 2)), ((X2, Y2, w2), slice(2, 5))):
+        ref = train_node(X, Y, weights=w, threshold=0, eps=1e-5, max_iter=10000).toarray()
+        np.testing.assert_allclose(W[:, c], ref, atol=2e-4)
+
+
+def test_liblinear_eps_scales_by_the_smaller_class():
+    np.testing.assert_allclose(tron.liblinear_eps(0.01, [10, 900, 0, 500], 1000), [1e-4, 1e-3, 1e-5, 5e-3])
+    np.testing.assert_allclose(tron.liblinear_eps(0.1, [3, 0], [4, 0]), [0.025, 0.1])   # no rows: eps itself
+
+
+def test_prune_like_the_kernel():
+    W = np.array([[0.5, -0.05], [-0.1, 0.0], [0.09999, 2.0]])
+    P = tron.prune(W, 0.1)
+    np.testing.assert_array_equal(P.toarray(), np.array([[0.5, 0], [-0.1, 0], [0, 2.0]], np.float32))
+    assert P.dtype == np.float32 and P.indices.dtype == np.int32
+    assert tron.prune(W, 0.0).nnz == 5
+
+
+def test_zero_gradient_and_bad_arguments():
+    X = sp.csr_matrix(np.ones((3, 2), np.float32))
+    fun_grad, hess_vec = tron.local_oracle(tron.node_rows(X, sp.csr_matrix((3, 1)), weights=np.zeros(3)), [0, 1])
+    W, info = tron.tron(fun_grad, hess_vec, 2, 1)                   # zero cost: w = 0 is optimal
+    assert not W.any() and info.fun_grad_calls == 1 and info.hess_vec_calls == 0
+    with pytest.raises(ValueError, match="eps"):
+        tron.tron(fun_grad, hess_vec, 2, 1, eps=0)
+    with pytest.raises(ValueError, match="RowBlock"):
+        tron.RowBlock(X, np.zeros(2, int), np.ones(3), sp.csr_matrix((3, 1)))
