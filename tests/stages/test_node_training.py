@@ -1,11 +1,20 @@
-"""The per-node training stage equals the numpy trainer, with and without sample and label weights."""
+"""The per-node training stage equals the numpy trainer, with and without sample and label weights;
+nodes over train.max_node_rows (trained across tasks by TRON) reach the kernel's optimum."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
 from tests.stages.conftest import D, L, samples_frame
+from xmc_spark.kernels import tron
 from xmc_spark.kernels.label_embedding import pifa
 from xmc_spark.kernels.sparse import append_bias
+from xmc_spark.kernels.squared_hinge import train_node
 from xmc_spark.kernels.tree import TreeIndex, build_tree
 from xmc_spark.model import train_all_groups
 from xmc_spark.params import TrainParams
@@ -55,3 +64,139 @@ def test_sample_and_label_weights_equal_kernel(problem, index, spark):
 
     assert any(not np.allclose(dense(ref_nodes, k), dense(plain_nodes, k)) for k in ref_nodes)   # weights matter
     _assert_weights(node_training.run(samples, index, D, tp), ref_nodes, ref_slots)
+
+
+# ---- big nodes across tasks (distributed TRON) ---------------------------------------------------
+
+BOUND = 60      # of the 150 samples: the root and the nodes near it are trained across tasks
+
+
+def _node_problem(index, g, Xb, Y, sw):
+    """Rows reaching node g (sample order) as the kernels take them: (children, X, Y, weights)."""
+    rows, groups = index.groups_of_samples(Y.indptr, Y.indices)
+    r = np.sort(rows[groups == g])
+    Yr = Y[r]
+    children, Yg = index.node_problem(g, Yr.indptr, Yr.indices, Yr.data)
+    return children, Xb[r], Yg, (np.ones(len(r)) if sw is None else sw[r])
+
+
+def _split(index, Y):
+    rows, groups = index.groups_of_samples(Y.indptr, Y.indices)
+    g, c = np.unique(groups, return_counts=True)
+    big = g[c > BOUND]
+    assert len(big) >= 3 and len(big) < len(g)          # several levels are big, the rest is grouped
+    return big
+
+
+def _stage_weights(weights):
+    return {(r["is_leaf"], r["key"]): (np.asarray(r["w_idx"]), np.asarray(r["w_val"]))
+            for r in check_table(weights, "weights").collect()}
+
+
+def _assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index):
+    big_keys = set()
+    for g in big:
+        children, _ = index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))
+        big_keys |= {(bool(np.isin(g, index.leaves)), int(k)) for k in children}
+    ref = {**{(False, k): v for k, v in ref_nodes.items()}, **{(True, k): v for k, v in ref_slots.items()}}
+    assert sorted(got) == sorted(ref)
+    small = [k for k in ref if k not in big_keys]
+    assert small
+    for key in small:
+        np.testing.assert_array_equal(got[key][0], ref[key][0], err_msg=str(key))
+        np.testing.assert_allclose(got[key][1], ref[key][1], rtol=1e-6, err_msg=str(key))
+    return big_keys
+
+
+def test_big_nodes_across_tasks_equal_local_tron(problem, index):
+    """Nodes over the bound: the Spark oracle's TRON gives the local TRON's pruned weights; the
+    other nodes are the grouped kernel's, unchanged."""
+    samples, Xl, Yl = problem
+    tp = TrainParams(max_node_rows=str(BOUND))
+    big = _split(index, Yl)
+    Xb = append_bias(Xl, tp.bias)
+    got = _stage_weights(node_training.run(samples, index, D, tp))
+    ref_nodes, ref_slots = train_all_groups(index, Xb, Yl, tp)
+    big_keys = _assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index)
+    for g in big:
+        children, Xg, Yg, w = _node_problem(index, int(g), Xb, Yl, None)
+        K = len(children)
+        eps = tron.liblinear_eps(tp.tron_eps, np.asarray((Yg != 0).sum(axis=0)).ravel(), Xg.shape[0])
+        W, _ = tron.tron(*tron.local_oracle(tron.node_rows(Xg, Yg, tp.C, w), [0, K]), Xg.shape[1], K,
+                         eps=eps, max_iter=tp.tron_max_iter)
+        P = tron.prune(W, tp.threshold)
+        leaf = bool(np.isin(g, index.leaves))
+        for j, c in enumerate(children):
+            idx, val = got[(leaf, int(c))]
+            np.testing.assert_array_equal(idx, P.indices[P.indptr[j]:P.indptr[j + 1]])
+            np.testing.assert_allclose(val, P.data[P.indptr[j]:P.indptr[j + 1]], rtol=1e-5, atol=1e-6)
+            assert np.all(np.abs(val) >= tp.threshold)
+    assert len(big_keys) >= 5
+
+
+def test_big_nodes_reach_the_kernels_optimum_with_weights(problem, index, spark):
+    """Sample and label weights, a bias of 0.5, no pruning: the big nodes' objective is within
+    1e-3 of the dual kernel's optimum, with the same signs; small nodes are the kernel's."""
+    _, Xl, Yl = problem
+    rng = np.random.default_rng(1)
+    Yw = sp.csr_matrix(Yl, dtype=np.float32, copy=True)
+    Yw.data = rng.uniform(0.1, 1.0, Yw.nnz).astype(np.float32)
+    sw = rng.uniform(0.5, 2.0, Xl.shape[0]).astype(np.float32)
+    tp = TrainParams(bias=0.5, threshold=0.0, max_node_rows=str(BOUND))
+    big = _split(index, Yw)
+    Xb = append_bias(Xl, tp.bias)
+    got = _stage_weights(node_training.run(samples_frame(spark, Xl, Yw, label_weights=True, weights=sw),
+                                           index, D, tp))
+    ref_nodes, ref_slots = train_all_groups(index, Xb, Yw, tp, sw)
+    _assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index)
+    for g in big:
+        children, Xg, Yg, w = _node_problem(index, int(g), Xb, Yw, sw)
+        K = len(children)
+        opt = train_node(Xg, Yg, C=tp.C, weights=w, threshold=0, eps=1e-4, max_iter=10000).toarray()
+        leaf = bool(np.isin(g, index.leaves))
+        W = np.zeros((D + 1, K))
+        for j, c in enumerate(children):
+            idx, val = got[(leaf, int(c))]
+            W[idx, j] = val
+        fun_grad, _ = tron.local_oracle(tron.node_rows(Xg, Yg, tp.C, w), [0, K])
+        f, f_opt = fun_grad(W, np.arange(K))[0], fun_grad(opt, np.arange(K))[0]
+        assert np.all((f - f_opt) / f_opt <= 1e-3), (g, (f - f_opt) / f_opt)
+        sure = np.abs(opt) > 1e-2
+        np.testing.assert_array_equal(np.sign(W[sure]), np.sign(opt[sure]))
+
+
+def test_row_bound(spark):
+    assert node_training.memory_bytes("6g") == 6 * 2**30
+    assert node_training.memory_bytes("512m") == node_training.memory_bytes("512") == 512 * 2**20
+    with pytest.raises(ValueError, match="memory size"):
+        node_training.memory_bytes("lots")
+    # the test session: local[2, 2] with a 2g driver -> 0.5 * 2 GiB / (2 tasks * 16 KiB)
+    assert node_training.auto_row_bound(spark) == 32768
+    assert node_training.node_row_bound(spark, TrainParams()) == 32768
+    assert node_training.node_row_bound(spark, TrainParams(max_node_rows="off")) == 0
+    assert node_training.node_row_bound(spark, TrainParams(max_node_rows="1000")) == 1000
+
+
+def _cli_run(bibtex, tmp_path, name, *sets):
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / name
+    r = subprocess.run(
+        [sys.executable, "-m", "xmc_spark.cli", "run", "--train", str(bibtex / "train.txt"), "--test",
+         str(bibtex / "test.txt"), "--out", str(out), "--set", "spark.master=local[2]",
+         "--set", "mlflow.registered_model=",
+         "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+         "--set", f"mlflow.artifact_location={tmp_path}/artifacts", *sets],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "metrics.json").read_text()), r.stderr
+
+
+@pytest.mark.slow
+def test_bibtex_with_big_nodes_is_as_accurate_as_grouped(bibtex, tmp_path):
+    """The real CLI on bibtex: the default (auto bound: every node grouped) and a bound of n/8
+    (the root and both leaves trained across tasks) give P@1/3/5 within 0.3."""
+    grouped, log_grouped = _cli_run(bibtex, tmp_path, "grouped")
+    big, log_big = _cli_run(bibtex, tmp_path, "big", "--set", f"train.max_node_rows={4880 // 8}")
+    assert "trained across tasks" in log_big and "trained across tasks" not in log_grouped
+    for k in ("p@1", "p@3", "p@5"):
+        assert abs(big[k] - grouped[k]) <= 0.3, (k, big[k], grouped[k])

@@ -30,7 +30,8 @@ Rows of several nodes are mixed: each row belongs to one node (``RowBlock.node``
 that node's classifiers (columns ``node_ptr[j]:node_ptr[j + 1]``) see it. The partial sums
 hold the loss part only; :func:`regularized` adds 0.5 ||w||^2 and w (once, on the driver).
 
-Stopping, per classifier: ||grad f_k(w)|| <= eps ||grad f_k(0)|| or ``max_iter`` trust-region
+Stopping, per classifier: ||grad f_k(w)|| <= eps_k ||grad f_k(0)|| (eps_k as LIBLINEAR scales
+it, :func:`liblinear_eps`, or one eps for all) or ``max_iter`` trust-region
 steps (accepted or not, so the number of oracle calls is bounded), or the degenerate cases
 LIBLINEAR stops on (no predicted reduction, reductions below 1e-12 |f|).
 """
@@ -150,6 +151,20 @@ def node_rows(X: sp.csr_matrix, Y: sp.csr_matrix, C: float = 1.0, weights=None) 
     return RowBlock(X, np.zeros(n, np.int64), float(C) * w, sp.csr_matrix(Y))
 
 
+def liblinear_eps(eps: float, positives, rows) -> np.ndarray:
+    """Per-classifier tolerance as LIBLINEAR's primal solver sets it:
+    eps * max(min(#positives, #negatives), 1) / #rows.
+
+    ||grad f(0)|| is dominated by the larger class, so an unscaled relative test stops a
+    classifier with few positives (most classifiers at the leaves) long before its optimum (on
+    bibtex leaves, objectives several times the optimum at eps = 0.01); the scaling makes the
+    test relative to the smaller class.
+    """
+    positives = np.asarray(positives, np.float64)
+    rows = np.maximum(np.asarray(rows, np.float64), 1.0)
+    return float(eps) * np.maximum(np.minimum(positives, rows - positives), 1.0) / rows
+
+
 def _col_dot(A, B):
     return np.einsum("ij,ij->j", A, B)
 
@@ -206,7 +221,7 @@ class TronInfo:
     f: np.ndarray
     gnorm: np.ndarray
     gnorm0: np.ndarray
-    eps: float
+    eps: np.ndarray
     fun_grad_calls: int = 0
     hess_vec_calls: int = 0
 
@@ -216,15 +231,19 @@ class TronInfo:
         return self.gnorm <= self.gnorm0 * self.eps
 
 
-def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps: float = 0.01, max_iter: int = 50,
+def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps=0.01, max_iter: int = 50,
          eps_cg: float = 0.1, max_cg_iter: int | None = None, log=None) -> Tuple[np.ndarray, TronInfo]:
     """Minimize K independent objectives from w = 0 (see the module docstring); W is d x K.
+
+    ``eps``: one tolerance or one per classifier (:func:`liblinear_eps` scales it as LIBLINEAR).
 
     ``max_cg_iter`` bounds the CG steps of one trust-region step (default max(d, 5), as
     LIBLINEAR). ``log(msg)``, when given, receives one line per trust-region round.
     """
-    if eps <= 0 or max_iter < 1:
-        raise ValueError(f"tron: eps must be > 0 and max_iter >= 1 (got {eps}, {max_iter})")
+    eps = np.broadcast_to(np.asarray(eps, np.float64), (K,))
+    if np.any(~(eps > 0)) or max_iter < 1:
+        raise ValueError(f"tron: eps must be > 0 and max_iter >= 1 (got eps min {eps.min(initial=1)}, "
+                         f"max_iter {max_iter})")
     max_cg_iter = max(d, 5) if max_cg_iter is None else int(max_cg_iter)
     calls = {"fg": 0, "hv": 0}
 
@@ -283,7 +302,7 @@ def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps: float = 0.01
         gnorm[ca] = np.sqrt(_col_dot(Gn[:, acc], Gn[:, acc]))
         steps[c] += 1
         tiny = (np.abs(actred) <= 1e-12 * np.abs(f[c])) & (np.abs(prered) <= 1e-12 * np.abs(f[c]))
-        done = (gnorm[c] <= eps * gnorm0[c]) | (steps[c] >= max_iter) | (prered <= 0) | tiny
+        done = (gnorm[c] <= eps[c] * gnorm0[c]) | (steps[c] >= max_iter) | (prered <= 0) | tiny
         live[c[done]] = False
         rnd += 1
         if log is not None:

@@ -252,42 +252,59 @@ class SparkOracle:
         self.queries = 0
 
     def fun_grad(self, W: np.ndarray, cols: np.ndarray):
-        m = len(cols)
-        flat = self._reduce(W, None, cols, m + self.d * m)
+        m, node_ptr, Wp = len(cols), self.node_ptr, _pack(W)
+
+        def make():
+            Wl = _unpack(Wp)
+
+            def part(rows):
+                loss, G = tron.partial_fun_grad(rows, node_ptr, Wl, cols)
+                return np.concatenate([loss, G.ravel()])
+            return part
+
+        flat = self._reduce(make, m + self.d * m, cols)
         return tron.regularized(flat[:m], flat[m:].reshape(self.d, m), W)
 
     def hess_vec(self, W: np.ndarray, V: np.ndarray, cols: np.ndarray):
-        return V + self._reduce(W, V, cols, self.d * len(cols)).reshape(self.d, len(cols))
+        node_ptr, Wp, Vp = self.node_ptr, _pack(W), _pack(V)
 
-    def _reduce(self, W, V, cols, size: int) -> np.ndarray:
+        def make():
+            Wl, Vl = _unpack(Wp), _unpack(Vp)
+            return lambda rows: tron.partial_hess_vec(rows, node_ptr, Wl, Vl, cols).ravel()
+
+        return V + self._reduce(make, self.d * len(cols), cols).reshape(self.d, len(cols))
+
+    def counts(self):
+        """(rows per node, positives per classifier)."""
+        n_nodes, n_cls = len(self.node_ptr) - 1, int(self.node_ptr[-1])
+
+        def make():
+            return lambda rows: np.concatenate([np.bincount(rows.node, minlength=n_nodes),
+                                                np.bincount(rows.pos.indices, minlength=n_cls)]).astype(np.float64)
+
+        c = self._reduce(make, n_nodes + n_cls)
+        return c[:n_nodes].astype(np.int64), c[n_nodes:].astype(np.int64)
+
+    def _reduce(self, make_part, size: int, cols=None) -> np.ndarray:
+        """Sum over the rows of ``make_part()(RowBlock)`` (a flat array of ``size``): one query.
+        ``make_part`` runs once per task (unpacking what the closure carries), its result per
+        Arrow batch; only the nodes of classifiers ``cols`` (default all) are read."""
         node_ptr, n_features, bias, C = self.node_ptr, self.n_features, self.bias, self.C
         n_cls = int(node_ptr[-1])
-        cols = np.asarray(cols, np.int64)
-        Wp, Vp = _pack(W), None if V is None else _pack(V)
 
         def partial(batches):
             from pyspark import TaskContext
-            Wl, Vl = _unpack(Wp), None if Vp is None else _unpack(Vp)
-            acc, n = None, 0
+            part = make_part()
+            acc, n = np.zeros(size), 0
             for b in batches:
                 t = pa.Table.from_batches([b])
                 X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
                 cost = C * t.column("weight").to_numpy().astype(np.float64)
-                rows = tron.RowBlock(X, t.column("node").to_numpy(), cost, csr_from_table(t, "pos", "pos_w", n_cls))
-                if Vl is None:
-                    loss, G = tron.partial_fun_grad(rows, node_ptr, Wl, cols)
-                    part = np.concatenate([loss, G.ravel()])
-                else:
-                    part = tron.partial_hess_vec(rows, node_ptr, Wl, Vl, cols).ravel()
-                if acc is None:
-                    acc = part
-                else:
-                    acc += part
+                acc += part(tron.RowBlock(X, t.column("node").to_numpy(), cost,
+                                          csr_from_table(t, "pos", "pos_w", n_cls)))
                 n += t.num_rows
-            if acc is None:
-                return
             worker_progress("train (distributed)", rows=n)
-            blocks = [k for k in range(-(-len(acc) // BLOCK)) if np.any(acc[k * BLOCK:(k + 1) * BLOCK])]
+            blocks = [k for k in range(-(-size // BLOCK)) if np.any(acc[k * BLOCK:(k + 1) * BLOCK])]
             if not blocks:
                 return
             segs = [acc[k * BLOCK:(k + 1) * BLOCK] for k in blocks]
@@ -299,8 +316,8 @@ class SparkOracle:
                 "vals": list_array(offs, np.concatenate(segs), pa.float64())})
 
         df = self.rows
-        nodes = np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
-        if len(nodes) < len(node_ptr) - 1:
+        nodes = None if cols is None else np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
+        if nodes is not None and len(nodes) < len(node_ptr) - 1:
             df = df.where(F.col("node").isin([int(j) for j in nodes]))
         summed = to_arrow(grouped_apply(df.mapInArrow(partial, PARTIAL_SCHEMA), ["block"], _sum_blocks,
                                         PARTIAL_SCHEMA))
@@ -344,18 +361,20 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     parts = max(1, int(_conf(spark, "spark.sql.shuffle.partitions", "8") or 8))
     rows = _big_rows(samples, bindex, big, node_ptr).repartition(parts).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        n_rows = rows.count()
         oracle = SparkOracle(rows, node_ptr, n_features, params)
+        node_rows, positives = oracle.counts()          # the first query also fills the cache
         log.info("train: %d big nodes, %d classifiers, %d rows over %d partitions: distributed TRON "
-                 "(eps %g, at most %d steps)", len(big), node_ptr[-1], n_rows, parts, params.tron_eps,
+                 "(eps %g, at most %d steps)", len(big), node_ptr[-1], node_rows.sum(), parts, params.tron_eps,
                  params.tron_max_iter)
-        W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, oracle.d, int(node_ptr[-1]), eps=params.tron_eps,
+        eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
+        W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, oracle.d, int(node_ptr[-1]), eps=eps,
                             max_iter=params.tron_max_iter, log=log.info)
     finally:
         rows.unpersist()
     log.info("train: distributed TRON done in %d queries; Newton steps per classifier %d-%d, CG steps %d-%d, "
-             "%d of %d met |g| <= %g |g0|", oracle.queries, info.steps.min(), info.steps.max(),
-             info.cg_steps.min(), info.cg_steps.max(), int(info.converged.sum()), len(info.steps), params.tron_eps)
+             "%d of %d met |g| <= eps_k |g0| (eps %g scaled per classifier)", oracle.queries, info.steps.min(),
+             info.steps.max(), info.cg_steps.min(), info.cg_steps.max(), int(info.converged.sum()), len(info.steps),
+             params.tron_eps)
     Wc = tron.prune(W, params.threshold)
     idx, val = csr_rows_to_arrays(Wc.T.tocsr())
     is_leaf = np.isin(np.repeat(big, np.diff(node_ptr)), index.leaves)
