@@ -120,7 +120,12 @@ def default_parallelism(spark: Any) -> int:
             v = None
         if v is not None and str(v).strip().isdigit() and int(v) > 0:
             return int(v)
+    return range_partitions(spark)
+
+
+def range_partitions(spark: Any) -> int:
+    """The number of partitions Spark gives ``spark.range`` without a count (the default
+    parallelism of a leaf): 2^20 rows spread over them, every one holds rows (one small job)."""
     from pyspark.sql import functions as F
-    # a range of 2^20 rows is split over the default slices, each holding rows: max id + 1
-    r = spark.range(0, 1 << 20).agg(F.max(F.spark_partition_id()).alias("p")).first()
+    r = spark.range(0, 1 << 20).select(F.spark_partition_id().alias("p")).agg(F.max("p").alias("p")).first()
     return int(r["p"]) + 1

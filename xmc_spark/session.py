@@ -112,7 +112,11 @@ def connect_session(params: SparkParams):
         raise SparkStartError(f"spark.remote needs the Spark Connect client libraries: pip install "
                               f"'pyspark[connect]' ({e})") from None
     conf = {**DELTA_CONF, **params.conf}
-    builder = SparkSession.builder.remote(remote).appName(params.app_name)
+    if local:
+        builder = SparkSession.builder.remote(remote).appName(params.app_name)
+    else:       # the Connect client's own builder: PySpark's would refuse next to a classic session
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+        builder = ConnectSession.builder.remote(remote).appName(params.app_name)
     if local:
         _local_python()
         for k, v in conf.items():
@@ -136,6 +140,10 @@ def connect_session(params: SparkParams):
     try:
         version = spark.version                 # the first round trip: is the server there?
     except Exception as e:  # noqa: BLE001 - gRPC UNAVAILABLE and kin
+        try:
+            spark.stop()                        # no half-made session left as the active one
+        except Exception:  # noqa: BLE001
+            pass
         raise SparkStartError(f"cannot reach the Spark Connect server {redact_remote(remote)}: "
                               f"{_first_line(e)}") from None
     if local:
@@ -170,7 +178,7 @@ def _start(builder, where: str):
     try:
         return builder.getOrCreate()
     except Exception as e:  # noqa: BLE001 - PySparkRuntimeError [JAVA_GATEWAY_EXITED] and kin
-        if "SESSION_OR_CONTEXT_EXISTS" in str(e):
+        if "SESSION_OR_CONTEXT_EXISTS" in str(e) or "SESSION_ALREADY_EXIST" in str(e):
             raise SparkStartError(f"Spark could not start ({where}): a classic Spark session already runs in this "
                                   "process, and a local Spark Connect server needs its own (one session kind "
                                   "per process)") from None

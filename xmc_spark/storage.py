@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from .compat import is_connect
 from .errors import XmcError
 from .schemas import SchemaError, check_table
 
@@ -61,7 +62,9 @@ def is_local_path(path: str) -> bool:
 
 def hadoop_fs(spark: SparkSession, path: str):
     """(FileSystem, Path) of Hadoop's view of ``path`` (local, s3://, abfss://, dbfs:, ...), or
-    None without JVM access (Spark Connect)."""
+    None on Spark Connect (no JVM access from the client): see :func:`client_fs`."""
+    if is_connect(spark):
+        return None
     try:
         jvm = spark.sparkContext._jvm
         hpath = jvm.org.apache.hadoop.fs.Path(path)
@@ -70,14 +73,47 @@ def hadoop_fs(spark: SparkSession, path: str):
         return None
 
 
+class StorageError(XmcError, OSError):
+    """A path the Spark Connect client cannot look at."""
+
+
+def client_fs(path: str):
+    """(pyarrow FileSystem, path inside it): the Spark Connect fallback of :func:`hadoop_fs`.
+
+    On Spark Connect the driver is a client without the server's Hadoop file system, so folder
+    probes and listings (what kind of input, which tables, the Delta log's versions) go through
+    pyarrow from the client: local paths and ``file:`` (a local Connect server, Databricks'
+    ``/Volumes/...`` FUSE mounts), ``dbfs:/x`` as the ``/dbfs/x`` mount, ``s3://``/``s3a://``,
+    ``gs://``, ``abfs(s)://`` and ``hdfs://`` with the client's own credentials (environment,
+    instance profile). A client that cannot see the server's paths (a remote ``sc://`` server
+    with local paths) must use paths both can read, or a classic session.
+    """
+    import pyarrow.fs as pafs
+    if is_local_path(path) or path.startswith("file:"):
+        local = path[len("file://"):] if path.startswith("file://") else \
+            path[len("file:"):] if path.startswith("file:") else path
+        return pafs.LocalFileSystem(), str(Path(local).absolute())
+    if path.startswith("dbfs:"):
+        return pafs.LocalFileSystem(), "/dbfs/" + path[len("dbfs:"):].lstrip("/")
+    uri = "s3://" + path[len("s3a://"):] if path.startswith("s3a://") else path
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except Exception as e:  # noqa: BLE001 - unknown scheme, no credentials, no network
+        raise StorageError(f"{path}: a Spark Connect client cannot look at this path through pyarrow "
+                           f"({_first_line(e)}); use a path the client can read too (a /Volumes/... "
+                           "volume, s3:// / gs:// / abfss:// with credentials here) or a classic session "
+                           "(spark.remote: \"\")") from None
+
+
 def path_kind(spark: SparkSession, path: str) -> Optional[str]:
-    """'file', 'dir' or None (nothing there), through Hadoop's file system for any scheme."""
+    """'file', 'dir' or None (nothing there), through Hadoop's file system for any scheme
+    (classic) or pyarrow from a Spark Connect client (:func:`client_fs`)."""
     fs = hadoop_fs(spark, path)
     if fs is None:
-        if not is_local_path(path):
-            raise ConnectionError(f"{path}: cannot probe a remote path without a classic SparkContext")
-        p = Path(path)
-        return "dir" if p.is_dir() else "file" if p.exists() else None
+        import pyarrow.fs as pafs
+        afs, apath = client_fs(path)
+        t = afs.get_file_info(apath).type
+        return "dir" if t == pafs.FileType.Directory else None if t == pafs.FileType.NotFound else "file"
     fs, hpath = fs
     if not fs.exists(hpath):
         return None
@@ -90,9 +126,26 @@ def list_names(spark: SparkSession, path: str) -> List[str]:
         return []
     fs = hadoop_fs(spark, path)
     if fs is None:
-        return sorted(p.name for p in Path(path).iterdir())
+        import pyarrow.fs as pafs
+        afs, apath = client_fs(path)
+        return sorted(i.base_name for i in afs.get_file_info(pafs.FileSelector(apath)))
     fs, hpath = fs
     return sorted(st.getPath().getName() for st in fs.listStatus(hpath))
+
+
+def file_size(spark: SparkSession, path: str) -> Optional[int]:
+    """Bytes of file ``path`` (None for a folder or nothing), any scheme."""
+    fs = hadoop_fs(spark, path)
+    if fs is None:
+        import pyarrow.fs as pafs
+        afs, apath = client_fs(path)
+        info = afs.get_file_info(apath)
+        return info.size if info.type == pafs.FileType.File else None
+    fs, hpath = fs
+    if not fs.exists(hpath):
+        return None
+    st = fs.getFileStatus(hpath)
+    return None if st.isDirectory() else int(st.getLen())
 
 
 def is_delta(spark: SparkSession, path: str) -> bool:
@@ -160,14 +213,11 @@ def table_version(spark: SparkSession, path: str) -> int:
     """The latest committed version of a Delta table: the highest ``_delta_log/NNN.json``, found
     with one file-system listing (no Spark job); Delta's history as the fallback."""
     try:
-        jvm = spark.sparkContext._jvm
-        log_dir = jvm.org.apache.hadoop.fs.Path(path.rstrip("/") + "/_delta_log")
-        fs = log_dir.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-        names = [st.getPath().getName() for st in fs.listStatus(log_dir)]
+        names = list_names(spark, path.rstrip("/") + "/_delta_log")
         versions = [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
         if versions:
             return max(versions)
-    except Exception:  # noqa: BLE001 - no JVM access (Spark Connect) or an unusual store
+    except Exception:  # noqa: BLE001 - a store neither Hadoop nor pyarrow can list from here
         pass
     from delta.tables import DeltaTable
     return int(DeltaTable.forPath(spark, path).history(1).select("version").first()[0])

@@ -192,8 +192,34 @@ def random_groups(samples: DataFrame, group_size: int, seed: int) -> DataFrame:
     """(group_id, sample_id): samples ranked by a seeded hash, cut into runs of ``group_size``
     (the last group holds the remainder). Every sample is in exactly one group."""
     ranked = samples.select("sample_id").orderBy(F.xxhash64("sample_id", F.lit(seed)), "sample_id")
-    rdd = ranked.rdd.zipWithIndex().map(lambda r: (int(r[1] // group_size), int(r[0][0])))
-    return samples.sparkSession.createDataFrame(rdd, "group_id long, sample_id long")
+    indexed = with_row_index(ranked, "_i")
+    return indexed.select(F.floor(F.col("_i") / group_size).cast("long").alias("group_id"),
+                          F.col("sample_id").cast("long"))
+
+
+def with_row_index(df: DataFrame, name: str) -> DataFrame:
+    """``df`` with column ``name`` = 0..n-1 in the frame's order (partition by partition, rows
+    in order): the DataFrame equivalent of ``RDD.zipWithIndex`` (no RDD: Spark Connect has none).
+
+    One job counts the rows of each partition (O(partitions) rows to the driver); the index is
+    then the partition's offset plus the row's place in it, the low 33 bits of
+    ``monotonically_increasing_id`` (its documented layout). The tagged rows are checkpointed
+    on the executors (``localCheckpoint``: O(rows) there, not on the driver), so count and
+    index come from one evaluation of ``df``."""
+    # materialized once: the count and the index must see the same partitions (adaptive query
+    # execution may cut a shuffle's output differently in two queries)
+    tagged = df.select("*", F.spark_partition_id().alias("_zpid"),
+                       F.monotonically_increasing_id().alias("_zmid")).localCheckpoint()
+    counts = sorted((r["_zpid"], r["count"]) for r in tagged.groupBy("_zpid").count().collect())
+    offsets, acc = [], 0
+    for pid, n in counts:
+        offsets.append((pid, acc))
+        acc += n
+    spark = df.sparkSession
+    off = spark.createDataFrame(offsets or [(0, 0)], "_zpid int, _zoff long")
+    low = F.col("_zmid").bitwiseAND(F.lit((1 << 33) - 1))
+    return (tagged.join(F.broadcast(off), "_zpid").withColumn(name, F.col("_zoff") + low)
+            .drop("_zpid", "_zmid", "_zoff"))
 
 
 def kmeans_groups(samples: DataFrame, n_samples: int, n_features: int, depth: int, seed: int) -> DataFrame:
@@ -203,10 +229,9 @@ def kmeans_groups(samples: DataFrame, n_samples: int, n_features: int, depth: in
     from ..params import TreeParams
     from . import label_tree
     leaf = max(1, -(-n_samples // (2 ** depth)))
-    spark = samples.sparkSession
     # dense point ids 0..n-1 (sample ids need not be contiguous)
-    ids = samples.select("sample_id").rdd.zipWithIndex().map(lambda r: (int(r[0][0]), int(r[1])))
-    dense = spark.createDataFrame(ids, "sample_id long, label_idx int")
+    dense = with_row_index(samples.select("sample_id"), "label_idx").select(
+        F.col("sample_id").cast("long"), F.col("label_idx").cast("int"))
     pts = samples.drop("label_idx").join(dense, "sample_id").select("label_idx", F.col("feature_idx").alias("emb_idx"),
                                                   F.col("feature_val").alias("emb_val"))
     tree = label_tree.run(pts, TreeParams(max_leaf_size=leaf, seed=seed), n_features=n_features, n_labels=n_samples)

@@ -27,6 +27,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply
+from ..compat import share
 from ..kernels.eagle import Triples, assign, grlr_block, grlr_sums, grlr_update
 from ..params import EagleParams
 from ..progress import worker_progress
@@ -108,16 +109,15 @@ def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: Eagl
     """GRLR for head labels with one Spark job per iteration; returns (assignment/objective
     rows, objective per iteration, E)."""
     spark = rows.sparkSession
-    sc = spark.sparkContext
     T, eta = _iterations(params), params.eta
     # every (label, group) segment whole in one partition; partitions materialized once
     parts = (rows.withColumn("_chunk", F.pmod(F.xxhash64("label_idx", "group_id"), F.lit(n_chunks)))
              .repartition(n_chunks, "_chunk").drop("_chunk").localCheckpoint())
-    bheads = sc.broadcast(heads)
+    bheads = share(spark, heads, name="the head labels")
     E = None
     objs = []
     for t in range(T + 1):
-        bE = sc.broadcast(E)
+        bE = share(spark, E, name="the head label embeddings E")
 
         def sums(batches, bE=bE):
             tb = _partition_table(batches)
@@ -142,7 +142,7 @@ def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: Eagl
             objs.append(float(o["value"].sum()))
         E = grlr_update(E, G, eta)
         log.info("EAGLE head labels: iteration %d/%d done (%d labels)", t, T, len(heads))
-    bE = sc.broadcast(E)
+    bE = share(spark, E, name="the head label embeddings E")
 
     def final(batches, bE=bE):
         tb = _partition_table(batches)

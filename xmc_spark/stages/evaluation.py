@@ -10,6 +10,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_offsets_values
+from ..compat import share
 from ..kernels import metrics as M
 from ..kernels.sparse import csr_from_lists
 from ..params import EvalParams
@@ -49,9 +50,8 @@ def run(predictions: DataFrame, test: DataFrame, train_label_counts: np.ndarray,
     A, B = params.propensity_a, params.propensity_b
     L = len(train_label_counts)
     kmax = max(ks)
-    sc = predictions.sparkSession.sparkContext
-    b_counts = sc.broadcast(np.asarray(train_label_counts))
-    b_depth = sc.broadcast(label_depth)
+    b_counts = share(predictions, np.asarray(train_label_counts), name="the training label counts")
+    b_depth = share(predictions, label_depth, name="the label depths")
 
     def sums(batches):
         total: Dict[str, float] = {}

@@ -24,7 +24,7 @@ from ..kernels.sparse import csr_from_lists, normalize_lists
 from ..params import IngestParams
 from ..progress import worker_progress
 from ..schemas import SAMPLES_SCHEMA, IngestError, check_samples_columns
-from ..storage import hadoop_fs, is_delta, list_names, path_kind, write_delta
+from ..storage import StorageError, file_size, hadoop_fs, is_delta, list_names, path_kind, write_delta
 
 log = logging.getLogger("xmc_spark.ingest")
 
@@ -67,20 +67,16 @@ def _exists(spark: SparkSession, path: str) -> bool:
     return path_kind(spark, path) is not None
 
 
-def _fs(spark: SparkSession, path: str):
-    fs = hadoop_fs(spark, path)
-    if fs is None:
-        raise IngestError(f"{path}: reading text input needs a classic SparkContext (Hadoop's file system)")
-    return fs
-
-
 def _first_line(spark: SparkSession, path: str) -> Optional[str]:
     """The first line of a text input, None when it is empty. A single file is read through
-    Hadoop's FileSystem (decompressed by its codec) with no Spark job; a folder by Spark."""
-    fs, hpath = _fs(spark, path)
-    if fs.getFileStatus(hpath).isDirectory():
-        row = spark.read.text(path).first()
+    Hadoop's FileSystem (decompressed by its codec) with no Spark job; a folder, or any input on
+    Spark Connect (no Hadoop file system in the client), by Spark (the server's view of the path)."""
+    fs = hadoop_fs(spark, path)
+    if fs is None or fs[0].getFileStatus(fs[1]).isDirectory():
+        with _read_errors(path):
+            row = spark.read.text(path).first()
         return None if row is None else row[0]
+    fs, hpath = fs
     jvm = spark.sparkContext._jvm
     stream = fs.open(hpath)
     try:
@@ -126,11 +122,26 @@ def one_split(spark: SparkSession, path: str) -> bool:
     """True when Spark reads the input ``path`` as one partition for sure: a single file no
     larger than both spark.sql.files.maxPartitionBytes and openCostInBytes (a size hint: small
     inputs are validated by one task, without a shuffle)."""
-    fs, hpath = _fs(spark, path)
-    status = fs.getFileStatus(hpath)
-    conf = spark._jsparkSession.sessionState().conf()
-    return not status.isDirectory() and status.getLen() <= min(conf.filesMaxPartitionBytes(),
-                                                               conf.filesOpenCostInBytes())
+    try:
+        size = file_size(spark, path)
+    except StorageError:            # a Spark Connect client that cannot see the path: no hint
+        return False
+    if size is None:
+        return False
+    limit = min(_conf_bytes(spark, "spark.sql.files.maxPartitionBytes", 128 << 20),
+                _conf_bytes(spark, "spark.sql.files.openCostInBytes", 4 << 20))
+    return size <= limit
+
+
+def _conf_bytes(spark: SparkSession, key: str, default: int) -> int:
+    """A byte-size SQL setting ("134217728", "128MB", "4m") as bytes (classic and Connect)."""
+    v = spark.conf.get(key, None)
+    if v is None:
+        return default
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgtp]?)i?b?\s*", str(v).lower())
+    if not m:
+        return default
+    return int(m.group(1)) << (10 * " kmgtp".index(m.group(2) or " "))
 
 
 def first_where(cond: str, value: str) -> str:

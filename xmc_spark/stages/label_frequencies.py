@@ -15,6 +15,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_offsets_values
+from ..compat import share
 from ..kernels import frequencies as K
 from ..params import TreeParams
 
@@ -42,11 +43,9 @@ def _sum_vector(labels: DataFrame, n_labels: int, fn) -> np.ndarray:
 
 
 def _greedy(labels: DataFrame, n_labels: int, f: np.ndarray, k: int) -> Tuple[np.ndarray, int]:
-    sc = labels.sparkSession.sparkContext
-
     def mask_table(selected, cand_bit):
         """One round: (mask, label, mass) summed over the remaining contexts by Spark."""
-        b = sc.broadcast((selected, cand_bit))
+        b = share(labels, (selected, cand_bit), name="the greedy f-tilde selection")
 
         def part(batches):
             sel, bits = b.value
@@ -80,7 +79,7 @@ def run(samples: DataFrame, n_labels: int, params: TreeParams, f=None) -> Tuple[
         f = np.asarray(f, np.float64)
         info = {"f_tilde": params.f_tilde}
         if params.f_tilde == "marginal":
-            bf = labels.sparkSession.sparkContext.broadcast(f)
+            bf = share(labels, f, name="the label counts f")
             ft = _sum_vector(labels, n_labels, lambda off, val: K.f_tilde_marginal(off, val, bf.value))
             bf.unpersist()
         else:

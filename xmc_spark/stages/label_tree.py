@@ -14,6 +14,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, grouped_apply
+from ..compat import share
 from ..kernels.tree import split_node, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
@@ -61,7 +62,8 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     if params.effective_lambda > 0:
         if f is None or f_tilde is None:
             raise ValueError("an interpolated tree (lambda > 0) needs label frequencies f and f_tilde")
-        freqs = spark.sparkContext.broadcast((np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)))
+        freqs = share(spark, (np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)),
+                      name="the label frequencies (f, f_tilde)")
     all_labels = spark.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
     emb = all_labels.join(embeddings, "label_idx", "left").select(
         "label_idx",
