@@ -69,8 +69,10 @@ def prime_rows(prm, data, tree_top, inv, rerank_ks, log):
             best.update(score=score, epoch=e + 1, weights=copy.deepcopy(model.weights),
                         centroids=model.centroids.copy())
         t_eval[0] += time.perf_counter() - t0
-        log(f"  epoch {e + 1}: loss {model.history[-1]:.4f}, held-out mean P@1/3/5 {score:.2f}")
+        loss = f"{model.history[-1]:.4f}" if model.history else "-"
+        log(f"  epoch {e + 1}: loss {loss}, held-out mean P@1/3/5 {score:.2f}")
 
+    on_epoch(-1, PR.init_model(Xf, Yf, prm))          # epoch 0: the PIFA-initialized model
     model, t_train = timed(PR.train, Xf, Yf, prm, shortlist=tree_top["fit"][0], on_epoch=on_epoch)
     t_train -= t_eval[0]
     model.weights, model.centroids = best["weights"], best["centroids"]
@@ -109,6 +111,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=PR.PrimeParams.batch_size)
     ap.add_argument("--residual", action="store_true")
     ap.add_argument("--linear-r", action="store_true", help="R as written in Eq. 6-7 (no hinge)")
+    ap.add_argument("--uniform-positives", action="store_true", help="not by inverse propensity")
     ap.add_argument("--r-margin", type=float, default=PR.PrimeParams.r_margin)
     ap.add_argument("--dropout", type=float, default=PR.PrimeParams.dropout)
     ap.add_argument("--weight-decay", type=float, default=PR.PrimeParams.weight_decay)
@@ -142,7 +145,8 @@ def main() -> None:
     log(f"tree: {results['tree alone']}")
     prm = PR.PrimeParams(dim=args.dim, epochs=args.epochs, lr=args.lr, batch_size=args.batch,
                          residual=args.residual, r_hinge=not args.linear_r, r_margin=args.r_margin,
-                         dropout=args.dropout, weight_decay=args.weight_decay, seed=args.seed)
+                         dropout=args.dropout, weight_decay=args.weight_decay, seed=args.seed,
+                         propensity_positives=not args.uniform_positives)
     d = (Xf, Yf, Xv, Yv, Xt, Yt)
     rows, model = prime_rows(prm, d, tree_top, inv, ks, log)
     results.update(rows)

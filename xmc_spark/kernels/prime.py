@@ -102,6 +102,7 @@ class PrimeParams:
     margin_variant: str = "triplet"
     use_centroids: bool = True
     use_free: bool = True
+    propensity_positives: bool = True   # False: positives drawn uniformly from the row's labels
     propensity_a: float = 0.55
     propensity_b: float = 1.5
     seed: int = 0
@@ -362,9 +363,15 @@ def init_lpn(dim: int, ffn: int, rng, dtype=np.float32) -> Dict[str, np.ndarray]
 
 def init_model(X: sp.csr_matrix, Y: sp.csr_matrix, prm: PrimeParams, label_features=None,
                dtype=np.float32) -> PrimeModel:
-    """Encoder from PIFA's singular vectors, centroids = initial h_l, free vectors = cluster means."""
+    """:func:`init_from_pifa` with the PIFA embeddings of (X, Y)."""
+    return init_from_pifa(pifa(sp.csr_matrix(X), sp.csr_matrix(Y)), prm, label_features, dtype)
+
+
+def init_from_pifa(Z: sp.csr_matrix, prm: PrimeParams, label_features=None, dtype=np.float32) -> PrimeModel:
+    """Encoder from the singular vectors of PIFA ``Z`` (labels x features, e.g. the pipeline's
+    label-embedding stage), centroids = initial h_l, free vectors = their clusters' mean h_l."""
     rng = np.random.default_rng(prm.seed)
-    Z = pifa(sp.csr_matrix(X), sp.csr_matrix(Y))
+    Z = sp.csr_matrix(Z, dtype=np.float32)
     F = Z if label_features is None else sp.csr_matrix(label_features, dtype=np.float32)
     if F.shape != Z.shape:
         raise ValueError(f"label features are {F.shape}, expected labels x features {Z.shape}")
@@ -551,6 +558,35 @@ def sample_negatives(Yq: sp.csr_matrix, n_labels: int, n_hard: int, n_random: in
 
 
 # ---- training ---------------------------------------------------------------------------------
+@dataclass
+class Optimizer:
+    """AdamW moments (O(weights), so O(labels x dim) on the label side) and the step count."""
+
+    state: Dict[str, np.ndarray] = field(default_factory=dict)
+    t: int = 0
+
+
+def inverse_propensities(label_counts: np.ndarray, n_rows: int, prm: PrimeParams) -> np.ndarray:
+    """gamma_l = 1 / p_l (Jain et al. 2016) from the training label counts, for positive sampling."""
+    return 1.0 / propensities(label_counts, max(n_rows, 3), prm.propensity_a, prm.propensity_b,
+                              n_labels=len(label_counts))
+
+
+def train_step(model: PrimeModel, opt: Optimizer, Xq: sp.csr_matrix, Yq: sp.csr_matrix, inv_prop: np.ndarray,
+               rng, shortlist: Optional[np.ndarray] = None) -> float:
+    """One mini-batch (rows with at least one label): sample positives and negatives, Eq. 5 and
+    its gradient, one AdamW step, Eq. 4 for the batch's labels. Returns the batch loss.
+    A caller that streams batches itself (e.g. from Spark partitions) loops over this."""
+    prm = model.params
+    pos = sample_positives(Yq, inv_prop if prm.propensity_positives else np.ones(model.n_labels), prm.n_pos, rng)
+    neg, valid = sample_negatives(Yq, model.n_labels, prm.n_hard, prm.n_random, rng, shortlist)
+    loss, grads, hq, _ = batch_loss(model, Xq, Yq, pos, neg, valid, rng if prm.dropout > 0 else None)
+    opt.t += 1
+    adamw_step(model.weights, grads, opt.state, opt.t, prm)
+    update_centroids(model.centroids, Yq, hq, prm.alpha)
+    return loss
+
+
 def train(X: sp.csr_matrix, Y: sp.csr_matrix, prm: PrimeParams, shortlist: Optional[np.ndarray] = None,
           label_features=None, on_epoch: Optional[Callable[[int, PrimeModel], None]] = None) -> PrimeModel:
     """Train on the rows of X (n x features, L2-normalized as ingest gives them) with labels Y
@@ -563,25 +599,15 @@ def train(X: sp.csr_matrix, Y: sp.csr_matrix, prm: PrimeParams, shortlist: Optio
     n, L = Y.shape
     model = init_model(X, Y, prm, label_features)
     rows = np.flatnonzero(np.diff(Y.indptr) > 0)
-    counts = np.bincount(Y.indices, minlength=L)
-    inv_prop = 1.0 / propensities(counts, max(n, 3), prm.propensity_a, prm.propensity_b, n_labels=L)
+    inv_prop = inverse_propensities(np.bincount(Y.indices, minlength=L), n, prm)
     rng = np.random.default_rng(prm.seed + 1)
-    state: Dict[str, np.ndarray] = {}
-    t = 0
+    opt = Optimizer()
     for ep in range(prm.epochs):
         perm = rng.permutation(rows)
         total, nb = 0.0, 0
         for s in range(0, len(perm), prm.batch_size):
             b = np.sort(perm[s:s + prm.batch_size])
-            Xq, Yq = X[b], Y[b]
-            pos = sample_positives(Yq, inv_prop, prm.n_pos, rng)
-            neg, valid = sample_negatives(Yq, L, prm.n_hard, prm.n_random, rng,
-                                          None if shortlist is None else shortlist[b])
-            loss, grads, hq, _ = batch_loss(model, Xq, Yq, pos, neg, valid, rng if prm.dropout > 0 else None)
-            t += 1
-            adamw_step(model.weights, grads, state, t, prm)
-            update_centroids(model.centroids, Yq, hq, prm.alpha)
-            total += loss
+            total += train_step(model, opt, X[b], Y[b], inv_prop, rng, None if shortlist is None else shortlist[b])
             nb += 1
         model.history.append(total / max(nb, 1))
         if on_epoch is not None:
