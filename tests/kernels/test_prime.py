@@ -274,3 +274,17 @@ def test_loss_falls_and_retrieval_learns_on_a_toy():
     assert model.history[-1] < 0.5 * model.history[0]
     lab, _ = P.retrieve(P.encode(model, X), P.prototypes(model), 5)
     assert evaluate(lab, Y, np.ones(20))["p@1"] > 80
+
+
+def test_encoder_starts_from_the_top_singular_vectors_of_pifa():
+    X, Y = random_problem(n=200, d=30, L=12, seed=2)
+    from xmc_spark.kernels.label_embedding import pifa
+    Z = pifa(X, Y).toarray().astype(np.float64)
+    E = P.pifa_svd_basis(sp.csr_matrix(Z), 16, np.random.default_rng(0), np.float64)
+    k = 12                                                   # rank of PIFA (L = 12 < dim)
+    np.testing.assert_allclose(E[:, :k].T @ E[:, :k], np.eye(k), atol=1e-10)
+    s = np.linalg.svd(Z, compute_uv=False)
+    np.testing.assert_allclose(np.linalg.norm(Z @ E[:, :5]) ** 2, np.sum(s[:5] ** 2), rtol=1e-10)
+    assert np.abs(E[:, k:]).max() < 1e-2                     # beyond the rank: small noise only
+    model = P.init_model(X, Y, P.PrimeParams(dim=16, ffn=8), dtype=np.float64)
+    np.testing.assert_allclose(model.centroids, P.encode(model, sp.csr_matrix(Z)), atol=1e-6)
