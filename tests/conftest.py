@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,8 @@ SHARED = ROOT.parent / "shared" / "data"
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a long end-to-end run (several JVMs or a real data set); "
                                        "CI runs them, `-m 'not slow'` skips them while developing")
+    config.addinivalue_line("markers", "connect: also run on a local Spark Connect server, in the subprocess "
+                                       "tests/test_connect_suite.py starts with XMC_TEST_SPARK_REMOTE set")
 
 
 def write_xc(path, X, Y):
@@ -46,12 +49,18 @@ def random_problem(n=120, d=40, L=12, seed=0, density=0.2):
     return X, Y
 
 
+# set (e.g. "local[2]") in the process tests/test_connect_suite.py starts: there the ``spark``
+# fixture is a Spark Connect session (one session kind per process), else a classic one
+CONNECT_ENV = "XMC_TEST_SPARK_REMOTE"
+
+
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory):
     from xmc_spark.params import SparkParams
     from xmc_spark.session import get_spark
 
-    params = SparkParams(master="local[2,2]")   # 2 attempts a task (tests/stages/test_faults.py)
+    # 2 attempts a task (tests/stages/test_faults.py)
+    params = SparkParams(master="local[2,2]", remote=os.environ.get(CONNECT_ENV, ""))
     params.conf.update({"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
                         "spark.driver.memory": "2g",
                         "spark.sql.warehouse.dir": str(tmp_path_factory.mktemp("warehouse"))})
@@ -66,3 +75,13 @@ def bibtex():
     if not (p / "train.txt").exists():
         pytest.skip("../shared/data/bibtex is not present")
     return p
+
+
+@pytest.fixture(scope="session")
+def connect_spark(spark):
+    """The session when it is Spark Connect (the process tests/test_connect_suite.py starts),
+    else the test is skipped: it runs there, on a local Spark Connect server."""
+    from xmc_spark.compat import is_connect
+    if not is_connect(spark):
+        pytest.skip("Spark Connect only: runs in tests/test_connect_suite.py's subprocess")
+    return spark

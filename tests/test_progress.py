@@ -2,6 +2,8 @@
 import logging
 import time
 
+import pytest
+
 from xmc_spark import progress
 
 
@@ -34,3 +36,36 @@ def test_worker_progress_totals_first_call_then_throttled(capfd, monkeypatch):
     monkeypatch.setenv(progress.INTERVAL_ENV, "0")
     progress.worker_progress("predict", rows_scored=1)
     assert "predict: 151 rows_scored so far" in capfd.readouterr().err
+
+
+@pytest.mark.connect
+def test_connect_progress_comes_from_the_progress_handler(connect_spark, caplog):
+    spark = connect_spark
+
+    def slow(batches):
+        for b in batches:
+            time.sleep(1.0)
+            yield b
+
+    spark.conf.set("spark.connect.progress.reportInterval", "200ms")
+    caplog.set_level(logging.INFO, logger="xmc_spark.progress")
+    with progress.spark_progress("demo", 0.25):          # the active Connect session's progress
+        n = spark.range(0, 8, numPartitions=4).mapInArrow(slow, "id long").count()
+    assert n == 8
+    msgs = [r.getMessage() for r in caplog.records if r.name == "xmc_spark.progress"]
+    assert any(m.startswith("demo: Spark stage ") and "/4 tasks done" in m for m in msgs), msgs
+    caplog.clear()
+    spark.range(0, 4, numPartitions=4).mapInArrow(slow, "id long").count()      # handler removed
+    assert not [r for r in caplog.records if r.name == "xmc_spark.progress"]
+
+
+def test_no_context_no_crash(caplog, monkeypatch):
+    # no SparkContext and no Connect session: the block runs, one line says progress is unavailable
+    from pyspark import SparkContext
+    monkeypatch.setattr(SparkContext, "_active_spark_context", None)
+    monkeypatch.setattr(progress, "_active_connect_session", lambda: None)
+    monkeypatch.setattr(progress, "_said_unavailable", False)
+    caplog.set_level(logging.INFO, logger="xmc_spark.progress")
+    with progress.spark_progress("demo", 0.1):
+        ran = True
+    assert ran and any("progress is unavailable" in r.getMessage() for r in caplog.records)

@@ -25,6 +25,7 @@ def test_run_keys_and_paths():
     assert not any(is_local_path(p) for p in ("s3://b/x", "abfss://c@a.dfs.core.windows.net/x", "dbfs:/x"))
 
 
+@pytest.mark.connect
 def test_keyed_writes_replace_one_partition_and_pins_read_old_versions(spark, tmp_path):
     t1, t2 = Tables(spark, tmp_path, "k1"), Tables(spark, tmp_path, "k2")
     rows = "metric string, value double"
@@ -59,6 +60,7 @@ def test_conflicts_are_told_from_other_errors():
     assert not is_conflict(ValueError("[DELTA_MISSING_DELTA_TABLE] x is not a Delta table"))
 
 
+@pytest.mark.connect
 def test_path_probing_through_hadoop(spark, tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "b.txt").write_text("x")

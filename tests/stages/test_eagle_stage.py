@@ -50,7 +50,7 @@ def _reference(d, groups, glabels, T, mode="eagle", tau=30.0):
     return E, obj, sid, lb, w
 
 
-@pytest.mark.parametrize("mode,head_groups", [("eagle", 1000), ("soft", 12)])
+@pytest.mark.parametrize("mode,head_groups", [pytest.param("eagle", 1000, marks=pytest.mark.connect), ("soft", 12)])
 def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mode):
     d, groups, glabels = agg_dir
     agg = aggregated.read(spark, str(d), IngestParams())
@@ -140,6 +140,7 @@ def test_group_tables_errors_and_counts(spark, tmp_path):
                          "n_samples_without_group": 2}
 
 
+@pytest.mark.connect
 def test_make_groups_random_and_kmeans(spark, tmp_path):
     X, Y = random_problem(n=103, d=20, L=8, seed=2)
     write_xc(tmp_path / "train.txt", X, Y)

@@ -10,6 +10,7 @@ TEST = "sample_id long, label_idx array<int>"
 PRED = "sample_id long, pred_labels array<int>"
 
 
+@pytest.mark.connect
 def test_unseen_test_labels_are_misses(spark):
     counts = np.array([3, 1])                      # training has labels 0 and 1 only, n_train = 10
     test = spark.createDataFrame([(0, [0, 3]), (1, [3]), (2, [1])], TEST)
@@ -27,6 +28,7 @@ def test_unseen_test_labels_are_misses(spark):
     assert m["depth@1"] == pytest.approx((1 + 2 + 2) / 3)
 
 
+@pytest.mark.connect
 def test_unseen_labels_counts(spark):
     train = spark.createDataFrame([(0, [0, 1]), (1, [2]), (2, [])], TEST)
     test = spark.createDataFrame([(10, [0, 5]), (11, [5, 7]), (12, [1]), (13, [])], TEST)

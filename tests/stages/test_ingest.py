@@ -15,6 +15,7 @@ def _rows(df):
     return sorted((r.sample_id, list(r.feature_idx), list(r.feature_val), list(r.label_idx)) for r in df.collect())
 
 
+@pytest.mark.connect
 def test_repeated_feature_indices_are_sorted_and_summed(spark, tmp_path, caplog):
     f = tmp_path / "dup.txt"
     f.write_text("3 5 4\n1,0 4:3\n0 3:1 1:2 3:2\n1 2:1 2:-1 0:1\n")
@@ -49,6 +50,7 @@ def test_clean_input_merges_nothing(spark, tmp_path, caplog):
     assert info.n_rows_merged_features == 0 and "more than once" not in caplog.text
 
 
+@pytest.mark.connect
 @pytest.mark.parametrize("fmt,text", [("xc", "2 5 4\n0 1:1\n1 2:1"), ("svmlight", "0 2:1\n1 3:1")])
 def test_a_final_newline_is_not_a_blank_line(spark, tmp_path, fmt, text):
     got = []
@@ -60,6 +62,11 @@ def test_a_final_newline_is_not_a_blank_line(spark, tmp_path, fmt, text):
     assert got[0] == got[1] and got[0][0] == 2
 
 
+def _partitions(df):
+    """Input partitions holding rows (no RDD on Spark Connect)."""
+    return df.select("_pid").distinct().count()
+
+
 @pytest.fixture
 def small_splits(spark):
     """Text inputs split into input partitions of 256 bytes (line numbers must run across them)."""
@@ -69,11 +76,12 @@ def small_splits(spark):
     spark.conf.set("spark.sql.files.maxPartitionBytes", old)
 
 
+@pytest.mark.connect
 def test_line_numbers_and_sample_ids_across_input_partitions(spark, tmp_path, small_splits):
     lines = [f"{i % 3} {i % 7}:{i + 1}" for i in range(200)]
     f = tmp_path / "many.txt"
     f.write_text("200 7 3\n" + "\n".join(lines) + "\n")
-    assert ingest.text_lines(spark, str(f)).rdd.getNumPartitions() > 4
+    assert _partitions(ingest.text_lines(spark, str(f))) > 4
     df, info = ingest.read_samples(spark, str(f), IngestParams(normalize=False))
     assert info.n_samples == 200
     assert _rows(df) == [(i, [i % 7], [float(i + 1)], [i % 3]) for i in range(200)]
@@ -83,11 +91,12 @@ def test_line_numbers_and_sample_ids_across_input_partitions(spark, tmp_path, sm
         ingest.read_samples(spark, str(f), IngestParams())
 
 
+@pytest.mark.connect
 def test_lines_checks_a_wrong_one_split_hint(spark, tmp_path, small_splits):
     f = tmp_path / "many.txt"
     f.write_text("".join(f"line {i}\n" for i in range(100)))
     df = ingest.text_lines(spark, str(f), "value LIKE 'line 7%' AS seven")
-    assert not ingest.one_split(spark, str(f)) and df.rdd.getNumPartitions() > 1
+    assert not ingest.one_split(spark, str(f)) and _partitions(df) > 1
     lines = ingest.Lines(df, True, first7=ingest.first_where("seven", "value"))   # told one split, wrongly
     assert lines.n == 100 and lines.first("first7") == (8, "line 7")
     got = sorted((r.value, r.line) for r in df.withColumn("line", lines.line()).collect())

@@ -9,6 +9,7 @@ from xmc_spark.params import TreeParams
 from xmc_spark.stages import label_frequencies
 
 
+@pytest.mark.connect
 @pytest.mark.parametrize("method", ["marginal", "greedy"])
 def test_frequency_stage_equals_kernel(problem, method):
     samples, _, Yl = problem

@@ -25,6 +25,7 @@ def _assert_tree(spark, tree, leaf):
     assert_df_equality(check_table(tree, "tree"), expected, ignore_row_order=True, ignore_nullable=True)
 
 
+@pytest.mark.connect
 @pytest.mark.parametrize("local", [0, 6])
 def test_tree_stage_equals_kernel(problem, emb, spark, local):
     _, Xl, Yl = problem
@@ -44,6 +45,7 @@ def test_labels_without_embedding_are_placed(problem, emb, spark):
                  tree_from_params(Z, params))
 
 
+@pytest.mark.connect
 @pytest.mark.parametrize("lam", [0.5, 2.0])
 def test_interpolated_tree_stage_equals_kernel(problem, emb, spark, lam):
     _, Xl, Yl = problem

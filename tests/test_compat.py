@@ -1,0 +1,75 @@
+"""compat: one API over classic Spark (broadcasts, SparkContext) and Spark Connect (values in
+the closure, no SparkContext). Tests taking ``connect_spark`` run in tests/test_connect_suite.py's
+Spark Connect process; the others run on the classic session."""
+import pickle
+
+import numpy as np
+import pandas as pd
+import pytest
+from pyspark import cloudpickle
+
+from xmc_spark import compat
+
+
+def _sum_in_tasks(spark, shared):
+    """Every task reads ``shared.value`` (an array) and adds its sum to its row ids."""
+    def add(batches):
+        for b in batches:
+            yield pd.DataFrame({"x": b["id"] + int(shared.value.sum())})
+    return sorted(r["x"] for r in spark.range(0, 6, numPartitions=3).mapInPandas(add, "x long").collect())
+
+
+def test_captured_ships_the_pickled_bytes_and_loads_once():
+    value = (np.arange(1000), {"k": lambda x: x + 1})
+    c = compat.Captured(value)
+    assert c.value is value and c.nbytes > 8000
+    back = pickle.loads(cloudpickle.dumps(lambda: c))()        # what a task's closure holds
+    assert not back._loaded and back.value[1]["k"](1) == 2
+    assert np.array_equal(back.value[0], value[0]) and back.value is back.value   # unpickled once
+    back.unpersist()
+    back.destroy()
+
+
+def test_is_connect_of_classic_session_and_frame(spark):
+    assert not compat.is_connect(spark) and not compat.is_connect(spark.range(1))
+    assert not compat.is_connect(object())
+
+
+@pytest.mark.connect
+def test_share_in_tasks(spark):
+    got = _sum_in_tasks(spark, compat.share(spark, np.arange(10)))
+    assert got == [45 + i for i in range(6)]
+    kind = compat.Captured if compat.is_connect(spark) else type(spark.sparkContext.broadcast(0))
+    assert isinstance(compat.share(spark.range(1), 1), kind)      # a DataFrame names its session too
+
+
+@pytest.mark.connect
+def test_default_parallelism(spark):
+    # the test session sets spark.default.parallelism = 2 (tests/conftest.py)
+    assert compat.default_parallelism(spark) == 2
+
+
+def test_default_parallelism_is_the_context_s_on_classic(spark):
+    assert compat.default_parallelism(spark) == spark.sparkContext.defaultParallelism
+
+
+@pytest.mark.connect
+def test_connect_share_is_captured_and_size_capped(connect_spark):
+    spark = connect_spark
+    c = compat.share(spark, np.arange(10))
+    assert isinstance(c, compat.Captured) and compat.is_connect(spark.range(1))
+    with pytest.raises(compat.ShareTooLargeError, match=r"the big table is 1\.\d MiB.*limit 1 MiB"):
+        compat.share(spark, np.zeros(200_000), max_mb=1, name="the big table")
+
+
+@pytest.mark.connect
+def test_range_partitions_is_the_leaf_parallelism(spark):
+    # what default_parallelism falls back to on Connect without the settings
+    assert compat.range_partitions(spark) == 2
+    spark.conf.set("spark.sql.leafNodeDefaultParallelism", "3")
+    try:
+        assert compat.range_partitions(spark) == 3
+        if compat.is_connect(spark):
+            assert compat.default_parallelism(spark) == 2     # spark.default.parallelism comes first
+    finally:
+        spark.conf.unset("spark.sql.leafNodeDefaultParallelism")
