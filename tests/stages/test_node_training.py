@@ -135,14 +135,16 @@ def test_big_nodes_across_tasks_equal_local_tron(problem, index):
 
 
 def test_big_nodes_reach_the_kernels_optimum_with_weights(problem, index, spark):
-    """Sample and label weights, a bias of 0.5, no pruning: the big nodes' objective is within
-    1e-3 of the dual kernel's optimum, with the same signs; small nodes are the kernel's."""
+    """Sample and label weights, a bias of 0.5, no pruning, tron_eps 1e-3 (at the default 0.01 the
+    weights are within ~0.02 of the optimum, so a few small ones differ in sign): the big nodes'
+    objective is within 1e-3 of the dual kernel's optimum, with the same signs; small nodes are
+    the kernel's."""
     _, Xl, Yl = problem
     rng = np.random.default_rng(1)
     Yw = sp.csr_matrix(Yl, dtype=np.float32, copy=True)
     Yw.data = rng.uniform(0.1, 1.0, Yw.nnz).astype(np.float32)
     sw = rng.uniform(0.5, 2.0, Xl.shape[0]).astype(np.float32)
-    tp = TrainParams(bias=0.5, threshold=0.0, max_node_rows=str(BOUND))
+    tp = TrainParams(bias=0.5, threshold=0.0, max_node_rows=str(BOUND), tron_eps=1e-3)
     big = _split(index, Yw)
     Xb = append_bias(Xl, tp.bias)
     got = _stage_weights(node_training.run(samples_frame(spark, Xl, Yw, label_weights=True, weights=sw),
