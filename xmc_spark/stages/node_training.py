@@ -16,8 +16,13 @@ persisted rows (``mapInArrow``: per-partition partial sums, cut into blocks of
 :data:`BLOCK` doubles -> ``groupBy(block).applyInArrow(sum)`` -> collect), so the driver
 receives one summed vector per query, of size (features + 1) x (classifiers still running),
 and never a row. W and the CG direction travel to the tasks inside the query's closure (no
-``SparkContext``: also Spark Connect). Weights are pruned by ``train.threshold`` as the kernel
-prunes them and become rows of the returned DataFrame (same schema as the grouped path's).
+``SparkContext``: also Spark Connect). A classifier stops at ||g|| <= eps_k ||g(0)|| with
+eps_k = ``train.tron_eps`` x max(min(#pos, #neg), 1) / #rows (LIBLINEAR's scaling: unscaled,
+classifiers with few positives stop far from the optimum) or after ``train.tron_max_iter``
+trust-region steps. Queries per Newton step: one function/gradient evaluation plus one per CG
+step (the most any running classifier needs), for all big nodes together. Weights are pruned by
+``train.threshold`` as the kernel prunes them and become rows of the returned DataFrame (same
+schema as the grouped path's).
 
 **The bound.** ``train.max_node_rows``: an integer, ``off`` (never distribute) or ``auto``
 (default)::
