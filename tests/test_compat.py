@@ -66,10 +66,11 @@ def test_connect_share_is_captured_and_size_capped(connect_spark):
 def test_range_partitions_is_the_leaf_parallelism(spark):
     # what default_parallelism falls back to on Connect without the settings
     assert compat.range_partitions(spark) == 2
+    if not compat.is_connect(spark):
+        return              # classic PySpark's range takes sparkContext.defaultParallelism itself
     spark.conf.set("spark.sql.leafNodeDefaultParallelism", "3")
     try:
         assert compat.range_partitions(spark) == 3
-        if compat.is_connect(spark):
-            assert compat.default_parallelism(spark) == 2     # spark.default.parallelism comes first
+        assert compat.default_parallelism(spark) == 2     # spark.default.parallelism comes first
     finally:
         spark.conf.unset("spark.sql.leafNodeDefaultParallelism")
