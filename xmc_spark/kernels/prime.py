@@ -45,7 +45,9 @@ Model
   from negative up to the margin. ``"inverted"`` (Eq. 3 / 14) gives ``-d + gamma_min`` with
   gradient -1 in the band -gamma_min < d < 0: it drives every triplet of the band back to d = 0
   where the hard-case gradient pushes it out again, so no triplet can ever settle with a margin
-  (a loss jump of 2 gamma_min at d = -gamma_min, an attractor at d = 0). ``"fixed"`` is Eq. 2
+  (a loss jump of 2 gamma_min at d = -gamma_min, an attractor at d = 0); on bibtex it never
+  got above the PIFA initialization on held-out training rows (benchmarks/prime_table.py
+  --ablations). ``"fixed"`` is Eq. 2
   with m = gamma_min (the "no dynamic margin" ablation). Because the dynamic margin is
   detached, "triplet" and "fixed" have the *same gradient*; only the loss value differs.
 * **Optimizer** AdamW (PyTorch form: decoupled decay ``w -= lr wd w`` first), decay 0.01 on
