@@ -169,8 +169,10 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         salt = max(1, math.ceil(n * min(beam_size, m_prev) / m_prev / group_rows))
 
         score = _scorer(model, child_ptr, through, slot_label[keys] if last else None)
-        left = cur.withColumn("salt", F.pmod(F.xxhash64("sample_id"), F.lit(salt)))
-        right = W.filter(F.col("layer") == t).withColumn("salt", F.explode(F.sequence(F.lit(0), F.lit(salt - 1))))
+        # both sides' keys must have one type: a long and an int of equal value hash apart
+        left = cur.withColumn("salt", F.pmod(F.xxhash64("sample_id"), F.lit(salt)).cast("long"))
+        right = (W.filter(F.col("layer") == t)
+                 .withColumn("salt", F.explode(F.sequence(F.lit(0).cast("long"), F.lit(salt - 1).cast("long")))))
         cand = (left.groupBy("ppos", "salt").cogroup(right.groupBy("ppos", "salt"))
                 .applyInArrow(score, "sample_id long, pos long, score double"))
         if last:
