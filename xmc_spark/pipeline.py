@@ -23,6 +23,7 @@ import scipy.sparse as sp
 from pyspark.sql import functions as F
 
 from .arrow_utils import list_offsets_values, to_arrow
+from .compat import CONNECT_MAX_MB, default_parallelism, is_connect
 from .config import dump_params
 from .kernels.tree import TreeIndex
 from .model import ModelTrainParams, XMCModel, is_chunked, split_columns
@@ -52,7 +53,7 @@ def shuffle_partitions(spark) -> int:
     """Task count for our own bucketing: spark.sql.shuffle.partitions, or the default
     parallelism when the platform sets it to ``auto`` (Databricks)."""
     v = str(spark.conf.get("spark.sql.shuffle.partitions", "auto"))
-    return int(v) if v.isdigit() else int(spark.sparkContext.defaultParallelism)
+    return int(v) if v.isdigit() else int(default_parallelism(spark))
 
 
 def weights_to_columns(t: pa.Table, n_cols: int):
@@ -129,15 +130,22 @@ def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp
     return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
 
 
+def broadcast_bound(spark_or_df, pred: PredictParams) -> float:
+    """Bytes of weights a model may have and still be shared whole with the tasks:
+    ``predict.max_broadcast_mb``, on Spark Connect at most what a query plan can carry."""
+    mb = min(pred.max_broadcast_mb, CONNECT_MAX_MB / 2) if is_connect(spark_or_df) else pred.max_broadcast_mb
+    return mb * 2 ** 20
+
+
 def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrainParams,
                        pred: PredictParams):
     """The model of a weights table: an :class:`XMCModel` (collected to the driver, broadcast
     to predict) when its weights fit ``predict.max_broadcast_mb``, else a
     :class:`~.stages.sharded.ShardedModel` whose weights never leave the executors."""
     nbytes = sharded.weights_nbytes(weights)
-    if nbytes > pred.max_broadcast_mb * 2 ** 20:
-        log.info("model weights %.1f MB > predict.max_broadcast_mb %.1f: kept sharded on the executors",
-                 nbytes / 2 ** 20, pred.max_broadcast_mb)
+    if nbytes > broadcast_bound(weights, pred):
+        log.info("model weights %.1f MB > the broadcast bound %.1f MB: kept sharded on the executors",
+                 nbytes / 2 ** 20, broadcast_bound(weights, pred) / 2 ** 20)
         return sharded.ShardedModel(index, weights, n_features, tp.train.bias, tp.normalize, pred, nbytes=nbytes)
     n_cols = n_features + (1 if tp.train.bias > 0 else 0)
     node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
@@ -412,7 +420,7 @@ def load_model(spark, folder, params: PipelineParams):
     chunked and bigger than ``predict.max_broadcast_mb``."""
     if is_chunked(folder):
         model = sharded.load(spark, str(folder))
-        if model.nbytes > params.predict.max_broadcast_mb * 2 ** 20:
+        if model.nbytes > broadcast_bound(spark, params.predict):
             return model
     return XMCModel.load(folder)
 

@@ -170,6 +170,22 @@ def log_result(tracker: Tracker, name: str, result: StageResult, reads: Dict[str
     tracker.set_tags({f"table_version.{name}.{t}": str(v) for t, v in reads.items()})
 
 
+@contextmanager
+def spark_tag(spark, tag: str):
+    """Tag the Spark jobs started inside (``SparkSession.addTag``, classic and Connect alike):
+    the stage's jobs carry it in the UI, the event log (``spark.job.tags``) and
+    ``interruptTag``."""
+    add = getattr(spark, "addTag", None)
+    if add is None:                  # Spark 3.5 classic: no session tags
+        yield
+        return
+    add(tag)
+    try:
+        yield
+    finally:
+        spark.removeTag(tag)
+
+
 class Runner:
     """Runs stages over ``ROOT/tables`` (one run key's partitions, or whole tables)."""
 
@@ -226,7 +242,8 @@ class Runner:
         with self._tracking(spec) as tracker:
             ctx = StageContext(self.spark, spec, self.params, self.tables, recs, timer, tracker, self.train,
                                self.test, self.model_dir, self.run_key, self.memo)
-            result = spec.function()(ctx)
+            with spark_tag(self.spark, f"xmc-stage-{name}"):
+                result = spec.function()(ctx)
             result.seconds = {**timer.seconds, name: timer.elapsed()}
             written = {t: v for t in spec.writes if (v := self._version(t)) is not None and v != before[t]}
             info = {**result.facts, **result.metrics, "tables": written, "commit": uuid.uuid4().hex,

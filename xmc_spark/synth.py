@@ -20,6 +20,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from .arrow_utils import list_array
+from .compat import share
 from .schemas import SAMPLES_SCHEMA
 from .storage import write_delta
 
@@ -78,7 +79,7 @@ def make_rows(start: int, count: int, p: np.ndarray, proto: np.ndarray, n_featur
 def generate(spark: SparkSession, n: int, n_labels: int, n_features: int, seed: int, id_offset: int = 0,
              rows_per_task: int = 50000):
     p, proto = label_model(n_labels, n_features, seed)
-    b = spark.sparkContext.broadcast((p, proto))
+    b = share(spark, (p, proto), name="the label model")
     n_tasks = max(1, -(-n // rows_per_task))
 
     def gen(batches):

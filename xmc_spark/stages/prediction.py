@@ -1,4 +1,5 @@
-"""Batched beam-search prediction with the model broadcast to the executors."""
+"""Batched beam-search prediction with the model shared with the executors (a broadcast on
+classic Spark, the task closure on Spark Connect: :func:`~xmc_spark.compat.share`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,6 +7,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 
 from ..arrow_utils import csr_from_table, list_array
+from ..compat import share
 from ..model import XMCModel
 from ..progress import worker_progress
 from ..schemas import PREDICTIONS_SCHEMA
@@ -14,7 +16,7 @@ from ..schemas import PREDICTIONS_SCHEMA
 def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind: str = "predict") -> DataFrame:
     """Broadcast ``model`` once and call ``score(model, table, X)`` on every Arrow batch."""
     model.layers()  # build once on the driver, ship with the broadcast
-    bmodel = samples.sparkSession.sparkContext.broadcast(model)
+    bmodel = share(samples, model, name="the model")
     n_features = model.n_features
 
     def fn(batches):

@@ -1,0 +1,210 @@
+"""Scale-out measurements from Spark's event log, on `xmc-spark synth` sets of growing size.
+
+Run on demand (minutes to an hour, depending on the sizes):
+
+    python benchmarks/scale.py --sizes 250000,500000,1000000 --work /tmp/xmc-scale
+    python benchmarks/scale.py --sizes 1000000 --cap-python-memory 600m     # a capped Python worker
+
+Each size n gets a synthetic XC set (labels and features growing with n: 20K x 50K at 250K
+samples, 50K x 100K at 500K, 100K x 200K from 1M; ``--labels`` / ``--features`` override)
+and one real CLI run with Spark's event log on, ``spark.sql.shuffle.partitions=64`` and
+partition coalescing off, ``train.max_node_rows = n / 8`` and ``predict.max_broadcast_mb``
+(default 4: above it the model stays sharded). Reported per run:
+
+- wall seconds per pipeline stage (metrics.json) and of the whole process;
+- the largest task's shuffle-read rows divided by n, per pipeline stage (jobs are tagged
+  ``xmc-stage-<name>`` by the runner) and overall;
+- the bytes all tasks returned to the driver (sum of the tasks' result sizes), against the size
+  of the ``weights`` table (8 bytes a non-zero);
+- the peak RSS of the Python workers (Spark's ``ProcessTreePythonRSS`` executor metric:
+  the sum over the workers alive at once, ``local[2]`` runs at most two);
+- P@1/3/5;
+- and over all sizes, the growth exponent of wall time in n (least squares of log-log).
+
+The table goes to stdout (markdown) and ``WORK/scale.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {250000: (20000, 50000), 500000: (50000, 100000)}
+
+
+def shape_of(n: int, labels=None, features=None):
+    L, d = SHAPES.get(n, (20000, 50000) if n < 250000 else (100000, 200000))
+    return labels or L, features or d
+
+
+def make_set(n: int, L: int, d: int, work: Path, cores: int) -> Path:
+    data = work / f"synth_{n}_{L}_{d}"
+    if not (data / "test.txt").exists():
+        cmd = [sys.executable, "-m", "xmc_spark.cli", "synth", "--out", str(data), "--n-train", str(n),
+               "--n-test", str(max(n // 10, 1000)), "--labels", str(L), "--features", str(d), "--format", "xc",
+               "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false"]
+        subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
+    return data
+
+
+def read_event_log(folder: Path) -> dict:
+    """Per pipeline stage and overall: max shuffle-read rows of one task, summed result bytes;
+    peak Python RSS."""
+    files = [f for f in glob.glob(str(folder / "*")) if os.path.isfile(f)]
+    if not files:
+        raise SystemExit(f"no event log under {folder}")
+    stage_of_spark_stage = {}
+    max_rows = defaultdict(int)
+    result_bytes = defaultdict(int)
+    peak_py = 0
+    for f in files:
+        with open(f) as fh:
+            for line in fh:
+                e = json.loads(line)
+                kind = e.get("Event")
+                if kind == "SparkListenerJobStart":
+                    tags = str((e.get("Properties") or {}).get("spark.job.tags", ""))
+                    name = next((t[len("xmc-stage-"):] for t in tags.split(",") if t.startswith("xmc-stage-")),
+                                "untagged")
+                    for sid in e.get("Stage IDs", []):
+                        stage_of_spark_stage[sid] = name
+                elif kind == "SparkListenerTaskEnd":
+                    m = e.get("Task Metrics") or {}
+                    name = stage_of_spark_stage.get(e.get("Stage ID"), "untagged")
+                    rows = int((m.get("Shuffle Read Metrics") or {}).get("Total Records Read", 0))
+                    for k in (name, "all"):
+                        max_rows[k] = max(max_rows[k], rows)
+                        result_bytes[k] += int(m.get("Result Size", 0))
+                    peak_py = max(peak_py, int((e.get("Task Executor Metrics") or {}).get("ProcessTreePythonRSS", 0)))
+                elif kind in ("SparkListenerStageExecutorMetrics", "SparkListenerExecutorMetricsUpdate"):
+                    em = e.get("Executor Metrics") or {}
+                    peak_py = max(peak_py, int(em.get("ProcessTreePythonRSS", 0)))
+    return {"max_task_shuffle_rows": dict(max_rows), "result_bytes": dict(result_bytes), "peak_python_rss": peak_py}
+
+
+def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str) -> dict:
+    out = work / f"run_{tag}_{n}"
+    evlog = work / f"eventlog_{tag}_{n}"
+    for p in (out, evlog):
+        subprocess.run(["rm", "-rf", str(p)], check=True)
+    evlog.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "xmc_spark.cli", "run", "--train", str(data / "train.txt"),
+           "--test", str(data / "test.txt"), "--out", str(out),
+           "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false",
+           "--set", "spark.conf.spark.eventLog.enabled=true", "--set", f"spark.conf.spark.eventLog.dir={evlog}",
+           "--set", "spark.conf.spark.executor.processTreeMetrics.enabled=true",
+           "--set", "spark.conf.spark.sql.shuffle.partitions=64",
+           "--set", "spark.conf.spark.sql.adaptive.coalescePartitions.enabled=false",
+           "--set", f"train.max_node_rows={max(1, n // 8)}", *extra]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    wall = time.perf_counter() - t
+    if r.returncode != 0:
+        raise SystemExit(f"xmc-spark failed on n={n}:\n{r.stderr[-4000:]}")
+    m = json.loads((out / "metrics.json").read_text())
+    ev = read_event_log(evlog)
+    weights_bytes = weights_table_bytes(out)
+    return {"n": n, "labels": m["n_labels"], "features": m["n_features"], "process_seconds": round(wall, 1),
+            "seconds": m["seconds"], "p@1": m["p@1"], "p@3": m["p@3"], "p@5": m["p@5"],
+            "model_layout": m.get("model_layout"), "weights_bytes": weights_bytes,
+            "max_task_rows_over_n": {k: round(v / n, 3) for k, v in ev["max_task_shuffle_rows"].items()},
+            "result_bytes": ev["result_bytes"], "peak_python_rss_mb": round(ev["peak_python_rss"] / 2 ** 20, 1)}
+
+
+def weights_table_bytes(out: Path) -> int:
+    """8 bytes a non-zero of the run's weights table (read with pyarrow: no Spark needed)."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+    path = out / "tables" / "weights"
+    files = [str(p) for p in path.rglob("*.parquet")]
+    live = live_files(path)
+    t = ds.dataset([f for f in files if os.path.relpath(f, path) in live] or files, format="parquet").to_table(
+        columns=["w_idx"])
+    return int(pc.sum(pc.list_value_length(t.column("w_idx"))).as_py() or 0) * 8
+
+
+def live_files(table: Path) -> set:
+    """The data files of a Delta table's latest version (replaying its JSON log)."""
+    live = set()
+    for f in sorted((table / "_delta_log").glob("*.json")):
+        for line in f.read_text().splitlines():
+            a = json.loads(line)
+            if "add" in a:
+                live.add(a["add"]["path"])
+            elif "remove" in a:
+                live.discard(a["remove"]["path"])
+    return live
+
+
+def growth_exponent(rows) -> float:
+    xs = [math.log(r["n"]) for r in rows]
+    ys = [math.log(r["process_seconds"]) for r in rows]
+    if len(xs) < 2:
+        return float("nan")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def table(rows) -> str:
+    head = ("| n | labels x features | layout | process s | ingest | embedding+tree | train | predict | "
+            "max task rows / n (train, all) | bytes to driver (all) | weights table | driver/weights | "
+            "peak Python RSS MB | P@1 | P@3 | P@5 |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        s = r["seconds"]
+        rb = r["result_bytes"].get("all", 0)
+        mt = r["max_task_rows_over_n"]
+        lines.append(
+            f"| {r['n']:,} | {r['labels']:,} x {r['features']:,} | {r['model_layout']} | {r['process_seconds']} | "
+            f"{s.get('ingest', 0):.0f} | {s.get('embedding', 0) + s.get('tree', 0):.0f} | {s.get('train', 0):.0f} | "
+            f"{s.get('predict', 0):.0f} | {mt.get('train', 0)}, {mt.get('all', 0)} | {rb / 2 ** 20:.1f} MB | "
+            f"{r['weights_bytes'] / 2 ** 20:.1f} MB | {rb / max(r['weights_bytes'], 1):.1%} | "
+            f"{r['peak_python_rss_mb']} | {r['p@1']:.2f} | {r['p@3']:.2f} | {r['p@5']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="250000,500000,1000000,2000000")
+    ap.add_argument("--labels", type=int)
+    ap.add_argument("--features", type=int)
+    ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/xmc-scale")
+    ap.add_argument("--max-broadcast-mb", type=float, default=4.0)
+    ap.add_argument("--cap-python-memory", help="spark.executor.pyspark.memory for one extra capped run per size")
+    ap.add_argument("--set", action="append", default=[], help="extra xmc-spark --set overrides")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    extra = [x for s in args.set for x in ("--set", s)] + ["--set", f"predict.max_broadcast_mb={args.max_broadcast_mb}"]
+    rows = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        L, d = shape_of(n, args.labels, args.features)
+        data = make_set(n, L, d, work, args.cores)
+        rows.append(run_one(n, data, work, args.cores, extra, "default"))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.cap_python_memory:
+            capped = run_one(n, data, work, args.cores,
+                             extra + ["--set", f"spark.conf.spark.executor.pyspark.memory={args.cap_python_memory}"],
+                             "capped")
+            capped["capped"] = args.cap_python_memory
+            rows.append(capped)
+            print(json.dumps(capped), flush=True)
+    plain = [r for r in rows if "capped" not in r]
+    result = {"rows": rows, "growth_exponent": round(growth_exponent(plain), 3)}
+    (work / "scale.json").write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    print(f"growth exponent of process seconds in n: {result['growth_exponent']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
