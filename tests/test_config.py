@@ -189,10 +189,14 @@ def test_embedding_method_is_gone_and_the_old_key_ignored(tmp_path, caplog):
 def test_dotted_keys_walk_sections_and_mappings():
     with pytest.raises(ConfigError, match="unknown config key 'tree.lam.x'"):
         load_params(None, ["tree.lam.x=1"])
-    with pytest.raises(ConfigError, match="unknown config key 'spark.conf.nosuch'"):
+    with pytest.raises(ConfigError, match="unknown config key 'spark.conf.nosuch': Spark settings .* 'spark.'"):
         load_params(None, ["spark.conf.nosuch=1"])
     p = load_params(None, ['spark.conf={"spark.executor.memory": "1g"}'])
     assert p.spark.conf == {"spark.executor.memory": "1g"}
+    # one Spark setting added to the defaults (its key has dots of its own)
+    p = load_params(None, ["spark.conf.spark.eventLog.enabled=true", "spark.conf.spark.sql.shuffle.partitions=64"])
+    assert p.spark.conf["spark.eventLog.enabled"] == "true" and p.spark.conf["spark.sql.shuffle.partitions"] == "64"
+    assert p.spark.conf["spark.driver.memory"] == PipelineParams().spark.conf["spark.driver.memory"]
     # a whole section as JSON: the old key inside it is resolved (and warned about) too
     with pytest.warns(DeprecationWarning, match="clusters.copies"):
         p = load_params(None, ['clusters={"lam": 2, "rounds": 2}'])

@@ -159,6 +159,13 @@ class BaseParams:
             if i == len(parts) - 1:
                 break
             sub = typing.get_type_hints(section)[name] if section is not None else None
+            if typing.get_origin(sub) in (dict, Dict):     # a mapping field (spark.conf): the rest is one key
+                sub_key = ".".join(parts[i + 1:])
+                if name == "conf" and section is SparkParams and not sub_key.startswith("spark."):
+                    raise ConfigError(f"unknown config key '{key}': Spark settings under spark.conf start "
+                                      f"with 'spark.' (e.g. spark.conf.spark.executor.memory=4g)")
+                node[name] = {**node[name], sub_key: value}
+                return type(self).from_dict(d)
             section = sub if isinstance(sub, type) and issubclass(sub, BaseParams) else None
             node, prefix = node[name], f"{prefix}{name}."
         if isinstance(node[name], dict) and isinstance(value, str):
