@@ -324,8 +324,10 @@ class SparkOracle:
         nodes = None if cols is None else np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
         if nodes is not None and len(nodes) < len(node_ptr) - 1:
             df = df.where(F.col("node").isin([int(j) for j in nodes]))
-        summed = to_arrow(grouped_apply(df.mapInArrow(partial, PARTIAL_SCHEMA), ["block"], _sum_blocks,
-                                        PARTIAL_SCHEMA))
+        # one reduce task per block, whatever spark.sql.shuffle.partitions is (the groupBy reuses
+        # this hash partitioning: no second shuffle)
+        partials = df.mapInArrow(partial, PARTIAL_SCHEMA).repartition(-(-size // BLOCK), "block")
+        summed = to_arrow(grouped_apply(partials, ["block"], _sum_blocks, PARTIAL_SCHEMA))
         self.queries += 1
         out = np.zeros(size)
         off, vals = list_offsets_values(summed, "vals")
