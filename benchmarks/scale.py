@@ -8,7 +8,8 @@ Run on demand (minutes to an hour, depending on the sizes):
 Each size n gets a synthetic XC set (labels and features growing with n: 20K x 50K at 250K
 samples, 50K x 100K at 500K, 100K x 200K from 1M; ``--labels`` / ``--features`` override)
 and one real CLI run with Spark's event log on, ``spark.sql.shuffle.partitions=64`` and
-partition coalescing off, ``train.max_node_rows = n / 8`` and ``predict.max_broadcast_mb``
+partition coalescing off, ``train.max_node_rows = n / 8`` (``--node-rows-fraction``; 0 keeps
+the configured bound) and ``predict.max_broadcast_mb``
 (default 4: above it the model stays sharded). Reported per run:
 
 - wall seconds per pipeline stage (metrics.json) and of the whole process;
@@ -55,10 +56,20 @@ def make_set(n: int, L: int, d: int, work: Path, cores: int) -> Path:
     return data
 
 
+def open_log(path: str):
+    """An event log file as text lines (Spark 4 writes zstd-compressed rolling files)."""
+    import io
+    if path.endswith(".zstd"):
+        import zstandard
+        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def read_event_log(folder: Path) -> dict:
     """Per pipeline stage and overall: max shuffle-read rows of one task, summed result bytes;
     peak Python RSS."""
-    files = [f for f in glob.glob(str(folder / "*")) if os.path.isfile(f)]
+    files = [f for f in glob.glob(str(folder / "**" / "*"), recursive=True)
+             if os.path.isfile(f) and not os.path.basename(f).startswith((".", "appstatus"))]
     if not files:
         raise SystemExit(f"no event log under {folder}")
     stage_of_spark_stage = {}
@@ -66,7 +77,7 @@ def read_event_log(folder: Path) -> dict:
     result_bytes = defaultdict(int)
     peak_py = 0
     for f in files:
-        with open(f) as fh:
+        with open_log(f) as fh:
             for line in fh:
                 e = json.loads(line)
                 kind = e.get("Event")
@@ -90,7 +101,7 @@ def read_event_log(folder: Path) -> dict:
     return {"max_task_shuffle_rows": dict(max_rows), "result_bytes": dict(result_bytes), "peak_python_rss": peak_py}
 
 
-def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str) -> dict:
+def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str, node_fraction=None) -> dict:
     out = work / f"run_{tag}_{n}"
     evlog = work / f"eventlog_{tag}_{n}"
     for p in (out, evlog):
@@ -103,7 +114,7 @@ def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str) -> dict
            "--set", "spark.conf.spark.executor.processTreeMetrics.enabled=true",
            "--set", "spark.conf.spark.sql.shuffle.partitions=64",
            "--set", "spark.conf.spark.sql.adaptive.coalescePartitions.enabled=false",
-           "--set", f"train.max_node_rows={max(1, n // 8)}", *extra]
+           *([] if node_fraction is None else ["--set", f"train.max_node_rows={max(1, n // node_fraction)}"]), *extra]
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     wall = time.perf_counter() - t
@@ -179,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--work", default="/tmp/xmc-scale")
     ap.add_argument("--max-broadcast-mb", type=float, default=4.0)
+    ap.add_argument("--node-rows-fraction", type=int, default=8,
+                    help="train.max_node_rows = n / this (0: the configured bound, auto by default)")
     ap.add_argument("--cap-python-memory", help="spark.executor.pyspark.memory for one extra capped run per size")
     ap.add_argument("--set", action="append", default=[], help="extra xmc-spark --set overrides")
     args = ap.parse_args(argv)
@@ -189,12 +202,13 @@ def main(argv=None) -> int:
     for n in (int(x) for x in args.sizes.split(",")):
         L, d = shape_of(n, args.labels, args.features)
         data = make_set(n, L, d, work, args.cores)
-        rows.append(run_one(n, data, work, args.cores, extra, "default"))
+        frac = args.node_rows_fraction or None
+        rows.append(run_one(n, data, work, args.cores, extra, "default", frac))
         print(json.dumps(rows[-1]), flush=True)
         if args.cap_python_memory:
             capped = run_one(n, data, work, args.cores,
                              extra + ["--set", f"spark.conf.spark.executor.pyspark.memory={args.cap_python_memory}"],
-                             "capped")
+                             "capped", frac)
             capped["capped"] = args.cap_python_memory
             rows.append(capped)
             print(json.dumps(capped), flush=True)

@@ -52,7 +52,10 @@ log = logging.getLogger("xmc_spark.pipeline")
 def shuffle_partitions(spark) -> int:
     """Task count for our own bucketing: spark.sql.shuffle.partitions, or the default
     parallelism when the platform sets it to ``auto`` (Databricks)."""
-    v = str(spark.conf.get("spark.sql.shuffle.partitions", "auto"))
+    try:     # unset: Spark's own default (a fallback of "auto" is rejected by Spark 4.2's typed conf)
+        v = str(spark.conf.get("spark.sql.shuffle.partitions"))
+    except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
+        v = "auto"
     return int(v) if v.isdigit() else int(default_parallelism(spark))
 
 
@@ -96,14 +99,14 @@ def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams) -> Tre
 
 
 def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
-                      pred: PredictParams, timer: StageTimer) -> XMCModel:
+                      pred: PredictParams, timer: StageTimer, n_samples: Optional[int] = None) -> XMCModel:
     """Node classifiers for ``index``, then ``clusters.rounds`` of overlapping clusters + retraining
     (the Spark rendering of :meth:`XMCModel.train_local`, same parameters); writes ``weights``
     and ``slots`` (the label -> leaf assignment the final weights belong to)."""
     spark = samples.sparkSession
     copies = tp.clusters.copies
     with timer.stage("train"):
-        model = train_weights(samples, index, tables, n_features, tp, pred)
+        model = train_weights(samples, index, tables, n_features, tp, pred, n_samples)
     for r in range(tp.cluster_rounds):
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
             tables.write("matcher", label_clusters.matcher(samples, model, tp.clusters.beam_size))
@@ -115,16 +118,17 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
             log.info("overlapping clusters (%d copies): %s", copies,
                      label_clusters.cluster_stats(index.slot_label, index.slot_leaf))
         with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
-            model = train_weights(samples, index, tables, n_features, tp, pred)
+            model = train_weights(samples, index, tables, n_features, tp, pred, n_samples)
     tables.write("slots", spark.createDataFrame(pd.DataFrame(
         {"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf.astype(np.int64)})))
     return model
 
 
 def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
-                  pred: PredictParams) -> XMCModel:
-    """Train every node's classifiers for ``index``; write the weights table; build the model."""
-    w = node_training.run(samples, index, n_features, tp.train).cache()
+                  pred: PredictParams, n_samples: Optional[int] = None) -> XMCModel:
+    """Train every node's classifiers for ``index``; write the weights table; build the model.
+    ``n_samples`` (the rows of ``samples``, when known) spares the trainer a count."""
+    w = node_training.run(samples, index, n_features, tp.train, n_samples=n_samples).cache()
     tables.write("weights", w)
     w.unpersist()
     return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
@@ -242,7 +246,7 @@ def train_stage(ctx: StageContext) -> StageResult:
     samples = tables.read("train")
     index = tree_index(tables.read("tree").toPandas(), ing.n_labels, params)
     model = train_classifiers(samples, index, tables, ing.n_features, ModelTrainParams.from_pipeline(params),
-                              params.predict, ctx.timer)
+                              params.predict, ctx.timer, n_samples=None if ing.aggregated else ing.n_train)
     model.meta.update({"train": ing.train, "n_train": ing.n_train,
                        **({"run_key": ctx.run_key} if ctx.run_key else {})})
     counts = ctx.memo.get("label_counts")

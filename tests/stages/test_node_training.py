@@ -172,9 +172,11 @@ def test_row_bound(spark):
     assert node_training.memory_bytes("512m") == node_training.memory_bytes("512") == 512 * 2**20
     with pytest.raises(ValueError, match="memory size"):
         node_training.memory_bytes("lots")
-    # the test session: local[2, 2] with a 2g driver -> 0.5 * 2 GiB / (2 tasks * 16 KiB)
-    assert node_training.auto_row_bound(spark) == 32768
-    assert node_training.node_row_bound(spark, TrainParams()) == 32768
+    # the test session: local[2, 2] -> 0.5 * this machine's RAM / (2 tasks * 16 KiB)
+    ram = node_training.memory_bytes(node_training.physical_memory())
+    assert ram > 2 ** 30
+    assert node_training.auto_row_bound(spark) == int(0.5 * ram / (2 * 16 * 1024))
+    assert node_training.node_row_bound(spark, TrainParams()) == node_training.auto_row_bound(spark)
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="off")) == 0
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="1000")) == 1000
 

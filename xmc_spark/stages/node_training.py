@@ -30,12 +30,13 @@ schema as the grouped path's).
     auto = floor(MEMORY_FRACTION * memory / (concurrent tasks * BYTES_PER_ROW))
 
 with ``memory`` = ``spark.executor.pyspark.memory`` if set, else ``spark.executor.memory``
-(``spark.driver.memory`` in local mode, where the tasks run next to the driver), concurrent
+(in local mode the machine's RAM: the Python workers are processes of their own), concurrent
 tasks = ``spark.executor.cores`` / ``spark.task.cpus`` (local[N]: N), :data:`MEMORY_FRACTION`
 = 0.5 and :data:`BYTES_PER_ROW` = 16 KiB: the grouped kernel holds a node's rows about five
 times (Arrow input, sorted copy, CSR with the bias, float64/int64 local copy, solver state), ~80
-bytes per non-zero, so 16 KiB is a row of ~200 non-zeros. With the default 6g driver on
-local[2] that is 98,304 rows: bibtex (4,880) and delicious (12,920) never distribute.
+bytes per non-zero, so 16 KiB is a row of ~200 non-zeros. On this 24 GiB machine with local[2]
+that is about 380,000 rows: bibtex, delicious and a 250K-sample set never distribute, the roots
+of 500K-sample sets and up do.
 """
 from __future__ import annotations
 
@@ -155,12 +156,21 @@ def _conf(spark, key: str, default=None):
         return default
 
 
+def physical_memory() -> str:
+    """This machine's RAM as a Spark memory string: in local mode the Python workers are
+    processes of their own, bounded by the machine, not by the driver's JVM heap."""
+    try:
+        return f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // 2 ** 20}m"
+    except (ValueError, OSError, AttributeError):    # not POSIX: assume the driver's heap
+        return "6g"
+
+
 def auto_row_bound(spark) -> int:
     """``auto`` value of ``train.max_node_rows`` for this session (formula: module docstring)."""
     master = str(_conf(spark, "spark.master", "") or "")
     local = master.startswith("local")
     mem = _conf(spark, "spark.executor.pyspark.memory") or (
-        _conf(spark, "spark.driver.memory", "1g") if local else _conf(spark, "spark.executor.memory", "1g"))
+        physical_memory() if local else _conf(spark, "spark.executor.memory", "1g"))
     if local:
         m = re.match(r"local\[(\*|\d+)", master)
         tasks = 1 if not m else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
