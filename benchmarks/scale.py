@@ -17,7 +17,7 @@ the configured bound) and ``predict.max_broadcast_mb``
   ``xmc-stage-<name>`` by the runner) and overall;
 - the bytes all tasks returned to the driver (sum of the tasks' result sizes), against the size
   of the ``weights`` table (8 bytes a non-zero);
-- the peak RSS of the Python workers (Spark's ``ProcessTreePythonRSS`` executor metric:
+- the peak RSS of the Python workers (Spark's ``ProcessTreePythonRSSMemory`` executor metric:
   the sum over the workers alive at once, ``local[2]`` runs at most two);
 - P@1/3/5;
 - and over all sizes, the growth exponent of wall time in n (least squares of log-log).
@@ -83,7 +83,8 @@ def read_event_log(folder: Path) -> dict:
                 kind = e.get("Event")
                 if kind == "SparkListenerJobStart":
                     tags = str((e.get("Properties") or {}).get("spark.job.tags", ""))
-                    name = next((t[len("xmc-stage-"):] for t in tags.split(",") if t.startswith("xmc-stage-")),
+                    # session tags reach the event log prefixed: spark-session-<id>-thread-<id>-xmc-stage-<name>
+                    name = next((t.split("xmc-stage-", 1)[1] for t in tags.split(",") if "xmc-stage-" in t),
                                 "untagged")
                     for sid in e.get("Stage IDs", []):
                         stage_of_spark_stage[sid] = name
@@ -94,10 +95,11 @@ def read_event_log(folder: Path) -> dict:
                     for k in (name, "all"):
                         max_rows[k] = max(max_rows[k], rows)
                         result_bytes[k] += int(m.get("Result Size", 0))
-                    peak_py = max(peak_py, int((e.get("Task Executor Metrics") or {}).get("ProcessTreePythonRSS", 0)))
+                    tem = e.get("Task Executor Metrics") or {}
+                    peak_py = max(peak_py, int(tem.get("ProcessTreePythonRSSMemory", 0)))
                 elif kind in ("SparkListenerStageExecutorMetrics", "SparkListenerExecutorMetricsUpdate"):
                     em = e.get("Executor Metrics") or {}
-                    peak_py = max(peak_py, int(em.get("ProcessTreePythonRSS", 0)))
+                    peak_py = max(peak_py, int(em.get("ProcessTreePythonRSSMemory", 0)))
     return {"max_task_shuffle_rows": dict(max_rows), "result_bytes": dict(result_bytes), "peak_python_rss": peak_py}
 
 
