@@ -137,3 +137,24 @@ def test_load_names_a_garbled_param_json(saved, tmp_path, text, match):
     (m / "param.json").write_bytes(text.encode("latin-1"))
     with pytest.raises(ModelFormatError, match=re.escape(str(m / "param.json")) + ": " + match):
         XMCModel.load(str(m))
+
+
+def test_chunked_folder_is_checked_part_by_part(tmp_path):
+    from xmc_spark.kernels.sparse import l2_normalize_rows
+    from xmc_spark.model import is_chunked, read_header
+    X, Y = random_problem(n=80, seed=2)
+    model = XMCModel.train_local(l2_normalize_rows(X), Y, tree=TreeParams(max_leaf_size=4))
+    m = tmp_path / "m"
+    model.save(str(m), parts=3)
+    assert is_chunked(m) and not is_chunked(tmp_path)
+    param, index, _ = read_header(m)
+    assert param["weights"]["nbytes"] == 8 * (model.node_w.W.nnz + model.slot_w.W.nnz)
+    part = m / param["weights"]["parts"][1]
+    part.write_bytes(part.read_bytes()[:40])                        # truncated
+    with pytest.raises(ModelFormatError, match=re.escape(f"{part}: unreadable, truncated")):
+        read_header(m)
+    with pytest.raises(ModelFormatError, match=re.escape(str(part))):
+        XMCModel.load(str(m))
+    part.unlink()
+    with pytest.raises(ModelFormatError, match=re.escape(f"{part}: missing")):
+        read_header(m)

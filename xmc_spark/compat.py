@@ -129,3 +129,13 @@ def range_partitions(spark: Any) -> int:
     from pyspark.sql import functions as F
     r = spark.range(0, 1 << 20).select(F.spark_partition_id().alias("p")).agg(F.max("p").alias("p")).first()
     return int(r["p"]) + 1
+
+
+def shuffle_partitions(spark) -> int:
+    """Task count for our own bucketing: ``spark.sql.shuffle.partitions``, or the default
+    parallelism when the platform sets it to ``auto`` (Databricks)."""
+    try:     # unset: Spark's own default (a fallback of "auto" is rejected by Spark 4.2's typed conf)
+        v = str(spark.conf.get("spark.sql.shuffle.partitions"))
+    except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
+        v = "auto"
+    return int(v) if v.isdigit() else int(default_parallelism(spark))

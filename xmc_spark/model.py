@@ -153,9 +153,14 @@ def read_header(folder) -> tuple:
         parts = (param.get("weights") or {}).get("parts") if isinstance(param.get("weights"), dict) else None
         if not isinstance(parts, list):
             raise ModelFormatError(f"{pfile}: a chunked model needs weights.parts (a list of files)")
+        n_cols = int(param["n_features"]) + (1 if float(param["bias"]) > 0 else 0)
         for name in parts:
             if not (folder / str(name)).is_file():
                 raise ModelFormatError(f"{folder / str(name)}: missing (the model folder is incomplete)")
+            shape = load_npz(folder / str(name), PART_ARRAYS, only="shape")["shape"]   # reads one small member
+            if len(shape) != 2 or int(shape[0]) != n_cols:
+                raise ModelFormatError(f"{folder / str(name)}: weight part of shape {tuple(shape)}, the model "
+                                       f"has {n_cols} weight rows")
     t = load_npz(folder / "tree.npz", ("slot_label", "slot_leaf"))
     index = TreeIndex(t["slot_label"], t["slot_leaf"], param["n_labels"], param["nr_splits"])
     return param, index, t.get("label_counts")
@@ -195,17 +200,17 @@ def load_part(path):
     return z["is_leaf"].astype(bool), z["keys"].astype(np.int64), W
 
 
-def load_npz(path: Path, names) -> Dict[str, np.ndarray]:
-    """All arrays of an ``.npz`` file of a model folder, which must hold ``names``; a missing,
-    truncated or incomplete file raises :class:`ModelFormatError` naming it."""
+def load_npz(path: Path, names, only: Optional[str] = None) -> Dict[str, np.ndarray]:
+    """All arrays of an ``.npz`` file of a model folder (or just ``only``), which must hold
+    ``names``; a missing, truncated or incomplete file raises :class:`ModelFormatError` naming it."""
     try:
         with np.load(path) as z:
-            arrays = {n: z[n] for n in z.files}
+            missing = [n for n in names if n not in z.files]
+            arrays = {n: z[n] for n in z.files if only is None or n == only} if not missing else {}
     except FileNotFoundError:
         raise ModelFormatError(f"{path}: missing (the model folder is incomplete)") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise ModelFormatError(f"{path}: unreadable, truncated or not an .npz file ({type(e).__name__}: {e})") from None
-    missing = [n for n in names if n not in arrays]
     if missing:
         raise ModelFormatError(f"{path}: missing array(s) {', '.join(missing)}")
     return arrays

@@ -367,8 +367,8 @@ class PredictParams(BaseParams):
     topk: int = 5
     post_processor: str = "l3-hinge"
     search: str = "layered"
-    # a model whose weights exceed this is not broadcast whole: the top levels are (within this
-    # bound), the subtrees below are scored by tasks that each load only their subtree's weights
+    # a model whose weights exceed this is not collected or broadcast: it stays sharded on the
+    # executors and beam search runs layer by layer, each task getting only one node's children
     max_broadcast_mb: float = 256.0
 
     def validate(self, prefix=""):

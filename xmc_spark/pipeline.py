@@ -23,7 +23,7 @@ import scipy.sparse as sp
 from pyspark.sql import functions as F
 
 from .arrow_utils import list_offsets_values, to_arrow
-from .compat import CONNECT_MAX_MB, default_parallelism, is_connect
+from .compat import CONNECT_MAX_MB, is_connect, shuffle_partitions
 from .config import dump_params
 from .kernels.tree import TreeIndex
 from .model import ModelTrainParams, XMCModel, is_chunked, split_columns
@@ -47,16 +47,6 @@ from .storage import Tables
 from .tracking import Tracker
 
 log = logging.getLogger("xmc_spark.pipeline")
-
-
-def shuffle_partitions(spark) -> int:
-    """Task count for our own bucketing: spark.sql.shuffle.partitions, or the default
-    parallelism when the platform sets it to ``auto`` (Databricks)."""
-    try:     # unset: Spark's own default (a fallback of "auto" is rejected by Spark 4.2's typed conf)
-        v = str(spark.conf.get("spark.sql.shuffle.partitions"))
-    except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
-        v = "auto"
-    return int(v) if v.isdigit() else int(default_parallelism(spark))
 
 
 def weights_to_columns(t: pa.Table, n_cols: int):
@@ -137,7 +127,8 @@ def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp
 def broadcast_bound(spark_or_df, pred: PredictParams) -> float:
     """Bytes of weights a model may have and still be shared whole with the tasks:
     ``predict.max_broadcast_mb``, on Spark Connect at most what a query plan can carry."""
-    mb = min(pred.max_broadcast_mb, CONNECT_MAX_MB / 2) if is_connect(spark_or_df) else pred.max_broadcast_mb
+    # on Connect the model travels pickled with its layered copy (about 2x the weights) in the plan
+    mb = min(pred.max_broadcast_mb, CONNECT_MAX_MB / 3) if is_connect(spark_or_df) else pred.max_broadcast_mb
     return mb * 2 ** 20
 
 

@@ -27,12 +27,20 @@ def _transform(v, post):
     return np.exp(-h * h * h)
 
 
+@njit()
+def _transform_all(S, post):
+    out = np.empty_like(S)
+    for i in range(S.shape[0]):
+        for j in range(S.shape[1]):
+            out[i, j] = _transform(S[i, j], post)
+    return out
+
+
 def transform(v: np.ndarray, post_processor: str) -> np.ndarray:
-    """Vectorized :func:`_transform`: a classifier's margin -> its factor of the path score."""
-    if post_processor == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-v))
-    h = np.maximum(1.0 - v, 0.0)
-    return np.exp(-h * h) if post_processor == "l2-hinge" else np.exp(-h * h * h)
+    """:func:`_transform` on every entry of a 2-D array (the same compiled arithmetic as the
+    beam search, so both paths agree to the last bit): a margin -> its factor of the path score."""
+    v = np.ascontiguousarray(v, dtype=np.float64)
+    return _transform_all(v, POST_PROCESSORS[post_processor])
 
 
 def score_children(X: sp.csr_matrix, parent_scores: np.ndarray, W: sp.csc_matrix, passthrough: np.ndarray,

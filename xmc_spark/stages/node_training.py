@@ -53,7 +53,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
-from ..compat import share
+from ..compat import share, shuffle_partitions
 from ..kernels import tron
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TreeIndex
@@ -375,7 +375,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     spark = samples.sparkSession
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
-    parts = max(1, int(_conf(spark, "spark.sql.shuffle.partitions", "8") or 8))
+    parts = max(1, shuffle_partitions(spark))
     rows = _big_rows(samples, bindex, big, node_ptr).repartition(parts).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         oracle = SparkOracle(rows, node_ptr, n_features, params)

@@ -156,10 +156,12 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     one's candidates, top ``beam_size`` per sample — or, with ``final_topk``, the label layer's
     (sample_id, pred_labels, pred_scores)."""
     shape = tree_layers(model.index)
-    W = _placed(model.weights, model.index).persist()
+    W = _placed(model.weights, model.index)      # not cached: nothing to release when the caller is done
     feats = samples.select("sample_id", "feature_idx", "feature_val")
     n = max(samples.count(), 1)
-    cur = feats.select("*", F.lit(0).cast("long").alias("ppos"), F.lit(1.0).alias("pscore"))
+    # prank: the parent's rank in its row's beam; ties in score are broken by it, then by the
+    # child's position, as the broadcast search enumerates its candidates
+    cur = feats.select("*", F.lit(0).cast("long").alias("ppos"), F.lit(0).alias("prank"), F.lit(1.0).alias("pscore"))
     slot_label = model.index.slot_label
     top = None
     for t in range(n_layers):
@@ -174,7 +176,7 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         right = (W.filter(F.col("layer") == t)
                  .withColumn("salt", F.explode(F.sequence(F.lit(0).cast("long"), F.lit(salt - 1).cast("long")))))
         cand = (left.groupBy("ppos", "salt").cogroup(right.groupBy("ppos", "salt"))
-                .applyInArrow(score, "sample_id long, pos long, score double"))
+                .applyInArrow(score, "sample_id long, prank int, pos long, score double"))
         if last:
             per_label = cand.groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
             best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1,
@@ -182,13 +184,14 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
             return (per_label.groupBy("sample_id").agg(best.alias("top"))
                     .select("sample_id", F.col("top.pos").cast("array<int>").alias("pred_labels"),
                             F.transform("top.neg", lambda v: -v).cast("array<float>").alias("pred_scores")))
-        best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1, beam_size)
+        best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "prank", "pos"))), 1,
+                       beam_size)
         top = cand.groupBy("sample_id").agg(best.alias("beam"))
         if t < n_layers - 1:
             cur = (top.join(feats, "sample_id")
-                   .select("sample_id", "feature_idx", "feature_val", F.explode("beam").alias("e"))
+                   .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
                    .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
-                           (-F.col("e.neg")).alias("pscore")))
+                           F.col("rank").alias("prank"), (-F.col("e.neg")).alias("pscore")))
     return top.select("sample_id", F.explode("beam").alias("e")).select(
         "sample_id", F.col("e.pos").alias("pos"), (-F.col("e.neg")).alias("score"))
 
@@ -201,8 +204,8 @@ def _scorer(model: ShardedModel, child_ptr: np.ndarray, through: np.ndarray, lab
 
     def score(left: pa.Table, right: pa.Table) -> pa.Table:
         if left.num_rows == 0:
-            return pa.table({"sample_id": pa.array([], pa.int64()), "pos": pa.array([], pa.int64()),
-                             "score": pa.array([], pa.float64())})
+            return pa.table({"sample_id": pa.array([], pa.int64()), "prank": pa.array([], pa.int32()),
+                             "pos": pa.array([], pa.int64()), "score": pa.array([], pa.float64())})
         p = int(left.column("ppos")[0].as_py())
         c0, c1 = int(child_ptr[p]), int(child_ptr[p + 1])
         off, idx = list_offsets_values(right, "w_idx")
@@ -213,8 +216,9 @@ def _scorer(model: ShardedModel, child_ptr: np.ndarray, through: np.ndarray, lab
         ids = left.column("sample_id").to_numpy()
         out = np.arange(c0, c1) if labels is None else labels[c0:c1]
         worker_progress("predict", rows_scored=left.num_rows)
-        return pa.table({"sample_id": pa.array(np.repeat(ids, c1 - c0)), "pos": pa.array(np.tile(out, len(ids))),
-                         "score": pa.array(S.ravel())})
+        return pa.table({"sample_id": pa.array(np.repeat(ids, c1 - c0)),
+                         "prank": pa.array(np.repeat(left.column("prank").to_numpy().astype(np.int32), c1 - c0)),
+                         "pos": pa.array(np.tile(out, len(ids))), "score": pa.array(S.ravel())})
 
     return score
 
@@ -246,7 +250,8 @@ def matcher(samples: DataFrame, model: ShardedModel, beam_size: int, group_rows:
     shape = tree_layers(model.index)
     inner = len(shape.layers) - 1
     if inner == 0:   # the root is the only leaf
-        return samples.select("sample_id", F.lit(0).cast("long").alias("leaf"), F.lit(1.0).cast("float").alias("score"))
+        return samples.select("sample_id", F.lit(0).cast("long").alias("leaf"),
+                              F.lit(1.0).cast("float").alias("score")).to(TABLES["matcher"])
     beam = _beam(samples, model, beam_size, inner, group_rows, None)
     leaves = samples.sparkSession.createDataFrame(
         [(int(p), int(leaf)) for p, leaf in enumerate(shape.last_leaf)], "pos long, leaf long")
@@ -282,10 +287,23 @@ def save(model: ShardedModel, folder: str) -> None:
 
         parts = (model.weights.repartitionByRange(n_parts, "is_leaf", "key")
                  .mapInArrow(write, "part string, columns long").collect())   # O(parts) rows
+        unseen = [r["part"] for r in parts if not (tmp / r["part"]).is_file()]
+        if unseen:
+            raise ModelFormatError(f"{folder}: the tasks wrote {len(unseen)} weight part(s) the driver cannot see "
+                                   f"(e.g. {unseen[0]}): a sharded model's folder must be on storage the driver and "
+                                   "the executors share (local mode, /Volumes, /dbfs)")
         write_header(tmp, model, CHUNKED_VERSION, weights={"layout": "chunked", "nbytes": int(model.nbytes),
                                                            "parts": sorted(r["part"] for r in parts)})
 
     atomic_folder(folder, write_all)
+
+
+def chunked_nbytes(folder: Path, param: dict) -> int:
+    """The weights' size a chunked header declares, else the size of its part files on disk."""
+    v = param["weights"].get("nbytes")
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    return sum(os.path.getsize(folder / p) for p in param["weights"]["parts"])
 
 
 def load(spark, folder: str) -> ShardedModel:
@@ -309,5 +327,5 @@ def load(spark, folder: str) -> ShardedModel:
     weights = files.mapInArrow(read, WEIGHTS_SCHEMA)
     model = ShardedModel(index, weights, param["n_features"], param["bias"], param["normalize"],
                          PredictParams.from_dict(param["pred_params"]), param.get("meta") or {},
-                         label_counts, int(param["weights"].get("nbytes", 0)))
+                         label_counts, chunked_nbytes(folder, param))
     return model
