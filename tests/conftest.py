@@ -12,6 +12,7 @@ SHARED = ROOT.parent / "shared" / "data"
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a long end-to-end run (several JVMs or a real data set); "
                                        "CI runs them, `-m 'not slow'` skips them while developing")
+    config.addinivalue_line("markers", "airflow_e2e: the Airflow DAG's dag.test() through the real spark-submit")
     config.addinivalue_line("markers", "connect: also run on a local Spark Connect server, in the subprocess "
                                        "tests/test_connect_suite.py starts with XMC_TEST_SPARK_REMOTE set")
 
