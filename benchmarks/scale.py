@@ -79,7 +79,10 @@ def read_event_log(folder: Path) -> dict:
     for f in files:
         with open_log(f) as fh:
             for line in fh:
-                e = json.loads(line)
+                try:
+                    e = json.loads(line)
+                except json.JSONDecodeError:      # the last line of a log still being written
+                    continue
                 kind = e.get("Event")
                 if kind == "SparkListenerJobStart":
                     tags = str((e.get("Properties") or {}).get("spark.job.tags", ""))
