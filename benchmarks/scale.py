@@ -38,22 +38,15 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_pecos import make_synth  # noqa: E402  (benchmarks/ is not a package)
+
 SHAPES = {250000: (20000, 50000), 500000: (50000, 100000)}
 
 
 def shape_of(n: int, labels=None, features=None):
     L, d = SHAPES.get(n, (20000, 50000) if n < 250000 else (100000, 200000))
     return labels or L, features or d
-
-
-def make_set(n: int, L: int, d: int, work: Path, cores: int) -> Path:
-    data = work / f"synth_{n}_{L}_{d}"
-    if not (data / "test.txt").exists():
-        cmd = [sys.executable, "-m", "xmc_spark.cli", "synth", "--out", str(data), "--n-train", str(n),
-               "--n-test", str(max(n // 10, 1000)), "--labels", str(L), "--features", str(d), "--format", "xc",
-               "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false"]
-        subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
-    return data
 
 
 def open_log(path: str):
@@ -206,7 +199,7 @@ def main(argv=None) -> int:
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         L, d = shape_of(n, args.labels, args.features)
-        data = make_set(n, L, d, work, args.cores)
+        data = Path(make_synth(f"{n},{L},{d}", work, args.cores)[0]).parent   # the same sets as compare_pecos
         frac = args.node_rows_fraction or None
         rows.append(run_one(n, data, work, args.cores, extra, "default", frac))
         print(json.dumps(rows[-1]), flush=True)
