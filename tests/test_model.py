@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import random_problem
+from xmc_spark.kernels.squared_hinge import train_node
 from xmc_spark.model import ModelFormatError, XMCModel
 from xmc_spark.params import TrainParams, TreeParams
 
@@ -98,7 +99,7 @@ def _copy(saved, tmp_path):
 def test_load_rejects_an_unknown_format_version(saved, tmp_path):
     m = _copy(saved, tmp_path)
     param = json.loads((m / "param.json").read_text())
-    for version in (3, None):
+    for version in (4, None):
         param["format_version"] = version
         (m / "param.json").write_text(json.dumps(param))
         with pytest.raises(ModelFormatError, match=re.escape(f"{m}: model format version {version!r}")):
@@ -158,3 +159,105 @@ def test_chunked_folder_is_checked_part_by_part(tmp_path):
     part.unlink()
     with pytest.raises(ModelFormatError, match=re.escape(f"{part}: missing")):
         read_header(m)
+
+
+# ---- ensembles and matcher-aware negatives --------------------------------------------------
+
+def _ensemble(splits=(2, 3), **train):
+    from xmc_spark.model import EnsembleModel, ModelTrainParams
+    X, Y = random_problem(n=200, seed=11)
+    tp = ModelTrainParams(TreeParams(max_leaf_size=3, ensemble_splits=list(splits)), TrainParams(**train))
+    return EnsembleModel.train_local(X, Y, tp), X, Y
+
+
+def test_ensemble_of_one_tree_is_the_tree():
+    from xmc_spark.model import EnsembleModel
+    X, Y = random_problem(n=200, seed=11)
+    m = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=3))
+    for b, k in ((10, 5), (2, 3), (1, 1)):
+        a, sa = m.predict(X, beam_size=b, topk=k)
+        e, se = EnsembleModel([m]).predict(X, beam_size=b, topk=k)
+        np.testing.assert_array_equal(a, e)
+        np.testing.assert_allclose(sa, se, rtol=1e-12)
+
+
+def test_ensemble_score_is_the_mean_of_each_trees_scores():
+    e, X, Y = _ensemble()
+    assert [m.index.B for m in e.models] == [2, 3]
+    assert len({tuple(m.index.slot_leaf) for m in e.models}) == 2     # different trees
+    L = Y.shape[1]
+    for b in (1, 3):
+        per_tree = []
+        for m in e.models:                       # each tree alone, every label its beam reaches
+            lab, sc = m.predict(X, beam_size=b, topk=L)
+            dense = np.zeros((X.shape[0], L))
+            ok = lab >= 0
+            dense[np.nonzero(ok)[0], lab[ok]] = sc[ok]
+            per_tree.append(dense)
+        mean = np.mean(per_tree, axis=0)
+        np.testing.assert_allclose(e.label_scores(X, beam_size=b).toarray(), mean, rtol=1e-12)
+        labels, scores = e.predict(X, beam_size=b, topk=4)
+        for i in range(X.shape[0]):
+            nz = np.flatnonzero(mean[i])
+            want = nz[np.lexsort((nz, -mean[i, nz]))][:4]
+            np.testing.assert_array_equal(labels[i, :len(want)], want)
+            np.testing.assert_allclose(scores[i, :len(want)], mean[i, want], rtol=1e-12)
+
+
+def test_ensemble_save_load_round_trip_and_checks(tmp_path):
+    e, X, Y = _ensemble()
+    e.label_counts = np.asarray(Y.sum(axis=0)).ravel()
+    e.save(str(tmp_path / "m"))
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["param.json", "tree-0", "tree-1"]
+    e2 = XMCModel.load(str(tmp_path / "m"))
+    assert type(e2).__name__ == "EnsembleModel"
+    for (a, sa), (b, sb) in zip([e.predict(X)], [e2.predict(X)]):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(sa, sb)
+    np.testing.assert_array_equal(e2.label_counts, e.label_counts)
+    shutil.rmtree(tmp_path / "m" / "tree-1")
+    with pytest.raises(ModelFormatError, match="tree-1"):
+        XMCModel.load(str(tmp_path / "m"))
+
+
+def test_tfn_man_adds_exactly_the_matchers_routed_samples():
+    from xmc_spark.kernels.sparse import append_bias
+    from xmc_spark.kernels.tree import TreeIndex
+    from xmc_spark.model import KeyedColumns, train_all_groups
+    # hand-made tree: root -> 1 (labels 0, 1), 2 (label 2); two features + bias
+    ix = TreeIndex([0, 1, 2], [1, 1, 2], 3, 2)
+    X = sp_rows([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [0.7, 0.7]])
+    Y = sp_rows([[1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 0, 1], [0, 0, 0]])
+    tp = TrainParams(threshold=0.0)
+    Xb = append_bias(X, tp.bias)
+    # groups: teacher forcing sends rows 0, 1 to node 1 and rows 2, 3 to node 2
+    rows, groups = ix.groups_of_samples(Y.indptr, Y.indices)
+    assert set(zip(rows.tolist(), groups.tolist())) == {(r, 0) for r in range(5)} | {(0, 1), (1, 1), (2, 2), (3, 2)}
+    nodes, slots = train_all_groups(ix, Xb, Y, tp)
+    m = XMCModel(ix, KeyedColumns.from_dict(nodes, 3), KeyedColumns.from_dict(slots, 3), 2)
+    r, g = m.beam_nodes(X, beam_size=1)               # the one node each row's beam of 1 keeps
+    routed = dict(zip(r.tolist(), g.tolist()))
+    assert routed == {0: 1, 1: 1, 2: 2, 3: 2, 4: routed[4]} and routed[4] in (1, 2)
+    nodes2, slots2 = train_all_groups(ix, Xb, Y, tp, extra=(r, g))
+    # only the leaf that row 4 reached changes: row 4 is a new negative of its slots
+    changed = 0 if routed[4] == 1 else 2
+    for s in range(3):
+        same = np.allclose(slots[s][1], slots2[s][1]) and np.array_equal(slots[s][0], slots2[s][0])
+        assert same == (ix.slot_leaf[s] != ix.leaves[changed // 2]), s
+    only = Y[[0, 1, 4] if routed[4] == 1 else [2, 3, 4]]
+    kids, Yg = ix.node_problem(routed[4], only.indptr, only.indices)
+    W = train_node(Xb[[0, 1, 4] if routed[4] == 1 else [2, 3, 4]], Yg, C=tp.C, threshold=0.0, eps=tp.eps,
+                   max_iter=tp.max_iter, seed=tp.seed + routed[4])
+    for j, s in enumerate(kids):
+        np.testing.assert_allclose(slots2[int(s)][1], W[:, j].toarray().ravel()[slots2[int(s)][0]], rtol=1e-6)
+    # the reference trainer with train.negatives = tfn+man is exactly this
+    from xmc_spark.model import ModelTrainParams
+    local = XMCModel.train_local(X, Y, ModelTrainParams(TreeParams(max_leaf_size=2), TrainParams(negatives="tfn+man")))
+    base = XMCModel.train_local(X, Y, ModelTrainParams(TreeParams(max_leaf_size=2), TrainParams()))
+    n2, s2 = train_all_groups(base.index, append_bias(X, 1.0), Y, TrainParams(), extra=base.beam_nodes(X, 10))
+    np.testing.assert_allclose(local.slot_w.W.toarray(), KeyedColumns.from_dict(s2, 3).W.toarray())
+
+
+def sp_rows(rows):
+    import scipy.sparse as sp
+    return sp.csr_matrix(np.asarray(rows, dtype=np.float32))

@@ -7,6 +7,7 @@ stages on one machine; the Spark pipeline must produce the same model.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,17 +21,26 @@ import numpy as np
 import scipy.sparse as sp
 
 from .errors import XmcError
-from .kernels.beam_search import beam_search, tree_search
+from .kernels.beam_search import beam_search, inner_beams, top_k_rows, tree_search
 from .kernels.frequencies import label_frequencies
 from .kernels.label_embedding import pifa
 from .kernels.sparse import append_bias
 from .kernels.squared_hinge import train_node
 from .kernels.topk_projection import topk_projection
-from .kernels.tree import TreeIndex, ancestor_at, node_depth, tree_from_params
+from .kernels.tree import (
+    Forest,
+    TreeIndex,
+    ancestor_at,
+    decode_keys,
+    keyed_pairs,
+    node_depth,
+    tree_from_params,
+)
 from .params import ClustersParams, PipelineParams, PredictParams, TrainParams, TreeParams
 
 FORMAT_VERSION = 1          # one file per weight kind, written by the driver (XMCModel.save)
 CHUNKED_VERSION = 2         # weights in part files written by Spark tasks (stages.sharded.save)
+ENSEMBLE_VERSION = 3        # an ensemble: param.json naming member folders, each a model folder
 
 
 class ModelFormatError(XmcError, ValueError):
@@ -142,13 +152,26 @@ def read_header(folder) -> tuple:
         found = param.get("model") if isinstance(param, dict) else param
         raise ModelFormatError(f"{pfile}: model class is {found!r}, expected 'XMCModel'")
     version = param.get("format_version")
-    if version not in (FORMAT_VERSION, CHUNKED_VERSION):
+    if version not in (FORMAT_VERSION, CHUNKED_VERSION, ENSEMBLE_VERSION):
         raise ModelFormatError(f"{folder}: model format version {version!r}, this xmc-spark reads versions "
-                               f"{FORMAT_VERSION} and {CHUNKED_VERSION} (saved by another xmc-spark version?)")
-    missing = [k for k in ("n_features", "n_labels", "bias", "normalize", "nr_splits", "pred_params")
-               if k not in param]
+                               f"{FORMAT_VERSION}, {CHUNKED_VERSION} and {ENSEMBLE_VERSION} (saved by another "
+                               "xmc-spark version?)")
+    missing = [k for k in ("n_features", "n_labels", "bias", "normalize", "pred_params")
+               + (("members",) if version == ENSEMBLE_VERSION else ("nr_splits",)) if k not in param]
     if missing:
         raise ModelFormatError(f"{pfile}: missing key(s) {', '.join(missing)}")
+    if version == ENSEMBLE_VERSION:
+        members = param["members"]
+        if not isinstance(members, list) or not members or not all(isinstance(m, str) for m in members):
+            raise ModelFormatError(f"{pfile}: members must be a non-empty list of member folder names")
+        heads = [read_header(folder / m) for m in members]
+        for m, (mp, _, _) in zip(members, heads):
+            if mp["format_version"] == ENSEMBLE_VERSION:
+                raise ModelFormatError(f"{folder / m}: an ensemble's member cannot be an ensemble")
+            if (mp["n_features"], mp["n_labels"]) != (param["n_features"], param["n_labels"]):
+                raise ModelFormatError(f"{folder / m}: {mp['n_features']} features x {mp['n_labels']} labels, the "
+                                       f"ensemble has {param['n_features']} x {param['n_labels']}")
+        return param, Forest([h[1] for h in heads]), heads[0][2]
     if version == CHUNKED_VERSION:
         parts = (param.get("weights") or {}).get("parts") if isinstance(param.get("weights"), dict) else None
         if not isinstance(parts, list):
@@ -282,6 +305,7 @@ class XMCModel:
                 W.eliminate_zeros()
             layers.append((child_ptr, W, through))
         self._layers = layers
+        self._shape = shape
         self._slot_order = shape.slot_order
         self._last_leaf = shape.last_leaf
         return layers, shape.slot_order
@@ -346,6 +370,30 @@ class XMCModel:
         leaves = np.where(pos >= 0, self._last_leaf[np.maximum(pos, 0)], -1)
         return leaves, scores
 
+    def beam_nodes(self, X: sp.csr_matrix, beam_size: Optional[int] = None):
+        """(row, node) pairs: every node (internal or leaf, depth >= 1) that the beam of width
+        ``beam_size`` holds for a row of X, at every depth: the samples this model's matcher
+        routes to each node (``train.negatives = tfn+man``). Sorted, unique."""
+        X = sp.csr_matrix(X, dtype=np.float32)
+        if X.shape[1] < self.n_features:
+            X = sp.csr_matrix((X.data, X.indices, X.indptr), shape=(X.shape[0], self.n_features))
+        layers, _ = self.layers()
+        b = beam_size or self.pred_params.beam_size
+        rows, nodes = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        beams = inner_beams(append_bias(X, self.bias), layers, b, self.pred_params.post_processor)
+        for (ids, _, through), pos in zip(self._shape.layers, beams):
+            ok = pos >= 0
+            r = np.repeat(np.arange(X.shape[0]), ok.sum(axis=1))
+            p = pos[ok]
+            real = ~through[p]                  # pads stand for a shallower leaf, already counted
+            rows.append(r[real])
+            nodes.append(ids[p[real]])
+        r, g = np.concatenate(rows), np.concatenate(nodes)
+        if not len(r):
+            return r, g
+        u = np.unique(np.stack([r, g]), axis=1)
+        return u[0], u[1]
+
     def label_depth(self) -> np.ndarray:
         """Depth of each label's deepest leaf (for expected depth@k)."""
         return self.index.label_depth()
@@ -376,9 +424,13 @@ class XMCModel:
                      weights={"layout": "chunked", "parts": names, "nbytes": int(W.nnz * 8)})
 
     @classmethod
-    def load(cls, folder: str) -> XMCModel:
+    def load(cls, folder: str):
+        """The model of a folder: an :class:`XMCModel`, or an :class:`EnsembleModel` for an
+        ensemble's folder."""
         folder = Path(folder)
         param, index, label_counts = read_header(folder)
+        if param["format_version"] == ENSEMBLE_VERSION:
+            return EnsembleModel.load(folder)
         version = param["format_version"]
         if version == CHUNKED_VERSION:
             node_w, slot_w = cls._load_parts(folder, param)
@@ -427,14 +479,16 @@ class XMCModel:
         Xb = append_bias(X, tp.train.bias)
         n_cols = X.shape[1] + (1 if tp.train.bias > 0 else 0)
 
-        def fit(ix: TreeIndex) -> XMCModel:
-            node_cols, slot_cols = train_all_groups(ix, Xb, Y, tp.train, weights)
+        def fit(ix: TreeIndex, extra=None) -> XMCModel:
+            node_cols, slot_cols = train_all_groups(ix, Xb, Y, tp.train, weights, extra)
             return cls(ix, KeyedColumns.from_dict(node_cols, n_cols), KeyedColumns.from_dict(slot_cols, n_cols),
                        X.shape[1], bias=tp.train.bias, normalize=tp.normalize, pred_params=pred_params)
 
         model = fit(index)
         for _ in range(tp.cluster_rounds):
             model = fit(model.overlapping_index(X, Y, tp.clusters.copies, tp.clusters.beam_size))
+        if tp.train.negatives == "tfn+man":
+            model = fit(model.index, model.beam_nodes(X, (pred_params or PredictParams()).beam_size))
         return model
 
     def overlapping_index(self, X: sp.csr_matrix, Y: sp.csr_matrix, copies: int, beam_size: int) -> TreeIndex:
@@ -450,6 +504,120 @@ class XMCModel:
         lab, leaf = topk_projection(ytm.row, ids[ytm.col], ytm.data, copies, self.index.slot_label,
                                     self.index.slot_leaf)
         return TreeIndex(lab, leaf, self.n_labels, self.index.B)
+
+
+class EnsembleModel:
+    """Several :class:`XMCModel` over the same labels (``tree.ensemble``): each tree's beam
+    search scores every label in its final beam's leaves; a label's ensemble score is the mean
+    of its scores over the trees, a tree whose beam does not reach it adding 0 (Parabel's
+    combination); the top k of that mean are the prediction."""
+
+    CHUNK_ROWS = 4096          # rows scored at once (bounds the labels x rows held per tree)
+
+    def __init__(self, models, meta: Optional[dict] = None):
+        self.models = list(models)
+        if not self.models:
+            raise ValueError("an ensemble needs at least one model")
+        first = self.models[0]
+        for m in self.models[1:]:
+            if (m.n_features, m.n_labels, m.bias, m.normalize) != (first.n_features, first.n_labels, first.bias,
+                                                                   first.normalize):
+                raise ValueError("the models of an ensemble must share features, labels, bias and normalization")
+        self.n_features, self.n_labels = first.n_features, first.n_labels
+        self.bias, self.normalize = first.bias, first.normalize
+        self.meta = dict(meta or first.meta)
+        self.label_counts: Optional[np.ndarray] = first.label_counts
+
+    @property
+    def pred_params(self) -> PredictParams:
+        return self.models[0].pred_params
+
+    @pred_params.setter
+    def pred_params(self, value: PredictParams) -> None:
+        for m in self.models:
+            m.pred_params = value
+
+    @property
+    def index(self) -> Forest:
+        return Forest([m.index for m in self.models])
+
+    def label_scores(self, X: sp.csr_matrix, beam_size: Optional[int] = None, search: Optional[str] = None):
+        """n x labels CSR: the mean over the trees of each reached label's score."""
+        b = beam_size or self.pred_params.beam_size
+        S = None
+        for m in self.models:
+            ix = m.index
+            reach = max(1, b * int((ix.leaf_end - ix.leaf_start).max(initial=1)))   # every label of the beam
+            lab, sc = m.predict(X, beam_size=b, topk=reach, search=search)
+            ok = lab >= 0
+            T = sp.csr_matrix((sc[ok], (np.repeat(np.arange(lab.shape[0]), ok.sum(axis=1)), lab[ok])),
+                              shape=(lab.shape[0], self.n_labels))
+            S = T if S is None else S + T
+        return S / len(self.models)
+
+    def predict(self, X: sp.csr_matrix, beam_size: Optional[int] = None, topk: Optional[int] = None,
+                search: Optional[str] = None, return_work: bool = False):
+        """(labels n x topk, scores n x topk), as :meth:`XMCModel.predict`."""
+        if return_work:
+            raise ValueError("return_work is not available for an ensemble")
+        X = sp.csr_matrix(X, dtype=np.float32)
+        k = topk or self.pred_params.topk
+        parts = [top_k_rows(self.label_scores(X[i:i + self.CHUNK_ROWS], beam_size, search), k)
+                 for i in range(0, max(X.shape[0], 1), self.CHUNK_ROWS)]
+        return np.vstack([p[0] for p in parts]), np.vstack([p[1] for p in parts])
+
+    def beam_nodes(self, X: sp.csr_matrix, beam_size: Optional[int] = None):
+        """:meth:`XMCModel.beam_nodes` of every tree, nodes as ensemble keys (:func:`encode_keys`)."""
+        return keyed_pairs([m.beam_nodes(X, beam_size) for m in self.models])
+
+    def label_depth(self) -> np.ndarray:
+        return self.index.label_depth()
+
+    @classmethod
+    def train_local(cls, X: sp.csr_matrix, Y: sp.csr_matrix, train_params: Optional[ModelTrainParams] = None,
+                    pred_params: Optional[PredictParams] = None, **kw) -> EnsembleModel:
+        """Numpy reference of an ensemble: :meth:`XMCModel.train_local` per tree, tree t with
+        ``tree.for_tree(t)`` (the Spark trainer trains all trees in the same jobs)."""
+        tp = train_params or ModelTrainParams()
+        return cls([XMCModel.train_local(X, Y, dataclasses.replace(tp, tree=tp.tree.for_tree(t)), pred_params, **kw)
+                    for t in range(tp.tree.n_trees())])
+
+    @classmethod
+    def from_columns(cls, forest: Forest, node_w: KeyedColumns, slot_w: KeyedColumns, n_features: int, **kw):
+        """The ensemble of a forest whose weight keys are ensemble keys (the trainer's output)."""
+        models = []
+        for t, ix in enumerate(forest.trees):
+            cols = []
+            for kc in (node_w, slot_w):
+                tree, ids = decode_keys(kc.keys)
+                m = tree == t
+                cols.append(KeyedColumns(ids[m], kc.W[:, np.flatnonzero(m)].tocsc()))
+            models.append(XMCModel(ix, cols[0], cols[1], n_features, **kw))
+        return cls(models)
+
+    def save(self, folder: str, parts: int = 0) -> None:
+        """An ensemble folder: ``param.json`` (format 3, naming the members) and one model
+        folder per tree (``tree-<t>``), written atomically as one."""
+        def write(tmp: Path) -> None:
+            names = []
+            for t, m in enumerate(self.models):
+                names.append(f"tree-{t}")
+                (tmp / names[-1]).mkdir()
+                m.label_counts, m.meta = self.label_counts, self.meta
+                m._write(tmp / names[-1], parts)
+            param = {"model": "XMCModel", "format_version": ENSEMBLE_VERSION, "n_features": self.n_features,
+                     "n_labels": self.n_labels, "bias": self.bias, "normalize": self.normalize,
+                     "pred_params": self.pred_params.to_dict(), "meta": self.meta, "members": names}
+            (tmp / "param.json").write_text(json.dumps(param, indent=2))
+        atomic_folder(folder, write)
+
+    @classmethod
+    def load(cls, folder) -> EnsembleModel:
+        folder = Path(folder)
+        param, _, _ = read_header(folder)
+        model = cls([XMCModel.load(folder / name) for name in param["members"]], meta=param.get("meta"))
+        model.pred_params = PredictParams.from_dict(param["pred_params"])
+        return model
 
 
 def _positions(sorted_or_not_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -505,6 +673,14 @@ def tree_layers(ix: TreeIndex) -> TreeLayers:
     return TreeLayers(layers, order, last_leaf)
 
 
+def add_pairs(rows: np.ndarray, groups: np.ndarray, extra=None):
+    """(row, group) pairs with ``extra`` = (rows, groups) added; unique, sorted by row."""
+    if extra is None or not len(extra[0]):
+        return rows, groups
+    u = np.unique(np.stack([np.concatenate([rows, extra[0]]), np.concatenate([groups, extra[1]])]), axis=1)
+    return u[0], u[1]
+
+
 def train_group(index: TreeIndex, group: int, Xb: sp.csr_matrix, offsets, labels, train: TrainParams,
                 weights=None, label_weights=None):
     """Train the classifiers of one node on the samples that reach it (rows in sample-id order).
@@ -515,16 +691,18 @@ def train_group(index: TreeIndex, group: int, Xb: sp.csr_matrix, offsets, labels
     """
     children, Yg = index.node_problem(group, offsets, labels, label_weights)
     W = train_node(Xb, Yg, C=train.C, weights=weights, threshold=train.threshold, eps=train.eps,
-                   max_iter=train.max_iter, seed=train.seed + int(group))
+                   max_iter=train.max_iter, seed=train.seed + int(decode_keys([group])[1][0]))
     is_leaf = bool(np.isin(group, index.leaves))
     return is_leaf, children, W
 
 
-def train_all_groups(index: TreeIndex, Xb: sp.csr_matrix, Y: sp.csr_matrix, train: TrainParams, weights=None):
+def train_all_groups(index: TreeIndex, Xb: sp.csr_matrix, Y: sp.csr_matrix, train: TrainParams, weights=None,
+                     extra=None):
     """Numpy reference of the node-training stage: every group, samples in row order.
-    Y's values are the label weights (1 for plain data)."""
+    Y's values are the label weights (1 for plain data). ``extra`` = (rows, groups): more
+    samples per group (the matcher's routed samples, :meth:`XMCModel.beam_nodes`)."""
     Y = sp.csr_matrix(Y)
-    rows, groups = index.groups_of_samples(Y.indptr, Y.indices)
+    rows, groups = add_pairs(*index.groups_of_samples(Y.indptr, Y.indices), extra)
     node_cols, slot_cols = {}, {}
     for g in np.unique(groups):
         r = np.sort(rows[groups == g])

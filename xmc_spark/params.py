@@ -272,6 +272,19 @@ class TreeParams(BaseParams):
     balanced_below_depth: int = 32     # nodes this deep split balanced (bounds the heap ids)
     local_subtree_size: int = 4096     # a node with at most this many labels grows its whole
                                        # subtree in one task (0: every level is a Spark job)
+    ensemble: int = 1                  # trees, grown and trained in the same Spark jobs; tree t
+                                       # uses seed + t; prediction averages their label scores
+    ensemble_splits: List[int] = field(default_factory=list)   # per-tree nr_splits (e.g. 2,8,32)
+
+    def n_trees(self) -> int:
+        return max(self.ensemble, len(self.ensemble_splits))
+
+    def for_tree(self, t: int) -> TreeParams:
+        """The parameters of tree ``t`` of the ensemble (tree 0 of one tree: these)."""
+        if self.n_trees() == 1 and not self.ensemble_splits:
+            return self
+        splits = self.ensemble_splits[t] if self.ensemble_splits else self.nr_splits
+        return dataclasses.replace(self, nr_splits=int(splits), seed=self.seed + t, ensemble=1, ensemble_splits=[])
 
     @property
     def effective_lambda(self) -> float:
@@ -297,6 +310,14 @@ class TreeParams(BaseParams):
         _check(1 <= self.greedy_candidates <= 30, prefix + "greedy_candidates", "must be in [1, 30]")
         _check(1 <= self.balanced_below_depth <= 40, prefix + "balanced_below_depth", "must be in [1, 40]")
         _check(self.local_subtree_size >= 0, prefix + "local_subtree_size", "must be >= 0")
+        _check(1 <= self.ensemble <= 64, prefix + "ensemble", f"must be in [1, 64], got {self.ensemble}")
+        _check(not self.ensemble_splits or self.ensemble in (1, len(self.ensemble_splits)),
+               prefix + "ensemble_splits", f"has {len(self.ensemble_splits)} values for tree.ensemble = "
+               f"{self.ensemble} (give one per tree, or leave tree.ensemble at 1)")
+        _check(all(2 <= int(b) <= 1024 for b in self.ensemble_splits), prefix + "ensemble_splits",
+               f"values must be in [2, 1024], got {self.ensemble_splits}")
+        _check(self.effective_lambda == 0.0 or all(int(b) == 2 for b in self.ensemble_splits),
+               prefix + "ensemble_splits", "must all be 2 when lambda > 0 (the interpolated split is 2-way)")
 
 
 @dataclass
@@ -337,6 +358,10 @@ class TrainParams(BaseParams):
     max_node_rows: str = "auto"
     tron_eps: float = 0.01          # distributed solver: stop at ||grad|| <= tron_eps * ||grad at 0||
     tron_max_iter: int = 50         # distributed solver: Newton steps at most
+    # tfn: a node's classifiers see the samples with a label below it (teacher forcing);
+    # tfn+man: also the samples the trained matcher's beam (predict.beam_size) sends to it,
+    # then the model is trained again (PECOS's neg_mining_chain)
+    negatives: str = "tfn"
 
     def node_row_bound(self) -> Optional[int]:
         """The integer bound, None for "auto" (resolved against Spark's memory by the trainer),
@@ -349,6 +374,8 @@ class TrainParams(BaseParams):
         _check(v in ("auto", "off") or (v.isdigit() and int(v) >= 1), prefix + "max_node_rows",
                f"must be auto, off or an integer >= 1, got {self.max_node_rows!r}")
         _check(self.tron_eps > 0, prefix + "tron_eps", "must be > 0")
+        _check(self.negatives in ("tfn", "tfn+man"), prefix + "negatives",
+               f"must be tfn or tfn+man, got {self.negatives!r}")
         _check(self.tron_max_iter >= 1, prefix + "tron_max_iter", "must be >= 1")
         _check(self.C > 0, prefix + "C", "must be > 0")
         _check(self.threshold >= 0, prefix + "threshold", "must be >= 0")

@@ -25,8 +25,8 @@ from pyspark.sql import functions as F
 from .arrow_utils import list_offsets_values, to_arrow
 from .compat import CONNECT_MAX_MB, is_connect, shuffle_partitions
 from .config import dump_params
-from .kernels.tree import TreeIndex
-from .model import ModelTrainParams, XMCModel, is_chunked, split_columns
+from .kernels.tree import Forest, TreeIndex
+from .model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked, split_columns
 from .params import PipelineParams, PredictParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
@@ -84,8 +84,27 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
     return index, facts
 
 
-def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams) -> TreeIndex:
-    return TreeIndex(rows["label_idx"].to_numpy(), rows["node"].to_numpy(), n_labels, params.tree.nr_splits)
+def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams):
+    """The :class:`TreeIndex` of (label_idx, node[, tree]) rows, a :class:`Forest` for an
+    ensemble (``tree.ensemble`` > 1 or ``tree.ensemble_splits``)."""
+    T = params.tree.n_trees()
+    tree = rows["tree"].fillna(0).to_numpy() if "tree" in rows else np.zeros(len(rows), np.int64)
+    found = int(tree.max(initial=0)) + 1
+    if found != T:
+        from .params import ConfigError
+        raise ConfigError(f"the tree table holds {found} tree(s), the configuration {T} (tree.ensemble, "
+                          "tree.ensemble_splits): rerun the tree stage with this configuration")
+    trees = [TreeIndex(rows["label_idx"].to_numpy()[tree == t], rows["node"].to_numpy()[tree == t], n_labels,
+                       params.tree.for_tree(t).nr_splits) for t in range(T)]
+    return trees[0] if T == 1 else Forest(trees)
+
+
+def slots_frame(index) -> pd.DataFrame:
+    """(label_idx, node, tree) rows of a tree's or forest's label slots (the ``slots`` table)."""
+    trees = index.trees if isinstance(index, Forest) else [index]
+    return pd.concat([pd.DataFrame({"label_idx": ix.slot_label.astype(np.int32), "node": ix.slot_leaf.astype(np.int64),
+                                    "tree": np.full(len(ix.slot_label), t, np.int32)})
+                      for t, ix in enumerate(trees)], ignore_index=True)
 
 
 def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
@@ -95,6 +114,10 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
     and ``slots`` (the label -> leaf assignment the final weights belong to)."""
     spark = samples.sparkSession
     copies = tp.clusters.copies
+    if isinstance(index, Forest) and tp.cluster_rounds:
+        from .params import ConfigError
+        raise ConfigError("clusters.copies > 1 with an ensemble (tree.ensemble, tree.ensemble_splits) is not "
+                          "supported yet: use one of them")
     with timer.stage("train"):
         model = train_weights(samples, index, tables, n_features, tp, pred, n_samples)
     for r in range(tp.cluster_rounds):
@@ -109,8 +132,13 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
                      label_clusters.cluster_stats(index.slot_label, index.slot_leaf))
         with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
             model = train_weights(samples, index, tables, n_features, tp, pred, n_samples)
-    tables.write("slots", spark.createDataFrame(pd.DataFrame(
-        {"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf.astype(np.int64)})))
+    if tp.train.negatives == "tfn+man":
+        with timer.stage("negatives"):       # the samples the trained matcher routes to each node
+            tables.write("negatives", node_training.routed_nodes(samples, model, pred.beam_size))
+        with timer.stage("retrain_man"):
+            model = train_weights(node_training.with_routed(samples, tables.read("negatives")), index, tables,
+                                  n_features, tp, pred, n_samples)
+    tables.write("slots", spark.createDataFrame(slots_frame(index)))
     return model
 
 
@@ -138,12 +166,20 @@ def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrai
     to predict) when its weights fit ``predict.max_broadcast_mb``, else a
     :class:`~.stages.sharded.ShardedModel` whose weights never leave the executors."""
     nbytes = sharded.weights_nbytes(weights)
+    if nbytes > broadcast_bound(weights, pred) and isinstance(index, Forest):
+        from .params import ConfigError
+        raise ConfigError(f"the ensemble's weights ({nbytes / 2 ** 20:.1f} MB) exceed predict.max_broadcast_mb "
+                          f"({pred.max_broadcast_mb} MB): a sharded ensemble is not supported yet; raise the "
+                          "bound or train one tree")
     if nbytes > broadcast_bound(weights, pred):
         log.info("model weights %.1f MB > the broadcast bound %.1f MB: kept sharded on the executors",
                  nbytes / 2 ** 20, broadcast_bound(weights, pred) / 2 ** 20)
         return sharded.ShardedModel(index, weights, n_features, tp.train.bias, tp.normalize, pred, nbytes=nbytes)
     n_cols = n_features + (1 if tp.train.bias > 0 else 0)
     node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
+    if isinstance(index, Forest):
+        return EnsembleModel.from_columns(index, node_w, slot_w, n_features, bias=tp.train.bias,
+                                          normalize=tp.normalize, pred_params=pred)
     return XMCModel(index, node_w, slot_w, n_features, bias=tp.train.bias, normalize=tp.normalize, pred_params=pred)
 
 
@@ -242,9 +278,11 @@ def train_stage(ctx: StageContext) -> StageResult:
                        **({"run_key": ctx.run_key} if ctx.run_key else {})})
     counts = ctx.memo.get("label_counts")
     model.label_counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
-    facts = {"tree_depth": int(model.index.depth), "n_leaves": int(len(model.index.leaves)),
+    index = model.index
+    facts = {"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)),
              "model_layout": "sharded" if isinstance(model, sharded.ShardedModel) else "whole",
-             **label_clusters.cluster_stats(model.index.slot_label, model.index.slot_leaf)}
+             **({"n_trees": len(index)} if isinstance(index, Forest) else
+                label_clusters.cluster_stats(index.slot_label, index.slot_leaf))}
     tmp = None if ctx.model_dir else Path(tempfile.mkdtemp(prefix="xmc-model-"))
     folder = ctx.model_dir or str(tmp / "model")
     try:

@@ -13,7 +13,8 @@ ingest      -            --train, --test (files, tables, folders)    ``train`` (
 eagle       ingest       the aggregated --train folder                ``train``, ``eagle_embeddings``
 tree        eagle        ``train``                                   ``label_embeddings``, ``tree``
 train       tree         ``train``, ``tree``                         ``weights``, ``slots`` (+ ``matcher``,
-                                                                     ``clusters``), the model folder
+                                                                     ``clusters``, ``negatives``), the
+                                                                     model folder
 predict     train        ``test``, ``slots``, ``weights``            ``predictions``
 evaluate    predict      ``predictions``, ``test``, ``train``,       ``metrics``
                          ``slots``
@@ -55,7 +56,7 @@ STAGES: Dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("tree", f"{_P}:tree_stage", ("eagle",), ("train",), ("label_embeddings", "tree"),
               ("embedding", "tree"), help="PIFA label embeddings and the label tree"),
     StageSpec("train", f"{_P}:train_stage", ("tree",), ("train", "tree"),
-              ("weights", "slots", "matcher", "clusters"), ("train", "clusters", "predict"),
+              ("weights", "slots", "matcher", "clusters", "negatives"), ("train", "clusters", "predict"),
               help="node classifiers (and overlapping clusters); the model folder"),
     StageSpec("predict", f"{_P}:predict_stage", ("train",), ("test", "slots", "weights"), ("predictions",),
               ("predict",), needs_test=True, help="beam search over the test table"),

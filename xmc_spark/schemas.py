@@ -48,7 +48,9 @@ SAMPLES_SCHEMA = T.StructType([
 # (aligned with label_idx); the node trainer uses it when present
 _SAMPLES_TABLE = T.StructType([*SAMPLES_SCHEMA.fields, _col("label_weight", _FLOATS, optional=True)])
 _EMBEDDINGS = T.StructType([_col("label_idx", T.IntegerType()), _col("emb_idx", _INTS), _col("emb_val", _FLOATS)])
-_SLOTS = T.StructType([_col("label_idx", T.IntegerType()), _col("node", T.LongType())])   # label -> leaf
+# label -> leaf; ``tree``: which tree of an ensemble (absent or 0: the one tree)
+_SLOTS = T.StructType([_col("label_idx", T.IntegerType()), _col("node", T.LongType()),
+                       _col("tree", T.IntegerType(), optional=True)])
 
 TABLES: Dict[str, T.StructType] = {
     "train": _SAMPLES_TABLE,
@@ -59,8 +61,11 @@ TABLES: Dict[str, T.StructType] = {
     "tree": _SLOTS,                          # the leaf of each label
     "clusters": _SLOTS,                      # overlapping clusters: a label may sit in several leaves
     "slots": _SLOTS,                         # the label -> leaf slots the final weights belong to
-    "weights": T.StructType([_col("is_leaf", T.BooleanType()), _col("key", T.LongType()),   # key: node id,
-                             _col("w_idx", _INTS), _col("w_val", _FLOATS)]),                 # or slot id at leaves
+    # key: node id, or slot id at leaves; in an ensemble tree << 52 | id (kernels.tree.encode_keys)
+    "weights": T.StructType([_col("is_leaf", T.BooleanType()), _col("key", T.LongType()),
+                             _col("w_idx", _INTS), _col("w_val", _FLOATS)]),
+    # train.negatives = tfn+man: the nodes (ensemble keys) the matcher's beam sends each sample to
+    "negatives": T.StructType([_col("sample_id", T.LongType()), _col("man", T.ArrayType(T.LongType()))]),
     "matcher": T.StructType([_col("sample_id", T.LongType()), _col("leaf", T.LongType()),
                              _col("score", T.FloatType())]),
     "predictions": T.StructType([_col("sample_id", T.LongType()), _col("pred_labels", _INTS),
@@ -81,7 +86,7 @@ def ddl(name: str) -> str:
 
 
 EMBEDDING_SCHEMA = ddl("label_embeddings")
-TREE_SCHEMA = ddl("tree")
+TREE_SCHEMA = ddl("tree") + ", tree int"
 WEIGHTS_SCHEMA = ddl("weights")
 MATCHER_SCHEMA = ddl("matcher")
 PREDICTIONS_SCHEMA = ddl("predictions")

@@ -6,7 +6,7 @@ from xmc_spark.kernels.balanced_kmeans import balanced_split
 from xmc_spark.kernels.tree import build_tree, node_depth
 
 
-@pytest.mark.parametrize("m,B", [(2, 2), (7, 2), (100, 2), (101, 2), (10, 3), (50, 4), (3, 4)])
+@pytest.mark.parametrize("m,B", [(2, 2), (7, 2), (100, 2), (101, 2), (10, 3), (50, 4), (3, 4), (1601, 16), (1037, 100)])
 def test_split_sizes_differ_by_at_most_one(m, B):
     Z = sp.random(m, 30, density=0.3, random_state=m, format="csr")
     a = balanced_split(Z, nr_splits=B, seed=1)

@@ -152,3 +152,47 @@ def test_tree_search_with_overlapping_slots_and_single_leaf():
     m1, X1 = _random_model(3, L=4, leaf_size=10)            # the root is the only leaf
     assert m1.index.depth == 0
     np.testing.assert_array_equal(m1.predict(X1, topk=2, search="adaptive")[0], m1.predict(X1, topk=2)[0])
+
+
+def _brute_beam_nodes(m, X, b):
+    """Every (row, node) of the beam at every depth, by a plain Python beam over dense scores."""
+    layers, _ = m.layers()
+    Xb = np.hstack([X.toarray(), np.ones((X.shape[0], 1))])
+    pairs = set()
+    for i in range(X.shape[0]):
+        beam = [(0, 1.0)]
+        for t, (child_ptr, W, through) in enumerate(layers[:-1]):
+            Wd = W.toarray()
+            cand = []
+            for p, s in beam:
+                for c in range(child_ptr[p], child_ptr[p + 1]):
+                    f = 1.0 if through[c] else np.exp(-max(0.0, 1.0 - float(Xb[i] @ Wd[:, c])) ** 3)
+                    cand.append((c, s * f))
+            cand.sort(key=lambda z: -z[1])            # stable: ties keep the candidates' order
+            beam = cand[:b]
+            ids, _, pad = m._shape.layers[t]
+            pairs |= {(i, int(ids[c])) for c, _ in beam if not pad[c]}
+    return pairs
+
+
+def test_beam_nodes_are_the_beam_at_every_depth():
+    for seed, b in ((5, 1), (6, 2), (7, 3)):
+        m, X = _random_model(seed, L=24, leaf_size=2)
+        rows, nodes = m.beam_nodes(X, beam_size=b)
+        assert set(zip(rows.tolist(), nodes.tolist())) == _brute_beam_nodes(m, X, b)
+        assert set(nodes.tolist()) <= set(m.index.nodes.tolist()) and 0 not in set(nodes.tolist())
+
+
+def test_top_k_rows_equals_sorting_each_row():
+    from xmc_spark.kernels.beam_search import top_k_rows
+    rng = np.random.default_rng(0)
+    S = sp.random(40, 30, density=0.2, random_state=1, format="csr")
+    S.data = rng.choice([0.1, 0.5, 0.9], S.nnz)                   # many ties: the smaller label first
+    labels, scores = top_k_rows(S, 4)
+    D = S.toarray()
+    for i in range(40):
+        nz = np.flatnonzero(D[i])
+        want = nz[np.lexsort((nz, -D[i, nz]))][:4]
+        np.testing.assert_array_equal(labels[i, :len(want)], want)
+        assert (labels[i, len(want):] == -1).all()
+        np.testing.assert_allclose(scores[i, :len(want)], D[i, want])

@@ -1,8 +1,9 @@
 import numpy as np
+import pytest
 import scipy.sparse as sp
 
 from xmc_spark.kernels.label_embedding import pifa
-from xmc_spark.kernels.tree import TreeIndex, ancestor_at, node_depth
+from xmc_spark.kernels.tree import TreeIndex, ancestor_at, build_tree, node_depth
 
 
 def test_pifa_matches_dense_formula():
@@ -40,3 +41,31 @@ def test_groups_of_samples_brute_force():
     children, Y = ix.node_problem(3, offsets, labels)   # leaf: one classifier per label slot
     assert list(ix.slot_label[children]) == [0, 1]
     np.testing.assert_array_equal(np.asarray(Y.todense()), [[1, 0], [0, 0], [0, 0], [0, 1]])
+
+
+def test_forest_keys_and_groups_are_each_trees_own():
+    from xmc_spark.kernels.tree import Forest, decode_keys, encode_keys
+    rng = np.random.default_rng(0)
+    L = 12
+    a = TreeIndex(np.arange(L), build_tree(sp.random(L, 8, density=0.5, random_state=1, format="csr"), 3, 2), L, 2)
+    b = TreeIndex(np.arange(L), build_tree(sp.random(L, 8, density=0.5, random_state=2, format="csr"), 4, 3), L, 3)
+    f = Forest([a, b])
+    t, ids = decode_keys(encode_keys(1, b.nodes))
+    assert (t == 1).all() and np.array_equal(ids, b.nodes)
+    np.testing.assert_array_equal(encode_keys(0, a.nodes), a.nodes)        # tree 0 keys are its ids
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 3, 20))])
+    labels = rng.integers(0, L, offsets[-1])
+    rows, groups = f.groups_of_samples(offsets, labels)
+    for k, ix in enumerate((a, b)):
+        r, g = ix.groups_of_samples(offsets, labels)
+        m = decode_keys(groups)[0] == k
+        assert set(zip(rows[m].tolist(), decode_keys(groups[m])[1].tolist())) == set(zip(r.tolist(), g.tolist()))
+    for g in np.unique(groups):
+        k, node = decode_keys([g])
+        kids, Y = f.node_problem(int(g), offsets, labels)
+        kids0, Y0 = (a, b)[int(k[0])].node_problem(int(node[0]), offsets, labels)
+        np.testing.assert_array_equal(decode_keys(kids)[1], kids0)
+        assert (Y != Y0).nnz == 0
+    np.testing.assert_allclose(f.label_depth(), (a.label_depth() + b.label_depth()) / 2)
+    with pytest.raises(ValueError, match="too deep"):
+        encode_keys(1, [1 << 60])

@@ -21,7 +21,7 @@ def emb(problem):
 
 def _assert_tree(spark, tree, leaf):
     """The stage's (label_idx, node) table is the kernel's leaf of every label."""
-    expected = spark.createDataFrame([(k, int(n)) for k, n in enumerate(leaf)], ddl("tree"))
+    expected = spark.createDataFrame([(k, int(n), 0) for k, n in enumerate(leaf)], ddl("tree") + ", tree int")
     assert_df_equality(check_table(tree, "tree"), expected, ignore_row_order=True, ignore_nullable=True)
 
 
@@ -56,3 +56,15 @@ def test_interpolated_tree_stage_equals_kernel(problem, emb, spark, lam):
                  tree_from_params(pifa(Xl, Yl), params, f, ft))
     with pytest.raises(ValueError, match="frequencies"):
         label_tree.run(emb, params, n_features=D, n_labels=L)
+
+
+def test_ensemble_trees_grow_in_the_same_jobs(problem, emb, spark):
+    """tree.ensemble_splits = 2,3: tree t is the kernel's tree with nr_splits[t] and seed + t."""
+    _, Xl, Yl = problem
+    params = TreeParams(max_leaf_size=3, seed=4, ensemble_splits=[2, 3], local_subtree_size=6)
+    got = check_table(label_tree.run(emb, params, n_features=D, n_labels=L), "tree").toPandas()
+    assert sorted(got["tree"].unique()) == [0, 1]
+    for t, B in enumerate((2, 3)):
+        part = got[got["tree"] == t].sort_values("label_idx")
+        np.testing.assert_array_equal(part["label_idx"], np.arange(L))
+        np.testing.assert_array_equal(part["node"], build_tree(pifa(Xl, Yl), 3, B, params.max_iter, 4 + t))

@@ -47,6 +47,36 @@ def test_training_stage_equals_kernel(problem, index):
     _assert_weights(node_training.run(samples, index, D, tp), ref_nodes, ref_slots)
 
 
+def test_forest_with_routed_negatives_equals_kernel(problem, index, spark):
+    """An ensemble's trees train in the same job (keys tree << 52 | id), and a ``man`` column
+    (train.negatives = tfn+man) adds exactly its (sample, node) pairs to the groups."""
+    from xmc_spark.kernels.tree import Forest, encode_keys
+    samples, Xl, Yl = problem
+    forest = Forest([index, TreeIndex(np.arange(L), build_tree(pifa(Xl, Yl), 3, 3, 20, 1), L, 3)])
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, Xl.shape[0], 60)
+    tree = rng.integers(0, 2, 60)
+    keys = np.array([encode_keys(int(t), [rng.choice(forest.trees[t].nodes[1:])])[0] for t in tree])
+    routed = spark.createDataFrame([(int(r), [int(k) for k in keys[rows == r]]) for r in np.unique(rows)],
+                                   node_training.ROUTED_SCHEMA)
+    tp = TrainParams()
+    ref_nodes, ref_slots = train_all_groups(forest, append_bias(Xl, tp.bias), Yl, tp, extra=(rows, keys))
+    _assert_weights(node_training.run(node_training.with_routed(samples, routed), forest, D, tp), ref_nodes,
+                    ref_slots)
+    assert any(k >> 52 == 1 for k in ref_slots)
+
+
+def test_routed_nodes_job_equals_the_models_beam(problem, index, spark):
+    from xmc_spark.model import KeyedColumns, XMCModel
+    samples, Xl, Yl = problem
+    tp = TrainParams()
+    nodes, slots = train_all_groups(index, append_bias(Xl, tp.bias), Yl, tp)
+    m = XMCModel(index, KeyedColumns.from_dict(nodes, D + 1), KeyedColumns.from_dict(slots, D + 1), D)
+    got = {(r["sample_id"], k) for r in node_training.routed_nodes(samples, m, 2).collect() for k in r["man"]}
+    rows, g = m.beam_nodes(Xl, 2)
+    assert got == set(zip(rows.tolist(), g.tolist())) and len(got) > Xl.shape[0]
+
+
 def test_sample_and_label_weights_equal_kernel(problem, index, spark):
     _, Xl, Yl = problem
     rng = np.random.default_rng(0)

@@ -154,14 +154,10 @@ def _beam_layer(xptr, xidx, xval, n_cols, prev_nodes, prev_scores, child_ptr, wp
     return out_nodes, out_scores
 
 
-def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int = 10, topk: int = 5,
-                post_processor: str = "l3-hinge"):
-    """Top-k labels and scores for each row of X (bias column already appended).
-
-    ``layers`` is a list of (child_ptr, W csc (n_cols x K_t), passthrough bool[K_t]) from the
-    root down; the last layer's nodes are label slots mapped to labels by ``slot_label``.
-    Returns (labels int64 n x topk, -1 padded; scores float64 n x topk).
-    """
+def _beams(X: sp.csr_matrix, layers, slot_label, beam_size: int, topk: int, post_processor: str):
+    """Beam search layer by layer: yields (nodes, scores) after each layer (positions in that
+    layer's nodes; after the last layer, labels via ``slot_label``, top-k; ``slot_label`` None:
+    the last layer is kept as a beam too)."""
     X = sp.csr_matrix(X)
     n = X.shape[0]
     post = POST_PROCESSORS[post_processor]
@@ -170,7 +166,7 @@ def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int
     xptr, xidx, xval = X.indptr.astype(np.int64), X.indices.astype(np.int64), X.data.astype(np.float64)
     empty = np.zeros(0, dtype=np.int64)
     for t, (child_ptr, W, passthrough) in enumerate(layers):
-        last = t == len(layers) - 1
+        last = t == len(layers) - 1 and slot_label is not None
         W = sp.csc_matrix(W)
         if not W.has_sorted_indices:
             W = W.sorted_indices()
@@ -179,7 +175,42 @@ def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int
             W.indptr.astype(np.int64), W.indices.astype(np.int64), W.data.astype(np.float64),
             np.asarray(passthrough, dtype=np.bool_), topk if last else beam_size,
             np.asarray(slot_label, dtype=np.int64) if last else empty, post)
-    return nodes, scores
+        yield nodes, scores
+
+
+def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int = 10, topk: int = 5,
+                post_processor: str = "l3-hinge"):
+    """Top-k labels and scores for each row of X (bias column already appended).
+
+    ``layers`` is a list of (child_ptr, W csc (n_cols x K_t), passthrough bool[K_t]) from the
+    root down; the last layer's nodes are label slots mapped to labels by ``slot_label``.
+    Returns (labels int64 n x topk, -1 padded; scores float64 n x topk).
+    """
+    *_, last = _beams(X, layers, slot_label, beam_size, topk, post_processor)
+    return last
+
+
+def inner_beams(X: sp.csr_matrix, layers, beam_size: int = 10, post_processor: str = "l3-hinge"):
+    """The beam after each layer but the last (the label layer): a list, per layer t, of the
+    positions (n x beam, -1 padded) in layer t's nodes, as :func:`beam_search` keeps them."""
+    return [nodes for nodes, _ in _beams(X, layers[:-1], None, beam_size, beam_size, post_processor)]
+
+
+def top_k_rows(S: sp.csr_matrix, k: int):
+    """(labels n x k, -1 padded; scores n x k) of the k largest entries of each row of S, ties
+    to the smaller column (as :func:`beam_search` breaks them); no per-row Python."""
+    S = sp.csr_matrix(S)
+    n = S.shape[0]
+    rows = np.repeat(np.arange(n), np.diff(S.indptr))
+    order = np.lexsort((S.indices, -S.data, rows))
+    rank = np.arange(len(order)) - S.indptr[rows[order]]
+    keep = order[rank < k]
+    labels = -np.ones((n, k), dtype=np.int64)
+    scores = np.zeros((n, k), dtype=np.float64)
+    r = rows[keep]
+    labels[r, rank[rank < k]] = S.indices[keep]
+    scores[r, rank[rank < k]] = S.data[keep]
+    return labels, scores
 
 
 @njit()

@@ -206,3 +206,57 @@ class TreeIndex:
             rows, col, lw = rows[pick], col[pick], lw[pick]
         Y = sp.csr_matrix((lw.astype(np.float32), (rows, col)), shape=(n, K))
         return children, Y
+
+
+TREE_SHIFT = 52          # an ensemble's keys: tree << TREE_SHIFT | node (or slot) id of that tree
+
+
+def encode_keys(tree: int, ids) -> np.ndarray:
+    """Keys of tree ``tree``'s node or slot ids in an ensemble (tree 0: the ids themselves)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) and int(ids.max()) >= 1 << TREE_SHIFT:
+        raise ValueError(f"node id {int(ids.max())} of tree {tree} does not fit an ensemble key "
+                         f"(< 2^{TREE_SHIFT}): the tree is too deep for tree.ensemble > 1")
+    return ids | (np.int64(tree) << np.int64(TREE_SHIFT))
+
+
+def decode_keys(keys) -> Tuple[np.ndarray, np.ndarray]:
+    """(tree, node or slot id) of ensemble keys."""
+    keys = np.asarray(keys, dtype=np.int64)
+    return keys >> np.int64(TREE_SHIFT), keys & np.int64((1 << TREE_SHIFT) - 1)
+
+
+def keyed_pairs(per_tree) -> Tuple[np.ndarray, np.ndarray]:
+    """(rows, ids) pairs of each tree, t-th in ``per_tree`` -> one (rows, ensemble keys)."""
+    return (np.concatenate([r for r, _ in per_tree]),
+            np.concatenate([encode_keys(t, g) for t, (_, g) in enumerate(per_tree)]))
+
+
+class Forest:
+    """Several trees over the same labels (an ensemble), trained as one: the node trainer's
+    view of :class:`TreeIndex` (``groups_of_samples``, ``node_problem``, ``leaves``) with every
+    node and slot id made a key of its tree (:func:`encode_keys`), so that all trees' nodes
+    are groups of the same Spark jobs."""
+
+    def __init__(self, trees):
+        self.trees = list(trees)
+        if not self.trees:
+            raise ValueError("a forest needs at least one tree")
+        self.n_labels = self.trees[0].n_labels
+        self.depth = max(t.depth for t in self.trees)
+        self.leaves = np.concatenate([encode_keys(t, ix.leaves) for t, ix in enumerate(self.trees)])
+
+    def __len__(self) -> int:
+        return len(self.trees)
+
+    def groups_of_samples(self, offsets: np.ndarray, labels: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        return keyed_pairs([ix.groups_of_samples(offsets, labels) for ix in self.trees])
+
+    def node_problem(self, group: int, offsets: np.ndarray, labels: np.ndarray, label_weights=None):
+        t, node = decode_keys([group])
+        children, Y = self.trees[int(t[0])].node_problem(int(node[0]), offsets, labels, label_weights)
+        return encode_keys(int(t[0]), children), Y
+
+    def label_depth(self) -> np.ndarray:
+        """Mean over the trees of each label's depth (expected depth@k of an ensemble)."""
+        return np.mean([ix.label_depth() for ix in self.trees], axis=0)

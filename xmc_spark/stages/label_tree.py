@@ -2,7 +2,9 @@
 
 A node with at most ``tree.local_subtree_size`` labels grows its whole subtree inside its
 task (same node ids and per-node seeds as level by level, so the tree is identical); the
-levels above stay one Spark job each.
+levels above stay one Spark job each. An ensemble (``tree.ensemble`` > 1 or
+``tree.ensemble_splits``) grows all its trees in the same jobs: groups are (tree, node), tree
+t splitting with :meth:`~xmc_spark.params.TreeParams.for_tree` (its own seed and branching).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, grouped_apply
 from ..compat import share
-from ..kernels.tree import split_node, tree_from_params
+from ..kernels.tree import TREE_SHIFT, split_node, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
 
@@ -28,32 +30,39 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
 
     ``freqs`` is a broadcast of (f, f_tilde) when the split is interpolated (lambda > 0).
     """
-    B, it, seed = params.nr_splits, params.max_iter, params.seed
-    lam, gamma, deep = params.effective_lambda, params.gamma, params.balanced_below_depth
-
     def split(t: pa.Table) -> pa.Table:
         order = np.argsort(t.column("label_idx").to_numpy(), kind="mergesort")
         t = t.take(pa.array(order))
         node = int(t.column("node")[0].as_py())
+        tree = int(t.column("tree")[0].as_py())
+        tp = params.for_tree(tree)
         Z = csr_from_table(t, "emb_idx", "emb_val", n_features)
         f = ft = None
         if freqs is not None:
             lab = t.column("label_idx").to_numpy().astype(np.int64)
             f, ft = freqs.value[0][lab], freqs.value[1][lab]
-        if t.num_rows <= params.local_subtree_size:   # small enough: the whole subtree here
-            child = tree_from_params(Z, params, f, ft, root=node)
+        if t.num_rows <= tp.local_subtree_size:   # small enough: the whole subtree here
+            child = tree_from_params(Z, tp, f, ft, root=node)
         else:
-            child = split_node(Z, node, B, it, seed, lam, f, ft, gamma, deep)
-        return pa.table({"label_idx": t.column("label_idx"), "node": pa.array(child, pa.int64())})
+            child = split_node(Z, node, tp.nr_splits, tp.max_iter, tp.seed, tp.effective_lambda, f, ft, tp.gamma,
+                               tp.balanced_below_depth)
+        return pa.table({"label_idx": t.column("label_idx"), "node": pa.array(child, pa.int64()),
+                         "tree": pa.array(np.full(t.num_rows, tree, np.int32))})
 
-    todo = assign.filter(F.col("node").isin(list(big_nodes))).join(embeddings, "label_idx")
-    return grouped_apply(todo, ["node"], split, TREE_SCHEMA)
+    todo = assign.filter(_key().isin([int(k) for k in big_nodes])).join(embeddings, "label_idx")
+    return grouped_apply(todo, ["tree", "node"], split, TREE_SCHEMA)
+
+
+def _key():
+    """(tree, node) as one long: :func:`~xmc_spark.kernels.tree.encode_keys`."""
+    return F.shiftleft(F.col("tree").cast("long"), TREE_SHIFT).bitwiseOR(F.col("node"))
 
 
 def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels: int, f=None,
         f_tilde=None) -> DataFrame:
-    """(label_idx, node): the leaf of each label. Labels without an embedding (no training
-    sample) are still placed: they join the tree with an empty embedding.
+    """(label_idx, node, tree): the leaf of each label in each tree (tree = 0 for one tree).
+    Labels without an embedding (no training sample) are still placed: they join the tree
+    with an empty embedding.
 
     ``f`` and ``f_tilde`` (label frequencies, :mod:`.label_frequencies`) are required when
     the tree is interpolated (lambda > 0)."""
@@ -72,8 +81,10 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
 
     # Each level's output is checkpointed: the plan of the next level starts from it, so plans
     # do not grow with depth (a union of every earlier level would double the plan per level).
-    active = all_labels.withColumn("node", F.lit(0).cast("long"))
-    sizes = {0: n_labels}
+    trees = spark.range(params.n_trees()).select(F.col("id").cast("int").alias("tree"))
+    active = all_labels.crossJoin(trees).withColumn("node", F.lit(0).cast("long")).select(
+        "label_idx", "node", "tree")
+    sizes = {t << TREE_SHIFT: n_labels for t in range(params.n_trees())}
     finished = []
     depth = 0
     while True:
@@ -82,11 +93,11 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
             break
         new = split_level(emb, active, big, n_features, params, freqs).localCheckpoint()
         # the children's sizes come back in a second, small job over the checkpointed level
-        grown = {int(r["node"]): int(r["count"]) for r in new.groupBy("node").count().collect()}
+        grown = {int(r["key"]): int(r["count"]) for r in new.groupBy(_key().alias("key")).count().collect()}
         sizes = {n: c for n, c in grown.items()}
         big_next = [n for n, c in grown.items() if c > params.max_leaf_size]
-        finished.append(new.filter(~F.col("node").isin(big_next)) if big_next else new)
-        active = new.filter(F.col("node").isin(big_next))
+        finished.append(new.filter(~_key().isin(big_next)) if big_next else new)
+        active = new.filter(_key().isin(big_next))
         depth += 1
         log.info("tree level %d: split %d nodes into %d nodes (%d labels now in leaves)", depth, len(big),
                  len(grown), sum(c for c in grown.values() if c <= params.max_leaf_size))

@@ -57,10 +57,10 @@ from ..compat import share, shuffle_partitions
 from ..kernels import tron
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TreeIndex
-from ..model import train_group
+from ..model import add_pairs, train_group
 from ..params import TrainParams
 from ..progress import worker_progress
-from ..schemas import WEIGHTS_SCHEMA
+from ..schemas import WEIGHTS_SCHEMA, ddl
 
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, sample_id long, feature_idx array<int>, feature_val array<float>, "
@@ -68,6 +68,7 @@ GROUPED_SCHEMA = ("group long, sample_id long, feature_idx array<int>, feature_v
 BIG_SCHEMA = ("node int, feature_idx array<int>, feature_val array<float>, weight float, "
               "pos array<int>, pos_w array<float>")
 PARTIAL_SCHEMA = "block int, part int, vals array<double>"
+ROUTED_SCHEMA = ddl("negatives")
 BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
 MEMORY_FRACTION = 0.5
 BYTES_PER_ROW = 16 * 1024
@@ -120,12 +121,45 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
 
 def _fan_out(bindex, batches):
     """Per Arrow batch of samples: (table, label offsets, labels, sample rows, group nodes), one
-    (row, group) pair for every node whose classifiers see the sample."""
+    (row, group) pair for every node whose classifiers see the sample: teacher-forced, plus the
+    nodes of a ``man`` column (``train.negatives = tfn+man``: :func:`routed_nodes`)."""
     ix = bindex.value
     for b in batches:
         t = pa.Table.from_batches([b])
         off, labels = list_offsets_values(t, "label_idx")
-        yield (t, off, labels, *ix.groups_of_samples(off, labels))
+        rows, groups = ix.groups_of_samples(off, labels)
+        if "man" in t.column_names:
+            moff, man = list_offsets_values(t, "man")
+            rows, groups = add_pairs(rows, groups, (np.repeat(np.arange(t.num_rows), np.diff(moff)),
+                                                    np.asarray(man, np.int64)))
+        yield t, off, labels, rows, groups
+
+
+def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
+    """(sample_id, man): the nodes (ensemble keys for an ensemble) whose group the trained
+    matcher's beam of width ``beam_size`` sends each sample to, at every depth
+    (:meth:`~xmc_spark.model.XMCModel.beam_nodes`); one pass over the samples with the model
+    shared as for prediction. Joined to the samples, the trainer adds them as negatives."""
+    from . import sharded
+    from .prediction import map_with_model
+    if isinstance(model, sharded.ShardedModel):
+        from ..params import ConfigError
+        raise ConfigError("train.negatives = tfn+man needs the model within predict.max_broadcast_mb (its "
+                          f"weights are {model.nbytes / 2 ** 20:.1f} MB): raise the bound or use tfn")
+
+    def route(m, t, X):
+        rows, nodes = m.beam_nodes(X, beam_size)
+        off = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=t.num_rows))])
+        return pa.RecordBatch.from_arrays([t.column("sample_id").combine_chunks(), list_array(off, nodes, pa.int64())],
+                                          names=["sample_id", "man"])
+
+    return map_with_model(samples, model, route, ROUTED_SCHEMA, kind="negatives")
+
+
+def with_routed(samples: DataFrame, routed: DataFrame) -> DataFrame:
+    """``samples`` with the ``man`` column of :func:`routed_nodes` (empty where a sample has none)."""
+    return samples.join(routed, "sample_id", "left").withColumn(
+        "man", F.coalesce(F.col("man"), F.array().cast("array<long>")))
 
 
 def _weights_table(is_leaf, keys, idx: pa.Array, val: pa.Array) -> pa.Table:
