@@ -1,4 +1,4 @@
-"""EAGLE results table: P@1/3/5 of oracle, baseline, eagle0, eagle and soft on aggregated
+"""EAGLE results table: P@1/3/5 of oracle, baseline, eagle0, eagle, soft and refined on aggregated
 versions of XC data sets (R-4, R-10 random groups; C = hierarchical k-means groups), seed 0.
 
 Run on demand (one Spark session, MLflow off):
@@ -10,7 +10,10 @@ For ``soft`` the temperature tau is chosen on a validation split of the TRAINING
 group in five held out, by a seeded hash): a model is trained on the other groups for each
 candidate tau and scored at group level on the held-out groups (a group's score for a label
 is the best score over its members; mean of P@1, P@3, P@5 against the group's labels). The test set is never
-used for the choice. Prints a markdown table and writes OUT/eagle_<set>.json.
+used for the choice. ``refined`` is soft with that tau plus ``eagle.refine_rounds`` of
+model-guided re-assignment; the rounds (1..--refine-rounds) and ``eagle.refine_mix`` are chosen
+on the same held-out groups (see :func:`refined`). Prints a markdown table and writes
+OUT/eagle_<set>.json (after every setting).
 """
 from __future__ import annotations
 
@@ -86,10 +89,13 @@ def validation_split(spark, agg_dir: Path, out: Path, seed: int = 0):
 def group_p1(model_dir: Path, val, Xdf, n_features: int) -> float:
     """Group-level precision on held-out groups: a label's group score is its best member score;
     the mean of P@1, P@3 and P@5 of that ranking against the group's labels."""
-    import scipy.sparse as sp
-
     from xmc_spark.model import XMCModel
-    model = XMCModel.load(str(model_dir))
+    return group_score(XMCModel.load(str(model_dir)), val, Xdf, n_features)
+
+
+def group_score(model, val, Xdf, n_features: int) -> float:
+    """:func:`group_p1` of a model in memory."""
+    import scipy.sparse as sp
     Xdf = Xdf.sort_values("sample_id")
     ids = Xdf["sample_id"].to_numpy()
     ind = [np.asarray(a, np.int32) for a in Xdf["feature_idx"]]
@@ -117,6 +123,11 @@ def main() -> None:
     ap.add_argument("--depth", type=int, required=True, help="k-means grouping depth (C setting)")
     ap.add_argument("--settings", default="R-4,R-10,C")
     ap.add_argument("--taus", default="10,30,100")
+    ap.add_argument("--modes", default="baseline,eagle0,eagle,soft,refined",
+                    help="columns to run (baseline and soft are always run: the gap and refined need them)")
+    ap.add_argument("--refine-rounds", type=int, default=2, help="refined: the most rounds validated")
+    ap.add_argument("--refine-mixes", default="0,0.5", help="refined: mixing weights validated")
+    ap.add_argument("--refine-tau", type=float, default=10.0)
     ap.add_argument("--reuse", action="store_true", help="keep results of earlier runs found in --work")
     ap.add_argument("--work", default="/tmp/xmc-eagle-bench")
     ap.add_argument("--leaf", type=int, default=100)
@@ -133,6 +144,7 @@ def main() -> None:
     results = {"oracle": run(spark, train, test, work / "oracle", base)}
     print(f"oracle: {results['oracle']['p@1']:.2f}", flush=True)
     taus = [float(t) for t in args.taus.split(",")]
+    modes = set(args.modes.split(",")) | {"baseline", "soft"}
     for setting in args.settings.split(","):
         d = work / setting
         if setting.startswith("R-"):
@@ -142,7 +154,7 @@ def main() -> None:
             meta = aggregated.make_groups(spark, str(train), str(d / "data"), "kmeans", 0, args.depth, 0, "set",
                                           base.ingest)
         res = {"groups": meta}
-        for mode in ["baseline", "eagle0", "eagle"]:
+        for mode in [m for m in ["baseline", "eagle0", "eagle"] if m in modes]:
             res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=mode)
             print(f"{setting} {mode}: {res[mode]['p@1']:.2f}", flush=True)
         # tau on a validation split of the training groups
@@ -157,26 +169,65 @@ def main() -> None:
         res["soft"]["tau"] = tau
         res["validation"] = {str(k): v for k, v in scores.items()}
         print(f"{setting} soft (tau={tau:g}): {res['soft']['p@1']:.2f}", flush=True)
+        if "refined" in modes:
+            res["refined"] = refined(spark, d, test, base, tau, val, Xv, meta["n_features"], args, setting)
         results[setting] = res
+        (Path(args.work) / f"eagle_{data.name}.json").write_text(json.dumps(results, indent=2, default=str))
     (Path(args.work) / f"eagle_{data.name}.json").write_text(json.dumps(results, indent=2, default=str))
 
     o = results["oracle"]
     print(f"\n{data.name} (oracle {o['p@1']:.2f} / {o['p@3']:.2f} / {o['p@5']:.2f}), P@1 / P@3 / P@5:\n")
-    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | best vs baseline | gap closed | "
-          "eagle s / train s | pair precision / recall (eagle) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | refined (rounds, mix) | best vs baseline | "
+          "gap closed | eagle s / train s (best) | pair precision / recall / weighted (best) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings.split(","):
         r = results[setting]
-        f = lambda m, r=r: f"{r[m]['p@1']:.2f} / {r[m]['p@3']:.2f} / {r[m]['p@5']:.2f}"  # noqa: E731
-        best = max(["eagle0", "eagle", "soft"], key=lambda m: r[m]["p@1"])
+
+        def f(m, r=r):
+            return f"{r[m]['p@1']:.2f} / {r[m]['p@3']:.2f} / {r[m]['p@5']:.2f}" if m in r else "-"
+        best = max([m for m in ("eagle0", "eagle", "soft", "refined") if m in r], key=lambda m: r[m]["p@1"])
         b = r["baseline"]["p@1"]
         gap = o["p@1"] - b
         closed = 100 * (r[best]["p@1"] - b) / gap if gap > 0 else float("nan")
-        e = r["eagle"]
+        e = r[best]
+        ref = (f"{f('refined')} ({r['refined']['rounds']}, {r['refined']['mix']:g})" if "refined" in r else "-")
         print(f"| {setting} | {r['groups']['n_groups']} | {f('baseline')} | {f('eagle0')} | {f('eagle')} | "
-              f"{f('soft')} ({r['soft']['tau']:g}) | {best} {r[best]['p@1'] - b:+.2f} | {closed:.0f}% | "
+              f"{f('soft')} ({r['soft']['tau']:g}) | {ref} | {best} {r[best]['p@1'] - b:+.2f} | {closed:.0f}% | "
               f"{e['seconds'].get('eagle', 0):.1f} / {e['seconds']['train']:.1f} | "
-              f"{e.get('eagle.pair_precision', 0):.1f} / {e.get('eagle.pair_recall', 0):.1f} |")
+              f"{e.get('eagle.pair_precision', 0):.1f} / {e.get('eagle.pair_recall', 0):.1f} / "
+              f"{e.get('eagle.pair_weighted_precision', 0):.1f} |")
+
+
+def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_features: int, args, setting):
+    """The refined column: soft (tau as chosen) + model-guided re-assignment. Rounds (1..R) and
+    the mixing weight are chosen on the held-out training groups: one validation run per mix
+    with R rounds, the model of every round scored there (the stage's hook gives the models
+    trained inside it; the run's own model is round R's). The test set is not used."""
+    from xmc_spark.stages import eagle as eagle_stage
+    R = args.refine_rounds
+    scores = {}
+    for mix in [float(m) for m in args.refine_mixes.split(",")]:
+        def hook(r, model, mix=mix):
+            scores[(r, mix)] = group_score(model, val, Xv, n_features)
+        eagle_stage.ROUND_MODEL_HOOK = hook
+        try:
+            out = d / f"val_refine_mix{mix:g}"
+            m = run(spark, d / "val_data", None, out, base, eagle__mode="soft", eagle__tau=tau,
+                    eagle__refine_rounds=R, eagle__refine_mix=mix, eagle__refine_tau=args.refine_tau)
+        finally:
+            eagle_stage.ROUND_MODEL_HOOK = None
+        scores[(R, mix)] = group_p1(out / "model", val, Xv, n_features)
+        print(f"{setting} refined mix={mix:g}: validation group precision by round "
+              f"{[round(scores[(r, mix)], 2) for r in range(R + 1) if (r, mix) in scores]}; "
+              f"drift TV {m.get('eagle.refine.drift_tv')}", flush=True)
+    # the best validation score over rounds >= 1; ties: fewer rounds, then more weight on GRLR
+    rounds, mix = max((k for k in scores if k[0] >= 1), key=lambda k: (scores[k], -k[0], k[1]))
+    res = run(spark, d / "data", test, d / "refined", base, eagle__mode="soft", eagle__tau=tau,
+              eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=args.refine_tau)
+    res.update({"rounds": rounds, "mix": mix, "refine_tau": args.refine_tau,
+                "validation": {f"r{r}_mix{x:g}": v for (r, x), v in sorted(scores.items())}})
+    print(f"{setting} refined (rounds={rounds}, mix={mix:g}): {res['p@1']:.2f}", flush=True)
+    return res
 
 
 if __name__ == "__main__":

@@ -441,6 +441,11 @@ class EagleParams(BaseParams):
     use_counts: bool = True      # a (group, label) with count c goes to its top-c members
     head_groups: int = 0         # labels in more groups than this: GRLR split across tasks
                                  # (0: auto, the (group, label) pairs over the task count)
+    refine_rounds: int = 0       # model-guided re-assignment: train on the assignment, score
+                                 # every member on its group's labels, re-assign; this many times
+    refine_tau: float = 10.0     # softmax temperature over a (group, label)'s members' path scores
+    refine_mix: float = 0.5      # weight of the first (GRLR) assignment's distribution in the mix
+    refine_weights: str = "softmax"  # softmax over a (group, label)'s members, or ratio: score / best
 
     def validate(self, prefix=""):
         _check(self.mode in ("baseline", "eagle0", "eagle", "soft"), prefix + "mode",
@@ -451,6 +456,11 @@ class EagleParams(BaseParams):
         _check(self.weight_scale > 0, prefix + "weight_scale", "must be > 0")
         _check(0 <= self.min_weight < 1, prefix + "min_weight", "must be in [0, 1)")
         _check(self.head_groups >= 0, prefix + "head_groups", "must be >= 0 (0 = auto)")
+        _check(self.refine_rounds >= 0, prefix + "refine_rounds", "must be >= 0")
+        _check(self.refine_tau >= 0, prefix + "refine_tau", "must be >= 0")
+        _check(0 <= self.refine_mix <= 1, prefix + "refine_mix", "must be in [0, 1]")
+        _check(self.refine_weights in ("softmax", "ratio"), prefix + "refine_weights",
+               f"must be softmax or ratio, got {self.refine_weights!r}")
 
 
 @dataclass

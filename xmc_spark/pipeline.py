@@ -243,7 +243,8 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     spark, tables = ctx.spark, ctx.tables
     agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing.train, ctx.params.ingest)
     with ctx.timer.stage("eagle"):
-        train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark))
+        train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark),
+                                                   train_model=eagle_model_trainer(ctx.params, agg.info))
         if emb is not None:
             tables.write("eagle_embeddings", emb)
         tables.write("train", train_df)
@@ -253,8 +254,30 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     agg.samples.unpersist()
     if ing.test:
         facts.update(_unseen(tables))
-    series = {"eagle.objective": facts["eagle.objective"]} if "eagle.objective" in facts else {}
+    series = {k: v for k, v in facts.items()
+              if k == "eagle.objective" or (k.startswith("eagle.refine.") and isinstance(v, list))}
     return StageResult(facts, series=series)
+
+
+def eagle_model_trainer(params: PipelineParams, info):
+    """train_df -> model, for EAGLE's re-assignment rounds: PIFA, tree and node classifiers
+    of the training table as the tree and train stages build them (without overlapping
+    clusters), from in-memory DataFrames; writes no table."""
+    tp = ModelTrainParams.from_pipeline(params)
+
+    def fit(train_df):
+        spark = train_df.sparkSession
+        emb = label_embedding.run(train_df, params.embedding, n_features=info.n_features, n_labels=info.n_labels,
+                                  n_buckets=shuffle_partitions(spark)).localCheckpoint()
+        f = ft = None
+        if params.tree.effective_lambda > 0:
+            f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree)
+        tree = label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
+                              f_tilde=ft).toPandas()
+        index = tree_index(tree, info.n_labels, params)
+        w = node_training.run(train_df, index, info.n_features, params.train).localCheckpoint()
+        return model_from_weights(w, index, info.n_features, tp, params.predict)
+    return fit
 
 
 def tree_stage(ctx: StageContext) -> StageResult:

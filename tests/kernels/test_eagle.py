@@ -2,8 +2,18 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from tests.oracles import grlr_reference
-from xmc_spark.kernels.eagle import Triples, assign, grlr_block
+from tests.oracles import exhaustive_scores, grlr_reference
+from xmc_spark.kernels.eagle import (
+    Triples,
+    assign,
+    drift,
+    grlr_block,
+    path_scores,
+    refine_assign,
+    segment_softmax,
+)
+from xmc_spark.kernels.sparse import append_bias
+from xmc_spark.model import XMCModel
 
 
 def _triples(groups, group_labels, n_labels, counts=None):
@@ -106,3 +116,95 @@ def test_sample_in_two_groups_keeps_largest_weight():
     assert sid.tolist() == [0, 1, 2]                       # row 1 once, although in both groups
     s_g1 = np.exp(np.array([0.0, 0.6]))
     np.testing.assert_allclose(w[1], max(2 * np.exp(0) / (np.exp(1) + 1), 2 * s_g1[0] / s_g1.sum()))
+
+
+# ---- model-guided re-assignment (eagle.refine_rounds) -----------------------------------------
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_path_scores_equal_exhaustive_scoring(overlap):
+    from tests.kernels.test_beam_search import _random_model
+    m, X = _random_model(2, overlap=overlap)
+    layers, order = m.layers()
+    Xb = append_bias(sp.csr_matrix(X, dtype=np.float64), m.bias)
+    E = exhaustive_scores(Xb, layers, m.index.slot_label[order], m.n_labels)
+    rng = np.random.default_rng(0)
+    rows, labels = rng.integers(0, X.shape[0], 300), rng.integers(0, m.n_labels, 300)
+    s = path_scores(m.tree_arrays(), Xb, rows, labels)
+    np.testing.assert_allclose(s, E[rows, labels], rtol=1e-4, atol=1e-30)   # the oracle is float32
+
+
+def _figure1():
+    x = np.array([0.6, 0.8, 0.0])
+    X = sp.csr_matrix(np.array([x, -x, x, -x, x, -x]))
+    groups = {0: [0, 1], 1: [2, 3], 2: [4, 5]}
+    return X, _triples(groups, {g: [0, 1] for g in groups}, 2)
+
+
+@pytest.mark.parametrize("soft,mix", [(False, 0.0), (False, 0.5), (True, 0.0), (True, 0.5)])
+def test_one_round_on_figure1_keeps_the_correct_assignment(soft, mix):
+    X, tr = _figure1()
+    E, _ = grlr_block(tr, X, T=20)
+    sid, lab, _ = assign(tr, X, E)
+    truth = set(zip(sid.tolist(), lab.tolist()))               # each label on one side (test above)
+    model = XMCModel.train_local(X, sp.csr_matrix((np.ones(len(sid)), (sid, lab)), shape=(6, 2)))
+    s = path_scores(model.tree_arrays(), append_bias(X, model.bias), tr.row, tr.lab)
+    p0 = segment_softmax(tr.seg, tr.scores(E, X), 30.0)[0]
+    (sid2, lab2, w2), p = refine_assign(tr, s, p0, tau=10.0, mix=mix, soft=soft)
+    if soft:
+        assert {(i, k) for i, k, w in zip(sid2.tolist(), lab2.tolist(), w2) if w > 0.5} == truth
+        np.testing.assert_allclose(w2[w2 > 0.5], 1.0)
+    else:
+        assert set(zip(sid2.tolist(), lab2.tolist())) == truth
+    tv, changed = drift(tr, p, p0)
+    assert changed == 0 and tv < 0.05 * 6                           # 6 (group, label)s, none moved
+
+
+def test_reassignment_recovers_the_truth_from_a_carrier_scoring_model():
+    # sample i's features are its true labels (one-hot, normalized); the model (one leaf, slot
+    # k's weights 2 e_k) gives a carrier margin 2 / sqrt(#labels) >= 1 (factor 1), others 0 (e^-1)
+    truth = {0: [0], 1: [1, 2], 2: [3], 3: [0, 3], 4: [1], 5: [1, 3]}
+    L = 4
+    X = sp.csr_matrix(np.array([np.isin(np.arange(L), t) / np.sqrt(len(t)) for t in truth.values()]))
+    groups = {0: [0, 1, 2], 1: [3, 4, 5]}
+    glabels = {g: sorted({k for i in mem for k in truth[i]}) for g, mem in groups.items()}
+    counts = {(1, 1): 2, (1, 3): 2}                                  # two carriers each in group 1
+    tr = _triples(groups, glabels, L, counts={**{(g, k): 1 for g in glabels for k in glabels[g]}, **counts})
+    SW = sp.csc_matrix(np.vstack([2 * np.eye(L), np.zeros((1, L))]))    # + the bias row
+    tree = (np.array([1, 1]), sp.csc_matrix((L + 1, 0)), np.array([0, L]), SW, np.arange(L), L)
+    s = path_scores(tree, append_bias(X, 1.0), tr.row, tr.lab)
+    carrier = np.array([k in truth[i] for i, k in zip(tr.row, tr.lab)])
+    np.testing.assert_allclose(s, np.where(carrier, 1.0, np.exp(-1.0)))
+    # an adversarial first assignment: 0.9 of each (group, label) on its first non-carrier
+    size = np.diff(tr.seg)
+    p0 = np.zeros(len(s))
+    for j in range(len(size)):
+        seg = np.arange(tr.seg[j], tr.seg[j + 1])
+        wrong = seg[~carrier[seg]]
+        p0[seg] = 0.1 / len(seg)
+        if len(wrong):
+            p0[wrong[0]] += 0.9
+    true_pairs = {(i, k) for i, t in truth.items() for k in t}
+    for mix in (0.0, 0.3):
+        (sid, lab, w), p = refine_assign(tr, s, p0, tau=10.0, mix=mix, soft=False)
+        assert set(zip(sid.tolist(), lab.tolist())) == true_pairs
+        (sid, lab, w), p = refine_assign(tr, s, p0, tau=10.0, mix=mix, soft=True)
+        assert {(i, k) for i, k, x in zip(sid.tolist(), lab.tolist(), w) if x == 1.0} == true_pairs
+        assert w[w < 1].max() < (0.01 if mix == 0 else 0.9)
+        # closed form: p = (1 - mix) softmax(tau s) + mix p0 on every segment
+        for j in range(len(size)):
+            seg = slice(tr.seg[j], tr.seg[j + 1])
+            z = np.exp(10.0 * s[seg])
+            np.testing.assert_allclose(p[seg], (1 - mix) * z / z.sum() + mix * p0[seg])
+    # ratio weights: score / the segment's best score (several carriers keep the label fully)
+    for mix in (0.0, 0.3):
+        (sid, lab, w), p = refine_assign(tr, s, p0, tau=10.0, mix=mix, soft=False, weights="ratio")
+        assert set(zip(sid.tolist(), lab.tolist())) == true_pairs
+        (sid, lab, w), pr = refine_assign(tr, s, p0, tau=10.0, mix=mix, soft=True, weights="ratio")
+        ref = (1 - mix) * np.where(carrier, 1.0, np.exp(-1.0)) + mix * np.minimum(1.0, np.repeat(size, size) * p0)
+        got = dict(zip(zip(sid.tolist(), lab.tolist()), w))
+        np.testing.assert_allclose([got[(i, k)] for i, k in zip(tr.sample_id.tolist(), tr.lab.tolist())], ref)
+    tv, changed = drift(tr, p, p0)
+    moved = sum(len(np.arange(tr.seg[j], tr.seg[j + 1])[~carrier[tr.seg[j]:tr.seg[j + 1]]]) > 0
+                for j in range(len(size)))
+    assert changed == moved                     # every segment with a non-carrier changed its top member
+    assert tv == pytest.approx(0.5 * np.abs(p - p0).sum())

@@ -165,3 +165,69 @@ def test_make_groups_random_and_kmeans(spark, tmp_path):
     assert meta["n_groups"] == 8 and sizes.max() - sizes.min() <= 1 and sorted(g["sample_id"]) == list(range(103))
     agg = aggregated.read(spark, str(tmp_path / "c"), IngestParams())
     assert agg.truth is not None and agg.info.n_labels == 8
+
+
+# ---- model-guided re-assignment (eagle.refine_rounds) -----------------------------------------
+
+def _tiny_trainer(agg):
+    from xmc_spark import pipeline
+    from xmc_spark.params import PipelineParams
+    params = PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("train.threshold", 0.0)
+    return pipeline.eagle_model_trainer(params, agg.info)
+
+
+def _pairs(train):
+    return {(r["sample_id"], int(k)): float(x) for r in train.collect()
+            for k, x in zip(r["label_idx"], r["label_weight"])}
+
+
+@pytest.mark.parametrize("mode", ["eagle", "soft"])
+def test_refine_with_full_mix_equals_zero_rounds(spark, agg_dir, mode):
+    # mix 1 keeps the first assignment's distribution: one round changes nothing
+    d, _, _ = agg_dir
+    agg = aggregated.read(spark, str(d), IngestParams())
+    base = EagleParams(mode=mode, T=6, min_weight=0.0)
+    train0, info0, _, _ = eagle.run(agg, base, n_buckets=3)
+    train1, info1, _, _ = eagle.run(agg, EagleParams(mode=mode, T=6, min_weight=0.0, refine_rounds=1, refine_mix=1.0),
+                                    n_buckets=3, train_model=_tiny_trainer(agg))
+    assert "eagle.refine.seconds" not in info0
+    p0, p1 = _pairs(train0), _pairs(train1)
+    assert set(p0) == set(p1)
+    for key, x in p0.items():
+        assert p1[key] == pytest.approx(x, abs=1e-6)
+    assert info1["eagle.refine.drift_tv"] == [pytest.approx(0.0, abs=1e-9)]
+    assert info1["eagle.refine.drift_top_changed"] == [0.0]
+
+
+def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch):
+    """Two soft rounds through the stage (models from the pipeline's trainer, caught by the
+    hook) against the kernels on the whole data: GRLR, softmax anchor, path scores, mix."""
+    from xmc_spark.kernels.eagle import drift, path_scores, refine_assign, segment_softmax
+    from xmc_spark.kernels.sparse import append_bias
+    d, groups, glabels = agg_dir
+    agg = aggregated.read(spark, str(d), IngestParams())
+    models = []
+    monkeypatch.setattr(eagle, "ROUND_MODEL_HOOK", lambda r, m: models.append(m))
+    params = EagleParams(mode="soft", T=6, tau=30.0, min_weight=0.0, refine_rounds=2, refine_tau=10.0,
+                         refine_mix=0.3, head_groups=12)
+    train, info, _, _ = eagle.run(agg, params, n_buckets=3, train_model=_tiny_trainer(agg))
+    assert len(models) == 2 and models[0].index.depth >= 2
+    E, _, sid, lb, w = _reference(d, groups, glabels, 6, "soft")
+    Xl, _ = read_xc(str(d / "samples.txt"))
+    lab, grp, row = zip(*[(k, j, i) for j, (mem, labs) in enumerate(zip(groups, glabels)) for k in labs for i in mem])
+    tr = Triples(lab, grp, row, row, 10)
+    p0 = segment_softmax(tr.seg, tr.scores(E, Xl), 30.0)[0]
+    prev = p0
+    for r, m in enumerate(models):
+        s = path_scores(m.tree_arrays(), append_bias(Xl, m.bias), tr.row, tr.lab)
+        (sid, lb, w), p = refine_assign(tr, s, p0, 10.0, 0.3, True)
+        n_seg = len(tr.seg) - 1
+        assert info["eagle.refine.drift_tv"][r] == pytest.approx(drift(tr, p, p0)[0] / n_seg, abs=1e-5)
+        assert info["eagle.refine.change_tv"][r] == pytest.approx(drift(tr, p, prev)[0] / n_seg, abs=1e-5)
+        prev = p
+    got = _pairs(train)
+    ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
+    assert set(got) == set(ref)
+    for key, x in ref.items():
+        assert got[key] == pytest.approx(x, abs=1e-5)
+    assert len(info["eagle.refine.seconds"]) == 2 and info["eagle.assigned_pairs"] == len(ref)

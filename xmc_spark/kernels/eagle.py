@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import numpy as np
 import scipy.sparse as sp
 
+from .beam_search import POST_PROCESSORS, _dot, _transform
 from .jit import njit
 from .sparse import l2_normalize_rows
 
@@ -109,6 +110,7 @@ class Triples:
         row = np.asarray(row, np.int64)
         sample_id = np.asarray(sample_id, np.int64)
         order = np.lexsort((sample_id, grp, lab))
+        self.order = order                  # input position of each sorted triple
         self.lab, self.grp, self.row, self.sample_id = lab[order], grp[order], row[order], sample_id[order]
         self.count = None if count is None else np.asarray(count, np.int64)[order]
         self.n_lab = int(n_lab)
@@ -176,29 +178,169 @@ def assign(tr: Triples, X: sp.csr_matrix, E: sp.csr_matrix, soft: bool = False, 
     """
     s = tr.scores(E, X)
     if soft:
-        seg = tr.seg
-        size = np.diff(seg)
-        seg_of = np.repeat(np.arange(len(size)), size)
-        mx = np.maximum.reduceat(s, seg[:-1]) if len(s) else s
-        z = np.exp(tau * (s - mx[seg_of]))
-        den = np.add.reduceat(z, seg[:-1]) if len(s) else z
-        w = np.minimum(1.0, weight_scale * size[seg_of] * z / den[seg_of])
+        w = segment_softmax(tr.seg, s, tau, weight_scale)[1]
         sid, lab = tr.sample_id, tr.lab
-    elif tr.count is None:
-        chosen, _ = tr.argmax(s)
-        sid, lab, w = tr.sample_id[chosen], tr.lab[chosen], np.ones(len(chosen))
     else:
-        # top-c members of each segment: order by (segment, -score, tie position)
-        size = np.diff(tr.seg)
-        seg_of = np.repeat(np.arange(len(size)), size)
-        pos = np.arange(len(s)) - tr.seg[seg_of]
-        tie = (pos - tr.label_ids[tr.lab] % np.maximum(size[seg_of], 1)) % np.maximum(size[seg_of], 1)
-        order = np.lexsort((tie, -s, seg_of))
-        rank = np.empty(len(s), np.int64)
-        rank[order] = np.arange(len(s)) - tr.seg[seg_of[order]]
-        keep = rank < np.maximum(tr.count, 1)
+        keep = top_members(tr, s)
         sid, lab, w = tr.sample_id[keep], tr.lab[keep], np.ones(int(keep.sum()))
     return dedup_max(sid, lab, w)
+
+
+def segment_softmax(seg: np.ndarray, s: np.ndarray, tau: float, weight_scale: float = 1.0):
+    """(p, w): p = softmax(tau * s) inside every segment seg[j]:seg[j+1] (a distribution over
+    the members of one (group, label)), w = min(1, weight_scale * g * p), g the segment's size
+    (p uniform: w = 1)."""
+    if not len(s):
+        return np.zeros(0), np.zeros(0)
+    size = np.diff(seg)
+    seg_of = np.repeat(np.arange(len(size)), size)
+    mx = np.maximum.reduceat(s, seg[:-1])
+    z = np.exp(tau * (s - mx[seg_of]))
+    den = np.add.reduceat(z, seg[:-1])
+    return z / den[seg_of], np.minimum(1.0, weight_scale * size[seg_of] * z / den[seg_of])
+
+
+def top_members(tr: Triples, s: np.ndarray) -> np.ndarray:
+    """Mask of each segment's top-c triples by ``s`` (c = the count, 1 without counts); ties
+    go to the member at position (label mod #members) onwards, as in :func:`_segment_argmax`."""
+    if tr.count is None:
+        keep = np.zeros(len(s), bool)
+        chosen, _ = tr.argmax(s)
+        keep[chosen] = True
+        return keep
+    # top-c members of each segment: order by (segment, -score, tie position)
+    size = np.diff(tr.seg)
+    seg_of = np.repeat(np.arange(len(size)), size)
+    pos = np.arange(len(s)) - tr.seg[seg_of]
+    tie = (pos - tr.label_ids[tr.lab] % np.maximum(size[seg_of], 1)) % np.maximum(size[seg_of], 1)
+    order = np.lexsort((tie, -s, seg_of))
+    rank = np.empty(len(s), np.int64)
+    rank[order] = np.arange(len(s)) - tr.seg[seg_of[order]]
+    return rank < np.maximum(tr.count, 1)
+
+
+# ---- model-guided re-assignment (eagle.refine_rounds) ----------------------------------------
+
+@njit()
+def _path_scores(xptr, xidx, xval, n_cols, prow, plab, parent, wptr, widx, wval, slot_node, lptr, lslots,
+                 sptr, sidx, sval, post):
+    """Path score of label plab[t] for row prow[t]: per slot of the label, the product of the
+    transformed margins of the slot's classifier and of every node above its leaf (root
+    excluded: it has no classifier), averaged over the label's slots; 0 for a label with no
+    slot. A node's factor is computed once per run of equal rows (pairs sorted by row)."""
+    n = prow.shape[0]
+    out = np.zeros(n, dtype=np.float64)
+    M = parent.shape[0]
+    memo = np.zeros(M, dtype=np.float64)
+    stamp = -np.ones(M, dtype=np.int64)
+    dense = np.zeros(n_cols, dtype=np.float64)
+    cur = -1
+    run = -1
+    for t in range(n):
+        i = prow[t]
+        if i != cur:
+            if cur >= 0:
+                for p in range(xptr[cur], xptr[cur + 1]):
+                    dense[xidx[p]] = 0.0
+            for p in range(xptr[i], xptr[i + 1]):
+                dense[xidx[p]] = xval[p]
+            cur = i
+            run += 1
+        k = plab[t]
+        acc = 0.0
+        cnt = 0
+        for q in range(lptr[k], lptr[k + 1]):
+            s = lslots[q]
+            v = _transform(_dot(xptr, xidx, xval, i, dense, sptr, sidx, sval, s), post)
+            node = slot_node[s]
+            while node > 0:
+                if stamp[node] != run:
+                    memo[node] = _transform(_dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node - 1), post)
+                    stamp[node] = run
+                v *= memo[node]
+                node = parent[node]
+            acc += v
+            cnt += 1
+        if cnt > 0:
+            out[t] = acc / cnt
+    return out
+
+
+def path_scores(tree, Xb: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
+                post_processor: str = "l3-hinge") -> np.ndarray:
+    """The model's score of label ``labels[t]`` for row ``rows[t]`` of Xb (bias column
+    appended), combined along the label's path as beam search combines it (each node's
+    factor is post(w^T x), e.g. exp(-max(0, 1 - w^T x)^3) for l3-hinge; a label in several
+    leaves gets the mean over them), without searching: only the classifiers on the paths to
+    the asked labels are evaluated. ``tree`` = ``XMCModel.tree_arrays()``."""
+    child_ptr, W, slot_ptr, SW, slot_label, n_labels = tree
+    i64 = np.int64
+    child_ptr = np.asarray(child_ptr, i64)
+    slot_ptr = np.asarray(slot_ptr, i64)
+    M = len(child_ptr) - 1
+    parent = np.repeat(np.arange(M, dtype=i64), np.diff(child_ptr))
+    parent = np.concatenate([[-1], parent]).astype(i64)[:M]          # node 0 (root) has none
+    slot_node = np.repeat(np.arange(M, dtype=i64), np.diff(slot_ptr))
+    slot_label = np.asarray(slot_label, i64)
+    lslots = np.argsort(slot_label, kind="mergesort").astype(i64)
+    lptr = np.concatenate([[0], np.cumsum(np.bincount(slot_label, minlength=int(n_labels)))]).astype(i64)
+    W = sp.csc_matrix(W)
+    SW = sp.csc_matrix(SW)
+    W = W if W.has_sorted_indices else W.sorted_indices()
+    SW = SW if SW.has_sorted_indices else SW.sorted_indices()
+    X = sp.csr_matrix(Xb)
+    rows = np.asarray(rows, i64)
+    labels = np.asarray(labels, i64)
+    order = np.argsort(rows, kind="mergesort")
+    out = np.empty(len(rows), np.float64)
+    out[order] = _path_scores(X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64), X.shape[1],
+                              rows[order], labels[order], parent, W.indptr.astype(i64), W.indices.astype(i64),
+                              W.data.astype(np.float64), slot_node, lptr, lslots, SW.indptr.astype(i64),
+                              SW.indices.astype(i64), SW.data.astype(np.float64), POST_PROCESSORS[post_processor])
+    return out
+
+
+def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, mix: float, soft: bool,
+                  weight_scale: float = 1.0, weights: str = "softmax"):
+    """One re-assignment from model scores, mixed with the first assignment (p0: its
+    distribution over each (group, label)'s members, the GRLR softmax; the guard against
+    confirmation drift).
+
+    ``softmax``: p = (1 - mix) softmax_members(tau s_model) + mix p0; soft weight
+    min(1, weight_scale g p). ``ratio`` (a label may have several carriers in a group): weight
+    (1 - mix) s / max_members(s) + mix min(1, weight_scale g p0), so the best-scored member
+    keeps the label fully and every other member as far as the model believes it; p = the
+    weights normalized over the members. Hard: the top-c members by p. Returns
+    (sample_id, label position, weight) unique per (sample, label) as :func:`assign`, and p
+    per triple."""
+    s_model = np.asarray(s_model, np.float64)
+    p0 = np.asarray(p0, np.float64)
+    size = np.diff(tr.seg)
+    g = np.repeat(size, size)
+    if weights == "ratio":
+        mx = np.repeat(np.maximum.reduceat(s_model, tr.seg[:-1]), size) if len(s_model) else s_model
+        w = (1.0 - mix) * s_model / np.maximum(mx, 1e-300) + mix * np.minimum(1.0, weight_scale * g * p0)
+        p = w / np.maximum(np.repeat(np.add.reduceat(w, tr.seg[:-1]), size), 1e-300) if len(w) else w
+    else:
+        p = (1.0 - mix) * segment_softmax(tr.seg, s_model, tau)[0] + mix * p0
+        w = np.minimum(1.0, weight_scale * g * p)
+    if soft:
+        sid, lab = tr.sample_id, tr.lab
+    else:
+        keep = top_members(tr, p)
+        sid, lab, w = tr.sample_id[keep], tr.lab[keep], np.ones(int(keep.sum()))
+    return dedup_max(sid, lab, w), p
+
+
+def drift(tr: Triples, p: np.ndarray, q: np.ndarray) -> Tuple[float, float]:
+    """(sum over segments of the total variation 1/2 sum |p - q|, number of segments whose
+    arg-max member differs between p and q)."""
+    if not len(p):
+        return 0.0, 0
+    tv = 0.5 * float(np.abs(np.asarray(p) - np.asarray(q)).sum())
+    a, _ = tr.argmax(np.asarray(p, np.float64))
+    b, _ = tr.argmax(np.asarray(q, np.float64))
+    return tv, int((a != b).sum())
 
 
 def dedup_max(sid, lab, w):

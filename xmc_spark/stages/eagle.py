@@ -18,7 +18,8 @@ of count c to its top-c members.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Tuple
+import time
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +29,18 @@ from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply
 from ..compat import share
-from ..kernels.eagle import Triples, assign, grlr_block, grlr_sums, grlr_update
+from ..kernels.eagle import (
+    Triples,
+    assign,
+    drift,
+    grlr_block,
+    grlr_sums,
+    grlr_update,
+    path_scores,
+    refine_assign,
+    segment_softmax,
+)
+from ..kernels.sparse import append_bias
 from ..params import EagleParams
 from ..progress import worker_progress
 from ..schemas import EMBEDDING_SCHEMA
@@ -37,9 +49,17 @@ from .aggregated import AggregatedInput
 log = logging.getLogger("xmc_spark.eagle")
 
 OUT_SCHEMA = ("kind int, sample_id long, label_idx int, weight double, iter int, value double, "
-              "emb_idx array<int>, emb_val array<float>")
+              "emb_idx array<int>, emb_val array<float>, group_id long, count int")
 SUMS_SCHEMA = "label_pos int, feature int, value double"
-ASSIGN_KIND, OBJ_KIND, EMB_KIND = 0, 1, 2
+ASSIGN_KIND, OBJ_KIND, EMB_KIND, PROB_KIND = 0, 1, 2, 3
+# the re-assignment job: in, one row per (group, label, member) triple (no features) or per
+# (group, member) (features, label null); out, assignments, triples with their p, task stats
+REFINE_SCHEMA = ("kind int, group_id long, sample_id long, label_idx int, count int, p0 double, p double, "
+                 "weight double, stats array<double>")
+STAT_KIND = 4
+_REFINE_ARROW = pa.schema([("kind", pa.int32()), ("group_id", pa.int64()), ("sample_id", pa.int64()),
+                           ("label_idx", pa.int32()), ("count", pa.int32()), ("p0", pa.float64()),
+                           ("p", pa.float64()), ("weight", pa.float64()), ("stats", pa.list_(pa.float64()))])
 
 
 def _triples_from_arrow(t: pa.Table, n_features: int, use_counts: bool, heads: Optional[np.ndarray] = None):
@@ -59,7 +79,8 @@ def _triples_from_arrow(t: pa.Table, n_features: int, use_counts: bool, heads: O
     return tr, X, ulab
 
 
-def _rows(kind, sample_id=None, label_idx=None, weight=None, it=None, value=None, emb=None) -> pa.Table:
+def _rows(kind, sample_id=None, label_idx=None, weight=None, it=None, value=None, emb=None, group_id=None,
+          count=None) -> pa.Table:
     n = next(len(a) for a in (sample_id, label_idx, it) if a is not None)
     def col(a, typ):
         return pa.array(a, typ) if a is not None else pa.nulls(n, typ)
@@ -68,13 +89,21 @@ def _rows(kind, sample_id=None, label_idx=None, weight=None, it=None, value=None
     return pa.table({"kind": pa.array(np.full(n, kind, np.int32)), "sample_id": col(sample_id, pa.int64()),
                      "label_idx": col(label_idx, pa.int32()), "weight": col(weight, pa.float64()),
                      "iter": col(it, pa.int32()), "value": col(value, pa.float64()),
-                     "emb_idx": emb_idx, "emb_val": emb_val})
+                     "emb_idx": emb_idx, "emb_val": emb_val, "group_id": col(group_id, pa.int64()),
+                     "count": col(count, pa.int32())})
 
 
 def _assign_rows(tr, X, E, ulab, params: EagleParams) -> pa.Table:
     sid, lab, w = assign(tr, X, E, soft=params.mode == "soft", tau=params.tau, weight_scale=params.weight_scale)
     keep = w >= params.min_weight
-    return _rows(ASSIGN_KIND, sample_id=sid[keep], label_idx=ulab[lab[keep]].astype(np.int32), weight=w[keep])
+    out = _rows(ASSIGN_KIND, sample_id=sid[keep], label_idx=ulab[lab[keep]].astype(np.int32), weight=w[keep])
+    if params.refine_rounds == 0:
+        return out
+    # the first assignment's distribution over each (group, label)'s members: the refinement's anchor
+    p0 = segment_softmax(tr.seg, tr.scores(E, X), params.tau)[0]
+    cnt = None if tr.count is None else tr.count.astype(np.int32)
+    return pa.concat_tables([out, _rows(PROB_KIND, sample_id=tr.sample_id, label_idx=ulab[tr.lab].astype(np.int32),
+                                        value=p0, group_id=tr.grp, count=cnt)])
 
 
 def _iterations(params: EagleParams) -> int:
@@ -157,7 +186,7 @@ def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: Eagl
     return parts.mapInArrow(final, OUT_SCHEMA), np.array(objs), E
 
 
-def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8):
+def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_model=None):
     """(training table, info, label embeddings table or None, assigned pairs) from aggregated
     input; the assigned (sample_id, label_idx, weight) pairs are checkpointed, for
     :func:`diagnostics`.
@@ -199,7 +228,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8):
             out = out.unionByName(hout)
         out = out.localCheckpoint()                     # one evaluation of every GRLR
         # one small job: the objective per iteration and the assignment counts
-        summary = out.filter(F.col("kind") != EMB_KIND).groupBy("kind", "iter").agg(
+        summary = out.filter(F.col("kind").isin(ASSIGN_KIND, OBJ_KIND)).groupBy("kind", "iter").agg(
             F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w"), F.sum("value").alias("v")).collect()
         trace = np.zeros(T + 1)
         for r in summary:
@@ -220,15 +249,173 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8):
         assigned = assigned.localCheckpoint()
         s = assigned.agg(F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w")).first()
         info.update({"eagle.assigned_pairs": int(s["n"]), "eagle.assigned_weight": float(s["w"] or 0.0)})
+    if params.refine_rounds > 0:
+        if train_model is None:
+            raise ValueError("eagle.refine_rounds > 0 needs a train_model function")
+        if params.mode == "baseline":        # the anchor: every member equally likely
+            size = agg.groups.groupBy("group_id").agg(F.count(F.lit(1)).alias("_g"))
+            anchor = triples.join(size, "group_id").select(
+                "group_id", "sample_id", "label_idx", F.col("count").cast("int").alias("count"),
+                (1.0 / F.col("_g")).alias("p0"))
+        else:
+            anchor = out.filter(F.col("kind") == PROB_KIND).select(
+                "group_id", "sample_id", "label_idx", "count", F.col("value").alias("p0"))
+            if not params.use_counts:
+                anchor = anchor.withColumn("count", F.lit(None).cast("int"))
+        assigned = refine(agg, anchor, assigned, params, train_model, n_buckets, info)
+    return training_table(agg.samples, assigned), info, emb_df, assigned
+
+
+def training_table(samples: DataFrame, assigned: DataFrame) -> DataFrame:
+    """The samples with their assigned (label, weight) pairs as ``label_idx`` / ``label_weight``
+    (sorted by label); samples without a pair get empty lists."""
     per_sample = assigned.groupBy("sample_id").agg(
         F.sort_array(F.collect_list(F.struct("label_idx", "weight"))).alias("_lw"))
-    train = agg.samples.join(per_sample, "sample_id", "left").select(
+    return samples.join(per_sample, "sample_id", "left").select(
         "sample_id", "feature_idx", "feature_val",
         F.coalesce(F.transform("_lw", lambda x: x["label_idx"]), F.array().cast("array<int>")).alias("label_idx"),
         "weight",
         F.coalesce(F.transform("_lw", lambda x: x["weight"].cast("float")),
                    F.array().cast("array<float>")).alias("label_weight"))
-    return train, info, emb_df, assigned
+
+
+# called with (round, model) for every model trained inside the stage (round r's model is
+# trained on the assignment after r re-assignments): lets a benchmark score each round's model
+# on held-out groups without a run per round count. None in the pipeline.
+ROUND_MODEL_HOOK: Optional[Callable] = None
+
+
+def _refine_block(t: pa.Table, bmodel, params: EagleParams) -> pa.Table:
+    """One task of a re-assignment: whole groups, their triples and their members' features."""
+    tree, bias, post, n_features = bmodel.value
+    is_mem = t.column("label_idx").is_null().to_numpy(zero_copy_only=False)
+    mem = t.filter(pa.array(is_mem))
+    tri = t.filter(pa.array(~is_mem))
+    if tri.num_rows == 0:
+        return _REFINE_ARROW.empty_table()
+    msid = mem.column("sample_id").to_numpy()
+    usid, first = np.unique(msid, return_index=True)
+    X = csr_from_table(mem.take(pa.array(first)), "feature_idx", "feature_val", n_features)
+    sid = tri.column("sample_id").to_numpy().astype(np.int64)
+    lab = tri.column("label_idx").to_numpy().astype(np.int64)
+    ulab, lpos = np.unique(lab, return_inverse=True)
+    cc = tri.column("count")
+    cnt = None if cc.null_count == tri.num_rows else cc.fill_null(1).to_numpy().astype(np.int64)
+    tr = Triples(lpos, tri.column("group_id").to_numpy(), np.searchsorted(usid, sid), sid, len(ulab),
+                 label_ids=ulab, count=cnt)
+    p0 = tri.column("p0").to_numpy()[tr.order]
+    prev = tri.column("p_prev")
+    p_prev = p0 if prev.null_count == tri.num_rows else prev.to_numpy(zero_copy_only=False)[tr.order]
+    s = path_scores(tree, append_bias(X, bias), tr.row, ulab[tr.lab], post)
+    (asid, alab, w), p = refine_assign(tr, s, p0, params.refine_tau, params.refine_mix, params.mode == "soft",
+                                       params.weight_scale, params.refine_weights)
+    keep = w >= params.min_weight
+    tv0, ch0 = drift(tr, p, p0)
+    tv1, ch1 = drift(tr, p, p_prev)
+    stats = [float(len(tr.seg) - 1), tv0, float(ch0), tv1, float(ch1)]
+    worker_progress("eagle_refine", group_label_member_triples=tri.num_rows)
+    n_a, n_t = int(keep.sum()), len(p)
+    i32, i64 = pa.int32(), pa.int64()
+    return pa.table({
+        "kind": pa.array(np.concatenate([np.full(n_a, ASSIGN_KIND), np.full(n_t, PROB_KIND), [STAT_KIND]]), i32),
+        "group_id": pa.concat_arrays([pa.nulls(n_a, i64), pa.array(tr.grp, i64), pa.nulls(1, i64)]),
+        "sample_id": pa.array(np.concatenate([asid[keep], tr.sample_id, [0]]), i64),
+        "label_idx": pa.array(np.concatenate([ulab[alab[keep]], ulab[tr.lab], [0]]), i32),
+        "count": pa.concat_arrays([pa.nulls(n_a, i32),
+                                   pa.nulls(n_t, i32) if cnt is None else pa.array(tr.count, i32),
+                                   pa.nulls(1, i32)]),
+        "p0": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p0, pa.float64()), pa.nulls(1, pa.float64())]),
+        "p": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p, pa.float64()), pa.nulls(1, pa.float64())]),
+        "weight": pa.array(np.concatenate([w[keep], np.full(n_t + 1, np.nan)]), pa.float64()),
+        "stats": pa.array([None] * (n_a + n_t) + [stats], pa.list_(pa.float64())),
+    })
+
+
+def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EagleParams, n_buckets: int) -> DataFrame:
+    """One re-assignment as a Spark job: ``anchor`` (group_id, sample_id, label_idx, count, p0,
+    optional p_prev) and each labelled group's members' features, grouped by a hash of the
+    group into ``n_buckets`` tasks; each task scores its triples with the model's path
+    scores (:func:`~xmc_spark.kernels.eagle.path_scores`) and re-assigns
+    (:func:`~xmc_spark.kernels.eagle.refine_assign`). Rows as ``REFINE_SCHEMA``."""
+    if not hasattr(model, "tree_arrays"):
+        from ..params import ConfigError
+        raise ConfigError("eagle.refine_rounds needs a model whose weights fit predict.max_broadcast_mb "
+                          "(the re-assignment shares the whole model with the tasks)")
+    bmodel = share(anchor, (model.tree_arrays(), model.bias, model.pred_params.post_processor, model.n_features),
+                   name="the EAGLE refinement model")
+    if "p_prev" not in anchor.columns:
+        anchor = anchor.withColumn("p_prev", F.lit(None).cast("double"))
+    labelled = anchor.select("group_id").distinct()
+    members = agg.groups.join(labelled, "group_id").join(
+        agg.samples.select("sample_id", "feature_idx", "feature_val"), "sample_id")
+    nulls = {"label_idx": "int", "count": "int", "p0": "double", "p_prev": "double"}
+    rows = anchor.select("group_id", "sample_id", "label_idx", "count", "p0", "p_prev",
+                         F.lit(None).cast("array<int>").alias("feature_idx"),
+                         F.lit(None).cast("array<float>").alias("feature_val")).unionByName(
+        members.select("group_id", "sample_id", *[F.lit(None).cast(t).alias(c) for c, t in nulls.items()],
+                       "feature_idx", "feature_val"))
+    keyed = rows.withColumn("_bucket", F.pmod(F.xxhash64("group_id"), F.lit(n_buckets)))
+
+    return grouped_apply(keyed, ["_bucket"], lambda t: _refine_block(t, bmodel, params), REFINE_SCHEMA)
+
+
+def refine(agg: AggregatedInput, anchor: DataFrame, assigned: DataFrame, params: EagleParams, train_model,
+           n_buckets: int, info: Dict) -> DataFrame:
+    """``eagle.refine_rounds`` rounds of: train a model on the current assignment
+    (``train_model(training table) -> model``), score every member of every group on the
+    group's labels with it, re-assign (mixing with the anchor's distribution p0). Facts per
+    round (lists, round 0 = the first assignment): seconds, assigned pairs and weight, drift
+    (mean total variation between a (group, label)'s distribution and p0, and from the round
+    before; share of (group, label)s whose top member changed) and, with truth, pair precision
+    / recall / weighted precision. Returns the last assignment (sample_id, label_idx, weight)."""
+    per_round = {k: [] for k in ("seconds", "assigned_pairs", "assigned_weight", "drift_tv", "drift_top_changed",
+                                 "change_tv", "change_top_changed", "pair_precision", "pair_recall",
+                                 "pair_weighted_precision")}
+    diag_seconds = 0.0
+
+    def record(assigned):
+        nonlocal diag_seconds
+        if agg.truth is not None:
+            t0 = time.perf_counter()
+            d = diagnostics(assigned, agg.truth)
+            for k in ("pair_precision", "pair_recall", "pair_weighted_precision"):
+                per_round[k].append(d["eagle." + k])
+            diag_seconds += time.perf_counter() - t0
+
+    record(assigned)
+    for r in range(1, params.refine_rounds + 1):
+        t0 = time.perf_counter()
+        train_df = training_table(agg.samples, assigned).localCheckpoint()
+        model = train_model(train_df)
+        if ROUND_MODEL_HOOK is not None:
+            ROUND_MODEL_HOOK(r - 1, model)
+        t_model = time.perf_counter() - t0
+        out = score_round(agg, anchor, model, params, n_buckets).localCheckpoint()
+        st = np.zeros(5)
+        for row in out.filter(F.col("kind") == STAT_KIND).select("stats").collect():
+            st += np.asarray(row["stats"])
+        assigned = (out.filter(F.col("kind") == ASSIGN_KIND).groupBy("sample_id", "label_idx")
+                    .agg(F.max("weight").alias("weight")).localCheckpoint())
+        s = assigned.agg(F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w")).first()
+        anchor = out.filter(F.col("kind") == PROB_KIND).select(
+            "group_id", "sample_id", "label_idx", "count", "p0", F.col("p").alias("p_prev"))
+        n_seg = max(st[0], 1.0)
+        per_round["seconds"].append(round(time.perf_counter() - t0, 3))
+        per_round["assigned_pairs"].append(int(s["n"]))
+        per_round["assigned_weight"].append(round(float(s["w"] or 0.0), 4))
+        per_round["drift_tv"].append(round(float(st[1] / n_seg), 6))
+        per_round["drift_top_changed"].append(round(float(100 * st[2] / n_seg), 4))
+        per_round["change_tv"].append(round(float(st[3] / n_seg), 6))
+        per_round["change_top_changed"].append(round(float(100 * st[4] / n_seg), 4))
+        log.info("EAGLE re-assignment round %d/%d: %.1f s (model %.1f s), drift from the first assignment "
+                 "TV %.4f (top member changed in %.2f%% of (group, label)s)", r, params.refine_rounds,
+                 per_round["seconds"][-1], t_model, per_round["drift_tv"][-1], per_round["drift_top_changed"][-1])
+        record(assigned)
+    info.update({f"eagle.refine.{k}": v for k, v in per_round.items() if v})
+    info["eagle.refine.diagnostics_seconds"] = round(diag_seconds, 3)
+    info["eagle.assigned_pairs"] = per_round["assigned_pairs"][-1]
+    info["eagle.assigned_weight"] = per_round["assigned_weight"][-1]
+    return assigned
 
 
 def diagnostics(assigned: DataFrame, truth: DataFrame) -> Dict[str, float]:
