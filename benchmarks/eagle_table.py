@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--refine-rounds", type=int, default=2, help="refined: the most rounds validated")
     ap.add_argument("--refine-mixes", default="0,0.5", help="refined: mixing weights validated")
     ap.add_argument("--refine-tau", type=float, default=10.0)
+    ap.add_argument("--refine-weights", default="softmax,ratio", help="refined: weightings validated")
     ap.add_argument("--reuse", action="store_true", help="keep results of earlier runs found in --work")
     ap.add_argument("--work", default="/tmp/xmc-eagle-bench")
     ap.add_argument("--leaf", type=int, default=100)
@@ -177,8 +178,8 @@ def main() -> None:
 
     o = results["oracle"]
     print(f"\n{data.name} (oracle {o['p@1']:.2f} / {o['p@3']:.2f} / {o['p@5']:.2f}), P@1 / P@3 / P@5:\n")
-    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | refined (rounds, mix) | best vs baseline | "
-          "gap closed | eagle s / train s (best) | pair precision / recall / weighted (best) |")
+    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | refined (rounds, weights, mix) | "
+          "best vs baseline | gap closed | eagle s / train s (best) | pair precision / recall / weighted (best) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings.split(","):
         r = results[setting]
@@ -190,7 +191,8 @@ def main() -> None:
         gap = o["p@1"] - b
         closed = 100 * (r[best]["p@1"] - b) / gap if gap > 0 else float("nan")
         e = r[best]
-        ref = (f"{f('refined')} ({r['refined']['rounds']}, {r['refined']['mix']:g})" if "refined" in r else "-")
+        ref = (f"{f('refined')} ({r['refined']['rounds']}, {r['refined']['weights']}, {r['refined']['mix']:g})"
+               if "refined" in r else "-")
         print(f"| {setting} | {r['groups']['n_groups']} | {f('baseline')} | {f('eagle0')} | {f('eagle')} | "
               f"{f('soft')} ({r['soft']['tau']:g}) | {ref} | {best} {r[best]['p@1'] - b:+.2f} | {closed:.0f}% | "
               f"{e['seconds'].get('eagle', 0):.1f} / {e['seconds']['train']:.1f} | "
@@ -205,28 +207,34 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
     trained inside it; the run's own model is round R's). The test set is not used."""
     from xmc_spark.stages import eagle as eagle_stage
     R = args.refine_rounds
-    scores = {}
-    for mix in [float(m) for m in args.refine_mixes.split(",")]:
-        def hook(r, model, mix=mix):
-            scores[(r, mix)] = group_score(model, val, Xv, n_features)
-        eagle_stage.ROUND_MODEL_HOOK = hook
-        try:
-            out = d / f"val_refine_mix{mix:g}"
-            m = run(spark, d / "val_data", None, out, base, eagle__mode="soft", eagle__tau=tau,
-                    eagle__refine_rounds=R, eagle__refine_mix=mix, eagle__refine_tau=args.refine_tau)
-        finally:
-            eagle_stage.ROUND_MODEL_HOOK = None
-        scores[(R, mix)] = group_p1(out / "model", val, Xv, n_features)
-        print(f"{setting} refined mix={mix:g}: validation group precision by round "
-              f"{[round(scores[(r, mix)], 2) for r in range(R + 1) if (r, mix) in scores]}; "
-              f"drift TV {m.get('eagle.refine.drift_tv')}", flush=True)
+    scores, drifts = {}, {}
+    for wts in args.refine_weights.split(","):
+        for mix in [float(m) for m in args.refine_mixes.split(",")]:
+            def hook(r, model, key=(wts, mix)):
+                scores[(r, *key)] = group_score(model, val, Xv, n_features)
+            eagle_stage.ROUND_MODEL_HOOK = hook
+            try:
+                out = d / f"val_refine_{wts}_mix{mix:g}"
+                m = run(spark, d / "val_data", None, out, base, eagle__mode="soft", eagle__tau=tau,
+                        eagle__refine_rounds=R, eagle__refine_mix=mix, eagle__refine_tau=args.refine_tau,
+                        eagle__refine_weights=wts)
+            finally:
+                eagle_stage.ROUND_MODEL_HOOK = None
+            scores[(R, wts, mix)] = group_p1(out / "model", val, Xv, n_features)
+            drifts[f"{wts}_mix{mix:g}"] = {k: m.get(k) for k in ("eagle.refine.drift_tv", "eagle.refine.change_tv",
+                                                                 "eagle.refine.seconds")}
+            print(f"{setting} refined {wts} mix={mix:g}: validation group precision by round "
+                  f"{[round(scores[(r, wts, mix)], 2) for r in range(R + 1) if (r, wts, mix) in scores]}; "
+                  f"drift TV {m.get('eagle.refine.drift_tv')}", flush=True)
     # the best validation score over rounds >= 1; ties: fewer rounds, then more weight on GRLR
-    rounds, mix = max((k for k in scores if k[0] >= 1), key=lambda k: (scores[k], -k[0], k[1]))
+    rounds, wts, mix = max((k for k in scores if k[0] >= 1), key=lambda k: (scores[k], -k[0], k[2]))
     res = run(spark, d / "data", test, d / "refined", base, eagle__mode="soft", eagle__tau=tau,
-              eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=args.refine_tau)
-    res.update({"rounds": rounds, "mix": mix, "refine_tau": args.refine_tau,
-                "validation": {f"r{r}_mix{x:g}": v for (r, x), v in sorted(scores.items())}})
-    print(f"{setting} refined (rounds={rounds}, mix={mix:g}): {res['p@1']:.2f}", flush=True)
+              eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=args.refine_tau,
+              eagle__refine_weights=wts)
+    res.update({"rounds": rounds, "mix": mix, "weights": wts, "refine_tau": args.refine_tau,
+                "validation": {f"r{r}_{w}_mix{x:g}": v for (r, w, x), v in sorted(scores.items())},
+                "validation_drift": drifts})
+    print(f"{setting} refined (rounds={rounds}, {wts}, mix={mix:g}): {res['p@1']:.2f}", flush=True)
     return res
 
 

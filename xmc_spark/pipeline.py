@@ -262,7 +262,8 @@ def eagle_stage(ctx: StageContext) -> StageResult:
 def eagle_model_trainer(params: PipelineParams, info):
     """train_df -> model, for EAGLE's re-assignment rounds: PIFA, tree and node classifiers
     of the training table as the tree and train stages build them (without overlapping
-    clusters), from in-memory DataFrames; writes no table."""
+    clusters; of an ensemble, its first tree only), from in-memory DataFrames; writes no table."""
+    params = dataclasses.replace(params, tree=params.tree.for_tree(0))
     tp = ModelTrainParams.from_pipeline(params)
 
     def fit(train_df):
