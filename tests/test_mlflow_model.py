@@ -39,16 +39,19 @@ def test_frame_to_csr_normalizes_and_names_bad_rows():
         frame_to_csr(pd.DataFrame({"x": [1]}), 3, True)
 
 
-@pytest.mark.parametrize("parts", [0, 3], ids=["whole", "chunked"])
-def test_pyfunc_logged_registered_and_loaded_without_spark(tmp_path, parts):
+@pytest.mark.parametrize("parts,trees", [(0, 1), (3, 1), (0, 2)], ids=["whole", "chunked", "ensemble"])
+def test_pyfunc_logged_registered_and_loaded_without_spark(tmp_path, parts, trees):
     import mlflow
 
     from xmc_spark.kernels.sparse import l2_normalize_rows
+    from xmc_spark.model import EnsembleModel, ModelTrainParams
     X, Y = random_problem(n=150, seed=4)
     X = sp.csr_matrix(l2_normalize_rows(X), dtype=np.float32)   # ingested rows
-    model = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
+    tree = TreeParams(max_leaf_size=4, ensemble=trees)
+    model = (XMCModel if trees == 1 else EnsembleModel).train_local(X, Y, ModelTrainParams(tree=tree))
     model.save(str(tmp_path / "model"), parts=parts)
     assert (tmp_path / "model" / "weights").is_dir() == bool(parts)
+    assert (tmp_path / "model" / "tree-1").is_dir() == (trees == 2)
     frame = _frame(X[:40] * 3.0)                      # raw rows: the pyfunc normalizes like ingest
     want = score_frame(model, frame, topk=3)
     labels, _ = model.predict(X[:40], topk=3)         # X is already normalized

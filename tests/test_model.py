@@ -261,3 +261,14 @@ def test_tfn_man_adds_exactly_the_matchers_routed_samples():
 def sp_rows(rows):
     import scipy.sparse as sp
     return sp.csr_matrix(np.asarray(rows, dtype=np.float32))
+
+
+def test_ensemble_beam_nodes_are_each_trees_sorted_by_row():
+    from xmc_spark.kernels.tree import decode_keys
+    e, X, _ = _ensemble()
+    rows, keys = e.beam_nodes(X, beam_size=2)
+    assert np.all(np.diff(rows) >= 0)
+    tree, ids = decode_keys(keys)
+    for t, m in enumerate(e.models):
+        r, g = m.beam_nodes(X, beam_size=2)
+        assert set(zip(rows[tree == t].tolist(), ids[tree == t].tolist())) == set(zip(r.tolist(), g.tolist()))

@@ -32,6 +32,7 @@ from .kernels.tree import (
     TreeIndex,
     ancestor_at,
     decode_keys,
+    encode_keys,
     keyed_pairs,
     node_depth,
     tree_from_params,
@@ -566,9 +567,20 @@ class EnsembleModel:
                  for i in range(0, max(X.shape[0], 1), self.CHUNK_ROWS)]
         return np.vstack([p[0] for p in parts]), np.vstack([p[1] for p in parts])
 
+    def match_leaves(self, X: sp.csr_matrix, beam_size: Optional[int] = None):
+        """:meth:`XMCModel.match_leaves` of every tree side by side (n x trees * b), leaves as
+        ensemble keys (the overlapping-cluster matcher of an ensemble)."""
+        parts = [m.match_leaves(X, beam_size) for m in self.models]
+        leaves = [np.where(lv >= 0, encode_keys(t, np.maximum(lv, 0).ravel()).reshape(lv.shape), -1)
+                  for t, (lv, _) in enumerate(parts)]
+        return np.hstack(leaves), np.hstack([sc for _, sc in parts])
+
     def beam_nodes(self, X: sp.csr_matrix, beam_size: Optional[int] = None):
-        """:meth:`XMCModel.beam_nodes` of every tree, nodes as ensemble keys (:func:`encode_keys`)."""
-        return keyed_pairs([m.beam_nodes(X, beam_size) for m in self.models])
+        """:meth:`XMCModel.beam_nodes` of every tree, nodes as ensemble keys (:func:`encode_keys`);
+        sorted by row, then key."""
+        rows, keys = keyed_pairs([m.beam_nodes(X, beam_size) for m in self.models])
+        order = np.lexsort((keys, rows))
+        return rows[order], keys[order]
 
     def label_depth(self) -> np.ndarray:
         return self.index.label_depth()

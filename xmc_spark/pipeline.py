@@ -99,6 +99,15 @@ def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams):
     return trees[0] if T == 1 else Forest(trees)
 
 
+def slots_index(slots: pd.DataFrame, like):
+    """The tree (or forest) of (label_idx, node, tree) slots, with the branching of ``like``."""
+    trees = like.trees if isinstance(like, Forest) else [like]
+    t = slots["tree"].to_numpy() if "tree" in slots else np.zeros(len(slots), np.int64)
+    new = [TreeIndex(slots["label_idx"].to_numpy()[t == k], slots["node"].to_numpy()[t == k], ix.n_labels, ix.B)
+           for k, ix in enumerate(trees)]
+    return Forest(new) if isinstance(like, Forest) else new[0]
+
+
 def slots_frame(index) -> pd.DataFrame:
     """(label_idx, node, tree) rows of a tree's or forest's label slots (the ``slots`` table)."""
     trees = index.trees if isinstance(index, Forest) else [index]
@@ -114,22 +123,18 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
     and ``slots`` (the label -> leaf assignment the final weights belong to)."""
     spark = samples.sparkSession
     copies = tp.clusters.copies
-    if isinstance(index, Forest) and tp.cluster_rounds:
-        from .params import ConfigError
-        raise ConfigError("clusters.copies > 1 with an ensemble (tree.ensemble, tree.ensemble_splits) is not "
-                          "supported yet: use one of them")
     with timer.stage("train"):
         model = train_weights(samples, index, tables, n_features, tp, pred, n_samples)
     for r in range(tp.cluster_rounds):
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
             tables.write("matcher", label_clusters.matcher(samples, model, tp.clusters.beam_size))
-            current = spark.createDataFrame(
-                pd.DataFrame({"label_idx": index.slot_label.astype(np.int32), "node": index.slot_leaf}))
+            current = spark.createDataFrame(slots_frame(index))
             slots = label_clusters.project(samples, tables.read("matcher"), current, copies).toPandas()
             tables.write("clusters", spark.createDataFrame(slots))
-            index = TreeIndex(slots["label_idx"].to_numpy(), slots["node"].to_numpy(), index.n_labels, index.B)
-            log.info("overlapping clusters (%d copies): %s", copies,
-                     label_clusters.cluster_stats(index.slot_label, index.slot_leaf))
+            index = slots_index(slots, index)
+            for ix in getattr(index, "trees", [index]):
+                log.info("overlapping clusters (%d copies): %s", copies,
+                         label_clusters.cluster_stats(ix.slot_label, ix.slot_leaf))
         with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
             model = train_weights(samples, index, tables, n_features, tp, pred, n_samples)
     if tp.train.negatives == "tfn+man":

@@ -145,6 +145,45 @@ def test_run_with_overlapping_clusters(tmp_path, spark):
     assert (out / "tables" / "clusters" / "_delta_log").is_dir()
 
 
+def test_run_ensemble_with_matcher_negatives_equals_the_reference_then_predicts(tmp_path, spark):
+    """tree.ensemble_splits + overlapping clusters + train.negatives = tfn+man through `run` (one
+    set of Spark jobs for both trees), the model folder equal to the numpy reference, and
+    `predict` from the folder."""
+    from tests.conftest import random_problem, write_xc
+    from xmc_spark.local_io import read_xc
+    from xmc_spark.model import EnsembleModel, ModelTrainParams, XMCModel
+    from xmc_spark.params import ClustersParams, TrainParams, TreeParams
+
+    X, Y = random_problem(n=300, d=60, L=30, seed=12)
+    write_xc(tmp_path / "train.txt", X[:240], Y[:240])
+    write_xc(tmp_path / "test.txt", X[240:], Y[240:])
+    out = tmp_path / "run"
+    conf = ["--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4", "--set", "tree.ensemble_splits=2,3",
+            "--set", "train.negatives=tfn+man", "--set", "predict.beam_size=3", "--set", "clusters.copies=2",
+            "--set", "clusters.beam_size=2"]
+    assert main_in_process("run", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"),
+                           "--out", str(out), *conf) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["n_trees"] == 2 and {"train", "clusters", "retrain", "negatives", "retrain_man"} <= set(m["seconds"])
+    model = XMCModel.load(str(out / "model"))
+    assert isinstance(model, EnsembleModel) and [t.index.B for t in model.models] == [2, 3]
+    Xtr, Ytr = read_xc(str(tmp_path / "train.txt"))
+    Xte, _ = read_xc(str(tmp_path / "test.txt"))
+    ref = EnsembleModel.train_local(Xtr, Ytr, ModelTrainParams(TreeParams(max_leaf_size=4, ensemble_splits=[2, 3]),
+                                                               TrainParams(negatives="tfn+man"),
+                                                               ClustersParams(copies=2, beam_size=2)),
+                                    model.pred_params)
+    assert all(len(t.index.slot_label) > 30 for t in model.models)        # labels with a second leaf
+    for got, want in zip(model.models, ref.models):
+        np.testing.assert_array_equal(got.index.slot_leaf, want.index.slot_leaf)
+        np.testing.assert_allclose(got.slot_w.W.toarray(), want.slot_w.W.toarray(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(model.predict(Xte)[0], ref.predict(Xte)[0])
+    assert main_in_process("predict", "--model", str(out / "model"), "--data", str(tmp_path / "test.txt"),
+                           "--out", str(tmp_path / "pred"), *conf) == 0
+    pm = json.loads((tmp_path / "pred" / "metrics.json").read_text())
+    assert pm["p@1"] == pytest.approx(m["p@1"], abs=1e-3) and m["p@1"] > 50
+
+
 def test_sweep_over_lambda_with_nested_mlflow_runs(tmp_path, spark):
     from tests.conftest import random_problem, write_xc
 

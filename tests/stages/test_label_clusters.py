@@ -46,7 +46,7 @@ def test_projection_equals_kernel(problem, matched, spark, copies):
                        shape=(N, max(lf for _, lf in pairs) + 1))
     YtM = (Yl.T @ Mm).tocoo()
     lab, leaf = topk_projection(YtM.row, YtM.col, YtM.data, copies, ix.slot_label, ix.slot_leaf)
-    expected = spark.createDataFrame([(int(a), int(b)) for a, b in zip(lab, leaf)], ddl("clusters"))
+    expected = spark.createDataFrame([(int(a), int(b), 0) for a, b in zip(lab, leaf)], ddl("clusters") + ", tree int")
     assert_df_equality(check_table(got, "clusters"), expected, ignore_row_order=True, ignore_nullable=True)
     per_label = np.bincount(lab, minlength=L)
     assert set(lab.tolist()) == set(range(L)) and per_label.max() == copies

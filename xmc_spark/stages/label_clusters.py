@@ -12,8 +12,9 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..kernels.topk_projection import topk_projection
+from ..kernels.tree import TREE_SHIFT, decode_keys
 from ..model import XMCModel
-from ..schemas import MATCHER_SCHEMA, ddl
+from ..schemas import MATCHER_SCHEMA, TREE_SCHEMA
 from .prediction import map_with_model
 
 log = logging.getLogger("xmc_spark.clusters")
@@ -37,27 +38,39 @@ def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
 
 
 def project(samples: DataFrame, matched: DataFrame, current: DataFrame, copies: int, n_buckets: int = 8) -> DataFrame:
-    """New (label_idx, node) slots: top-``copies`` leaves of each label's row of Y^T M.
+    """New (label_idx, node, tree) slots: top-``copies`` leaves of each label's row of Y^T M.
 
-    ``current`` holds the present (label_idx, node) slots: used for ties and for labels none
-    of whose samples were matched anywhere (they keep their cluster).
+    ``current`` holds the present (label_idx, node[, tree]) slots: used for ties and for labels
+    none of whose samples were matched anywhere (they keep their cluster). In an ensemble the
+    matched leaves are ensemble keys (:func:`~xmc_spark.kernels.tree.encode_keys`) and each
+    tree's clusters are projected on their own: a label gets up to ``copies`` leaves per tree.
     """
     ytm = (samples.select("sample_id", F.explode("label_idx").alias("label_idx"))
            .join(matched.select("sample_id", "leaf"), "sample_id")
            .groupBy("label_idx", "leaf").agg(F.count(F.lit(1)).cast("double").alias("value")))
+    tree = F.col("tree").cast("long") if "tree" in current.columns else F.lit(0).cast("long")
+    key = F.shiftleft(F.coalesce(tree, F.lit(0).cast("long")), TREE_SHIFT).bitwiseOR(F.col("node"))
     rows = (ytm.withColumn("kind", F.lit(0))
-            .unionByName(current.select("label_idx", F.col("node").alias("leaf"),
-                                        F.lit(0.0).alias("value"), F.lit(1).alias("kind")))
+            .unionByName(current.select("label_idx", key.alias("leaf"), F.lit(0.0).alias("value"),
+                                        F.lit(1).alias("kind")))
             .withColumn("bucket", F.pmod(F.col("label_idx"), F.lit(n_buckets))))
 
     def proj(pdf: pd.DataFrame) -> pd.DataFrame:
         ent = pdf[pdf["kind"] == 0]
         cur = pdf[pdf["kind"] == 1]
-        lab, leaf = topk_projection(ent["label_idx"].to_numpy(), ent["leaf"].to_numpy(), ent["value"].to_numpy(),
-                                    copies, cur["label_idx"].to_numpy(), cur["leaf"].to_numpy())
-        return pd.DataFrame({"label_idx": lab.astype(np.int32), "node": leaf.astype(np.int64)})
+        et, el = decode_keys(ent["leaf"].to_numpy())
+        ct, cl = decode_keys(cur["leaf"].to_numpy())
+        out = []
+        for t in np.unique(ct):
+            lab, leaf = topk_projection(ent["label_idx"].to_numpy()[et == t], el[et == t],
+                                        ent["value"].to_numpy()[et == t], copies,
+                                        cur["label_idx"].to_numpy()[ct == t], cl[ct == t])
+            out.append(pd.DataFrame({"label_idx": lab.astype(np.int32), "node": leaf.astype(np.int64),
+                                     "tree": np.full(len(lab), t, np.int32)}))
+        return pd.concat(out, ignore_index=True) if out else pd.DataFrame(
+            {"label_idx": np.zeros(0, np.int32), "node": np.zeros(0, np.int64), "tree": np.zeros(0, np.int32)})
 
-    return rows.groupBy("bucket").applyInPandas(proj, ddl("clusters"))
+    return rows.groupBy("bucket").applyInPandas(proj, TREE_SCHEMA)
 
 
 def cluster_stats(slot_label: np.ndarray, slot_leaf: np.ndarray) -> Dict[str, float]:

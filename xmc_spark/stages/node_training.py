@@ -148,7 +148,7 @@ def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
                           f"weights are {model.nbytes / 2 ** 20:.1f} MB): raise the bound or use tfn")
 
     def route(m, t, X):
-        rows, nodes = m.beam_nodes(X, beam_size)
+        rows, nodes = m.beam_nodes(X, beam_size)              # sorted by row
         off = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=t.num_rows))])
         return pa.RecordBatch.from_arrays([t.column("sample_id").combine_chunks(), list_array(off, nodes, pa.int64())],
                                           names=["sample_id", "man"])

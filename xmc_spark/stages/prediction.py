@@ -15,7 +15,8 @@ from ..schemas import PREDICTIONS_SCHEMA
 
 def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind: str = "predict") -> DataFrame:
     """Broadcast ``model`` once and call ``score(model, table, X)`` on every Arrow batch."""
-    model.layers()  # build once on the driver, ship with the broadcast
+    for m in getattr(model, "models", [model]):    # an ensemble's trees, or the one tree
+        m.layers()  # build once on the driver, ship with the broadcast
     bmodel = share(samples, model, name="the model")
     n_features = model.n_features
 
