@@ -127,7 +127,7 @@ def main() -> None:
                     help="columns to run (baseline and soft are always run: the gap and refined need them)")
     ap.add_argument("--refine-rounds", type=int, default=2, help="refined: the most rounds validated")
     ap.add_argument("--refine-mixes", default="0,0.5", help="refined: mixing weights validated")
-    ap.add_argument("--refine-tau", type=float, default=10.0)
+    ap.add_argument("--refine-taus", default="10", help="refined: softmax temperatures validated")
     ap.add_argument("--refine-weights", default="softmax,ratio", help="refined: weightings validated")
     ap.add_argument("--reuse", action="store_true", help="keep results of earlier runs found in --work")
     ap.add_argument("--work", default="/tmp/xmc-eagle-bench")
@@ -178,7 +178,7 @@ def main() -> None:
 
     o = results["oracle"]
     print(f"\n{data.name} (oracle {o['p@1']:.2f} / {o['p@3']:.2f} / {o['p@5']:.2f}), P@1 / P@3 / P@5:\n")
-    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | refined (rounds, weights, mix) | "
+    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | refined (rounds, weights, mix, tau) | "
           "best vs baseline | gap closed | eagle s / train s (best) | pair precision / recall / weighted (best) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings.split(","):
@@ -191,8 +191,9 @@ def main() -> None:
         gap = o["p@1"] - b
         closed = 100 * (r[best]["p@1"] - b) / gap if gap > 0 else float("nan")
         e = r[best]
-        ref = (f"{f('refined')} ({r['refined']['rounds']}, {r['refined']['weights']}, {r['refined']['mix']:g})"
-               if "refined" in r else "-")
+        rr = r.get("refined", {})
+        ref = (f"{f('refined')} ({rr['rounds']}, {rr['weights']}, {rr['mix']:g}, {rr['refine_tau']:g})"
+               if rr else "-")
         print(f"| {setting} | {r['groups']['n_groups']} | {f('baseline')} | {f('eagle0')} | {f('eagle')} | "
               f"{f('soft')} ({r['soft']['tau']:g}) | {ref} | {best} {r[best]['p@1'] - b:+.2f} | {closed:.0f}% | "
               f"{e['seconds'].get('eagle', 0):.1f} / {e['seconds']['train']:.1f} | "
@@ -208,33 +209,44 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
     from xmc_spark.stages import eagle as eagle_stage
     R = args.refine_rounds
     scores, drifts = {}, {}
-    for wts in args.refine_weights.split(","):
-        for mix in [float(m) for m in args.refine_mixes.split(",")]:
-            def hook(r, model, key=(wts, mix)):
-                scores[(r, *key)] = group_score(model, val, Xv, n_features)
-            eagle_stage.ROUND_MODEL_HOOK = hook
-            try:
-                out = d / f"val_refine_{wts}_mix{mix:g}"
-                m = run(spark, d / "val_data", None, out, base, eagle__mode="soft", eagle__tau=tau,
-                        eagle__refine_rounds=R, eagle__refine_mix=mix, eagle__refine_tau=args.refine_tau,
-                        eagle__refine_weights=wts)
-            finally:
-                eagle_stage.ROUND_MODEL_HOOK = None
-            scores[(R, wts, mix)] = group_p1(out / "model", val, Xv, n_features)
-            drifts[f"{wts}_mix{mix:g}"] = {k: m.get(k) for k in ("eagle.refine.drift_tv", "eagle.refine.change_tv",
-                                                                 "eagle.refine.seconds")}
-            print(f"{setting} refined {wts} mix={mix:g}: validation group precision by round "
-                  f"{[round(scores[(r, wts, mix)], 2) for r in range(R + 1) if (r, wts, mix) in scores]}; "
-                  f"drift TV {m.get('eagle.refine.drift_tv')}", flush=True)
+    cache_file = d / "refine_validation.json"        # round scores of earlier runs, for --reuse
+    cache = json.loads(cache_file.read_text()) if REUSE and cache_file.is_file() else {}
+    for rt in [float(t) for t in args.refine_taus.split(",")]:
+        for wts in args.refine_weights.split(","):
+            for mix in [float(m) for m in args.refine_mixes.split(",")]:
+                name = f"{wts}_mix{mix:g}" + ("" if rt == 10 else f"_rt{rt:g}")
+                got = {}
+                eagle_stage.ROUND_MODEL_HOOK = lambda r, model, got=got: got.update(
+                    {r: group_score(model, val, Xv, n_features)})
+                try:
+                    out = d / f"val_refine_{name}"
+                    m = run(spark, d / "val_data", None, out, base, eagle__mode="soft", eagle__tau=tau,
+                            eagle__refine_rounds=R, eagle__refine_mix=mix, eagle__refine_tau=rt,
+                            eagle__refine_weights=wts)
+                finally:
+                    eagle_stage.ROUND_MODEL_HOOK = None
+                if not got and name in cache:         # a reused run: its rounds' scores as recorded
+                    got = {int(r): v for r, v in cache[name].items()}
+                got[R] = group_p1(out / "model", val, Xv, n_features)
+                cache[name] = got
+                cache_file.write_text(json.dumps(cache, indent=1))
+                scores.update({(r, wts, mix, rt): v for r, v in got.items()})
+                drifts[name] = {k: m.get(k) for k in ("eagle.refine.drift_tv", "eagle.refine.change_tv",
+                                                      "eagle.refine.seconds")}
+                print(f"{setting} refined {name}: validation group precision by round "
+                      f"{[round(float(got[r]), 2) for r in sorted(got)]}; drift TV {m.get('eagle.refine.drift_tv')}",
+                      flush=True)
     # the best validation score over rounds >= 1; ties: fewer rounds, then more weight on GRLR
-    rounds, wts, mix = max((k for k in scores if k[0] >= 1), key=lambda k: (scores[k], -k[0], k[2]))
+    rounds, wts, mix, rt = max((k for k in scores if k[0] >= 1), key=lambda k: (scores[k], -k[0], k[2]))
     res = run(spark, d / "data", test, d / "refined", base, eagle__mode="soft", eagle__tau=tau,
-              eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=args.refine_tau,
+              eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=rt,
               eagle__refine_weights=wts)
-    res.update({"rounds": rounds, "mix": mix, "weights": wts, "refine_tau": args.refine_tau,
-                "validation": {f"r{r}_{w}_mix{x:g}": v for (r, w, x), v in sorted(scores.items())},
+    res.update({"rounds": rounds, "mix": mix, "weights": wts, "refine_tau": rt,
+                "validation_round0": scores[(0, wts, mix, rt)],
+                "validation": {f"r{r}_{w}_mix{x:g}_rt{t:g}": v for (r, w, x, t), v in sorted(scores.items())},
                 "validation_drift": drifts})
-    print(f"{setting} refined (rounds={rounds}, {wts}, mix={mix:g}): {res['p@1']:.2f}", flush=True)
+    print(f"{setting} refined (rounds={rounds}, {wts}, mix={mix:g}, refine_tau={rt:g}): {res['p@1']:.2f} "
+          f"(validation {scores[(rounds, wts, mix, rt)]:.2f}, 0 rounds {scores[(0, wts, mix, rt)]:.2f})", flush=True)
     return res
 
 
