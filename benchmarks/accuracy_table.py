@@ -12,7 +12,8 @@ seeded permutation, seed 0) and scored on the other 20%; the configuration with 
 of P@1, P@3 and P@5 there is the "chosen" one. Then every configuration runs through the real
 pipeline (``pipeline.run``, one Spark session, MLflow off) on the whole training file and is
 scored on the test file. Seconds are the pipeline's stage seconds: train = tree + train (+
-negatives, retrain and clusters stages), predict = the predict stage; 2 cores, local[2].
+negatives, retrain and clusters stages), predict = the predict stage; 2 cores, local[*], after
+one unrecorded warm-up run of the single tree.
 
 Prints a markdown table and writes WORK/accuracy_<set>.json.
 """
@@ -113,6 +114,9 @@ def main() -> None:
         return
     from xmc_spark.session import get_spark
     spark = get_spark(base.spark)
+    # a warm-up run (not recorded): the first pipeline run of a session pays JVM and Python
+    # worker start-up, numba compilation and Delta's first commits
+    pipeline.run(spark, str(data / "train.txt"), str(data / "test.txt"), str(work / "warm-up"), base)
     for name in names:
         p = params_for(base, CONFIGS[name])
         results.setdefault(name, {})

@@ -165,13 +165,17 @@ def read_header(folder) -> tuple:
         members = param["members"]
         if not isinstance(members, list) or not members or not all(isinstance(m, str) for m in members):
             raise ModelFormatError(f"{pfile}: members must be a non-empty list of member folder names")
+        bad = [m for m in members if Path(m).name != m or m in (".", "..")]
+        if bad:
+            raise ModelFormatError(f"{pfile}: members must be folder names inside the model folder, got {bad}")
         heads = [read_header(folder / m) for m in members]
         for m, (mp, _, _) in zip(members, heads):
             if mp["format_version"] == ENSEMBLE_VERSION:
                 raise ModelFormatError(f"{folder / m}: an ensemble's member cannot be an ensemble")
-            if (mp["n_features"], mp["n_labels"]) != (param["n_features"], param["n_labels"]):
-                raise ModelFormatError(f"{folder / m}: {mp['n_features']} features x {mp['n_labels']} labels, the "
-                                       f"ensemble has {param['n_features']} x {param['n_labels']}")
+            keys = ("n_features", "n_labels", "bias", "normalize")
+            if any(mp[k] != param[k] for k in keys):
+                raise ModelFormatError(f"{folder / m}: " + ", ".join(f"{k} {mp[k]}" for k in keys) + "; the ensemble "
+                                       "has " + ", ".join(f"{k} {param[k]}" for k in keys))
         return param, Forest([h[1] for h in heads]), heads[0][2]
     if version == CHUNKED_VERSION:
         parts = (param.get("weights") or {}).get("parts") if isinstance(param.get("weights"), dict) else None
@@ -513,7 +517,8 @@ class EnsembleModel:
     of its scores over the trees, a tree whose beam does not reach it adding 0 (Parabel's
     combination); the top k of that mean are the prediction."""
 
-    CHUNK_ROWS = 4096          # rows scored at once (bounds the labels x rows held per tree)
+    CHUNK_ROWS = 4096          # rows scored at once, at most; and at most CHUNK_ENTRIES
+    CHUNK_ENTRIES = 1 << 21    # (row, reached label) pairs per tree (~32 MB of labels and scores)
 
     def __init__(self, models, meta: Optional[dict] = None):
         self.models = list(models)
@@ -563,8 +568,11 @@ class EnsembleModel:
             raise ValueError("return_work is not available for an ensemble")
         X = sp.csr_matrix(X, dtype=np.float32)
         k = topk or self.pred_params.topk
-        parts = [top_k_rows(self.label_scores(X[i:i + self.CHUNK_ROWS], beam_size, search), k)
-                 for i in range(0, max(X.shape[0], 1), self.CHUNK_ROWS)]
+        b = beam_size or self.pred_params.beam_size
+        reach = max(b * int((m.index.leaf_end - m.index.leaf_start).max(initial=1)) for m in self.models)
+        chunk = max(1, min(self.CHUNK_ROWS, self.CHUNK_ENTRIES // reach))   # bounds each tree's n x reach arrays
+        parts = [top_k_rows(self.label_scores(X[i:i + chunk], beam_size, search), k)
+                 for i in range(0, max(X.shape[0], 1), chunk)]
         return np.vstack([p[0] for p in parts]), np.vstack([p[1] for p in parts])
 
     def match_leaves(self, X: sp.csr_matrix, beam_size: Optional[int] = None):
@@ -615,7 +623,7 @@ class EnsembleModel:
             for t, m in enumerate(self.models):
                 names.append(f"tree-{t}")
                 (tmp / names[-1]).mkdir()
-                m.label_counts, m.meta = self.label_counts, self.meta
+                m.label_counts, m.meta = self.label_counts, dict(self.meta)
                 m._write(tmp / names[-1], parts)
             param = {"model": "XMCModel", "format_version": ENSEMBLE_VERSION, "n_features": self.n_features,
                      "n_labels": self.n_labels, "bias": self.bias, "normalize": self.normalize,
@@ -703,9 +711,15 @@ def train_group(index: TreeIndex, group: int, Xb: sp.csr_matrix, offsets, labels
     """
     children, Yg = index.node_problem(group, offsets, labels, label_weights)
     W = train_node(Xb, Yg, C=train.C, weights=weights, threshold=train.threshold, eps=train.eps,
-                   max_iter=train.max_iter, seed=train.seed + int(decode_keys([group])[1][0]))
+                   max_iter=train.max_iter, seed=train.seed + _node_of(index, group))
     is_leaf = bool(np.isin(group, index.leaves))
     return is_leaf, children, W
+
+
+def _node_of(index, group: int) -> int:
+    """The node id of a training group: its tree's id in an ensemble, the group itself otherwise
+    (a single tree's ids are never decoded, whatever their size)."""
+    return int(decode_keys([group])[1][0]) if isinstance(index, Forest) else int(group)
 
 
 def train_all_groups(index: TreeIndex, Xb: sp.csr_matrix, Y: sp.csr_matrix, train: TrainParams, weights=None,

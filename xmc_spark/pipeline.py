@@ -89,8 +89,8 @@ def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams):
     ensemble (``tree.ensemble`` > 1 or ``tree.ensemble_splits``)."""
     T = params.tree.n_trees()
     tree = rows["tree"].fillna(0).to_numpy() if "tree" in rows else np.zeros(len(rows), np.int64)
-    found = int(tree.max(initial=0)) + 1
-    if found != T:
+    found = len(np.unique(tree))
+    if set(np.unique(tree).tolist()) != set(range(T)):
         from .params import ConfigError
         raise ConfigError(f"the tree table holds {found} tree(s), the configuration {T} (tree.ensemble, "
                           "tree.ensemble_splits): rerun the tree stage with this configuration")
@@ -129,7 +129,8 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
             tables.write("matcher", label_clusters.matcher(samples, model, tp.clusters.beam_size))
             current = spark.createDataFrame(slots_frame(index))
-            slots = label_clusters.project(samples, tables.read("matcher"), current, copies).toPandas()
+            slots = label_clusters.project(samples, tables.read("matcher"), current, copies,
+                                           ensemble=isinstance(index, Forest)).toPandas()
             tables.write("clusters", spark.createDataFrame(slots))
             index = slots_index(slots, index)
             for ix in getattr(index, "trees", [index]):

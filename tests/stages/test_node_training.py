@@ -66,6 +66,17 @@ def test_forest_with_routed_negatives_equals_kernel(problem, index, spark):
     assert any(k >> 52 == 1 for k in ref_slots)
 
 
+def test_big_nodes_count_the_routed_rows(problem, index, spark):
+    """With tfn+man a node the matcher sends every sample to is as big as the root."""
+    from xmc_spark.compat import share
+    samples, Xl, _ = problem
+    n = Xl.shape[0]
+    bindex = share(samples, index)
+    assert list(node_training.big_nodes(samples, bindex, n - 1, n)) == [0]
+    routed = spark.createDataFrame([(i, [1, 2]) for i in range(n)], node_training.ROUTED_SCHEMA)
+    assert list(node_training.big_nodes(node_training.with_routed(samples, routed), bindex, n - 1, n)) == [0, 1, 2]
+
+
 def test_routed_nodes_job_equals_the_models_beam(problem, index, spark):
     from xmc_spark.model import KeyedColumns, XMCModel
     samples, Xl, Yl = problem

@@ -37,13 +37,15 @@ def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
     return map_with_model(samples, model, match, MATCHER_SCHEMA, kind="matcher")
 
 
-def project(samples: DataFrame, matched: DataFrame, current: DataFrame, copies: int, n_buckets: int = 8) -> DataFrame:
+def project(samples: DataFrame, matched: DataFrame, current: DataFrame, copies: int, n_buckets: int = 8,
+            ensemble: bool = False) -> DataFrame:
     """New (label_idx, node, tree) slots: top-``copies`` leaves of each label's row of Y^T M.
 
     ``current`` holds the present (label_idx, node[, tree]) slots: used for ties and for labels
     none of whose samples were matched anywhere (they keep their cluster). In an ensemble the
-    matched leaves are ensemble keys (:func:`~xmc_spark.kernels.tree.encode_keys`) and each
-    tree's clusters are projected on their own: a label gets up to ``copies`` leaves per tree.
+    matched leaves are ensemble keys (:func:`~xmc_spark.kernels.tree.encode_keys`, ``ensemble``
+    True) and each tree's clusters are projected on their own: a label gets up to ``copies``
+    leaves per tree. A single tree's leaf ids are taken as they are.
     """
     ytm = (samples.select("sample_id", F.explode("label_idx").alias("label_idx"))
            .join(matched.select("sample_id", "leaf"), "sample_id")
@@ -58,8 +60,9 @@ def project(samples: DataFrame, matched: DataFrame, current: DataFrame, copies: 
     def proj(pdf: pd.DataFrame) -> pd.DataFrame:
         ent = pdf[pdf["kind"] == 0]
         cur = pdf[pdf["kind"] == 1]
-        et, el = decode_keys(ent["leaf"].to_numpy())
-        ct, cl = decode_keys(cur["leaf"].to_numpy())
+        keep = decode_keys if ensemble else (lambda k: (np.zeros(len(k), np.int64), np.asarray(k, np.int64)))
+        et, el = keep(ent["leaf"].to_numpy())
+        ct, cl = keep(cur["leaf"].to_numpy())
         out = []
         for t in np.unique(ct):
             lab, leaf = topk_projection(ent["label_idx"].to_numpy()[et == t], el[et == t],

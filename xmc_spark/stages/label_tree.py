@@ -53,6 +53,16 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
     return grouped_apply(todo, ["tree", "node"], split, TREE_SCHEMA)
 
 
+def _fits(node: int, params: TreeParams) -> bool:
+    """Whether ``node`` can be an ensemble key's id (< 2^TREE_SHIFT); a deeper node of an
+    ensemble stops the stage with the reason (a single tree's ids are not encoded)."""
+    if params.n_trees() > 1 and int(node) >= 1 << TREE_SHIFT:
+        from ..params import ConfigError
+        raise ConfigError(f"tree node id {int(node)} does not fit an ensemble key (< 2^{TREE_SHIFT}): the "
+                         "tree is too deep for tree.ensemble > 1 (lower tree.balanced_below_depth or lambda)")
+    return True
+
+
 def _key():
     """(tree, node) as one long: :func:`~xmc_spark.kernels.tree.encode_keys`."""
     return F.shiftleft(F.col("tree").cast("long"), TREE_SHIFT).bitwiseOR(F.col("node"))
@@ -93,7 +103,8 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
             break
         new = split_level(emb, active, big, n_features, params, freqs).localCheckpoint()
         # the children's sizes come back in a second, small job over the checkpointed level
-        grown = {int(r["key"]): int(r["count"]) for r in new.groupBy(_key().alias("key")).count().collect()}
+        grown = {int(r["key"]): int(r["count"]) for r in new.groupBy(_key().alias("key"), "node").count()
+                 .select("key", "node", "count").collect() if _fits(r["node"], params)}
         sizes = {n: c for n, c in grown.items()}
         big_next = [n for n, c in grown.items() if c > params.max_leaf_size]
         finished.append(new.filter(~_key().isin(big_next)) if big_next else new)

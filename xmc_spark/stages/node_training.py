@@ -234,7 +234,8 @@ def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] =
             g, c = np.unique(groups, return_counts=True)
             yield pa.RecordBatch.from_pydict({"group": pa.array(g, pa.int64()), "rows": pa.array(c, pa.int64())})
 
-    counts = to_arrow(samples.select("label_idx").mapInArrow(count, "group long, rows long")
+    routed = ["man"] if "man" in samples.columns else []     # tfn+man: the matcher's rows count too
+    counts = to_arrow(samples.select("label_idx", *routed).mapInArrow(count, "group long, rows long")
                       .groupBy("group").agg(F.sum("rows").alias("rows")))
     g, c = counts.column("group").to_numpy(), counts.column("rows").to_numpy()
     big = np.sort(g[c > bound])
