@@ -9,7 +9,7 @@ from tests.conftest import random_problem, write_xc
 from xmc_spark.schemas import SAMPLES_SCHEMA, TABLES, SchemaError, check_samples_columns, check_table, ddl, is_optional
 
 ALL_TABLES = {"train", "test", "input", "label_embeddings", "tree", "weights", "slots", "matcher", "clusters",
-              "predictions", "metrics", "stage_info", "eagle_embeddings"}
+              "predictions", "metrics", "stage_info", "eagle_embeddings", "negatives"}
 
 
 def _empty(spark, schema):
