@@ -115,7 +115,7 @@ def test_input_files_keep_their_castable_check(spark):
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, spark):
     """Every table, written by the command line on a tiny aggregated input (EAGLE, overlapping
-    clusters, stage jobs with a run key) and by `predict`."""
+    clusters, matcher-aware negatives, stage jobs with a run key) and by `predict`."""
     from xmc_spark.cli import main
     from xmc_spark.storage import RUN_KEY
 
@@ -136,7 +136,8 @@ def written(tmp_path_factory, spark):
     common = ["--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=3", "--set", "eagle.T=2"]
     root = d / "root"
     assert main(["stage", "all", "--run-key", "k1", "--train", str(agg), "--test", str(d / "test.txt"),
-                 "--root", str(root), "--set", "clusters.copies=2", "--set", "clusters.beam_size=2", *common]) == 0
+                 "--root", str(root), "--set", "clusters.copies=2", "--set", "clusters.beam_size=2",
+                 "--set", "train.negatives=tfn+man", *common]) == 0
     assert main(["predict", "--model", str(root / "models" / "k1"), "--data", str(d / "test.txt"),
                  "--out", str(d / "pred"), *common]) == 0
     tables = {p.name: p for p in (root / "tables").iterdir()}
