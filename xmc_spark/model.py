@@ -511,6 +511,12 @@ class XMCModel:
         return TreeIndex(lab, leaf, self.n_labels, self.index.B)
 
 
+def _reach(model: XMCModel, beam_size: int) -> int:
+    """Labels a beam of ``beam_size`` can reach in ``model``: beam x the largest leaf's slots."""
+    ix = model.index
+    return max(1, beam_size * int((ix.leaf_end - ix.leaf_start).max(initial=1)))
+
+
 class EnsembleModel:
     """Several :class:`XMCModel` over the same labels (``tree.ensemble``): each tree's beam
     search scores every label in its final beam's leaves; a label's ensemble score is the mean
@@ -552,9 +558,7 @@ class EnsembleModel:
         b = beam_size or self.pred_params.beam_size
         S = None
         for m in self.models:
-            ix = m.index
-            reach = max(1, b * int((ix.leaf_end - ix.leaf_start).max(initial=1)))   # every label of the beam
-            lab, sc = m.predict(X, beam_size=b, topk=reach, search=search)
+            lab, sc = m.predict(X, beam_size=b, topk=_reach(m, b), search=search)   # every label of the beam
             ok = lab >= 0
             T = sp.csr_matrix((sc[ok], (np.repeat(np.arange(lab.shape[0]), ok.sum(axis=1)), lab[ok])),
                               shape=(lab.shape[0], self.n_labels))
@@ -569,7 +573,7 @@ class EnsembleModel:
         X = sp.csr_matrix(X, dtype=np.float32)
         k = topk or self.pred_params.topk
         b = beam_size or self.pred_params.beam_size
-        reach = max(b * int((m.index.leaf_end - m.index.leaf_start).max(initial=1)) for m in self.models)
+        reach = max(_reach(m, b) for m in self.models)
         chunk = max(1, min(self.CHUNK_ROWS, self.CHUNK_ENTRIES // reach))   # bounds each tree's n x reach arrays
         parts = [top_k_rows(self.label_scores(X[i:i + chunk], beam_size, search), k)
                  for i in range(0, max(X.shape[0], 1), chunk)]
