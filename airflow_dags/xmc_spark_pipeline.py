@@ -1,6 +1,6 @@
 """Airflow DAG: the xmc-spark pipeline, one spark-submit task per stage, keyed by the logical date.
 
-    ingest >> eagle >> tree >> train >> predict >> evaluate
+    ingest >> eagle >> tree >> train >> prime >> predict >> evaluate
 
 Each task runs ``jobs/<stage>.py --run-key {{ ds }}``: its Delta tables are the run date's
 partitions under ``paths.root``, so a retried or cleared task replaces only its own output.
@@ -66,6 +66,8 @@ PARAMS = {
     "eagle_mode": Param("eagle", type="string", enum=["baseline", "eagle0", "eagle", "soft"],
                         description="eagle.mode (aggregated input only)"),
     "beam_size": Param(10, type="integer", minimum=1, maximum=1000, description="predict.beam_size"),
+    "prime_mode": Param("off", type="string", enum=["off", "retrieve", "rerank"],
+                        description="prime.mode: PRIME label prototypes off, as the retriever, or re-ranking the tree"),
 }
 
 
@@ -74,7 +76,8 @@ def _args(stage: str) -> list:
             "--set", "tree.max_leaf_size={{ params.max_leaf_size }}",
             "--set", "tree.lambda={{ params.tree_lambda }}",
             "--set", "eagle.mode={{ params.eagle_mode }}",
-            "--set", "predict.beam_size={{ params.beam_size }}"]
+            "--set", "predict.beam_size={{ params.beam_size }}",
+            "--set", "prime.mode={{ params.prime_mode }}"]
     if stage == "ingest":
         args += ["--train", "{{ params.train }}", "--test", "{{ params.test }}"]
     return args
@@ -82,7 +85,7 @@ def _args(stage: str) -> list:
 
 with DAG(
     dag_id="xmc_spark_pipeline",
-    description="xmc-spark: ingest, EAGLE, label tree, node training, prediction, evaluation",
+    description="xmc-spark: ingest, EAGLE, label tree, node training, PRIME, prediction, evaluation",
     schedule="@daily",
     start_date=datetime(2026, 1, 1),
     catchup=False,

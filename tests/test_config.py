@@ -207,3 +207,20 @@ def test_dotted_keys_walk_sections_and_mappings():
     with pytest.warns(DeprecationWarning, match="clusters.copies"):
         p = load_params(None, ['clusters={"lam": 2, "rounds": 2}'])
     assert (p.clusters.copies, p.clusters.rounds) == (2, 2)
+
+
+def test_prime_section_defaults_are_the_kernels_and_bad_values_name_the_key():
+    from xmc_spark.kernels.prime import PrimeParams as KernelParams
+    p = PipelineParams()
+    assert p.prime.mode == "off" and p.prime.K == 100
+    assert p.prime.kernel() == KernelParams()            # every hyper-parameter defaults as in the kernel
+    q = p.set_dotted("prime.mode", "rerank").set_dotted("prime.margin_variant", "fixed")
+    assert q.prime.kernel(0.6, 2.0) == KernelParams(margin_variant="fixed", propensity_a=0.6, propensity_b=2.0)
+    for key, bad, msg in (("prime.mode", "on", "'prime.mode' must be off, retrieve or rerank"),
+                          ("prime.K", 0, "'prime.K' must be >= 1"),
+                          ("prime.val_frac", 1.0, "'prime.val_frac' must be in"),
+                          ("prime.gamma_min", 0.5, "'prime.gamma_min' and gamma_max"),
+                          ("prime.margin_variant", "x", "'prime.margin_variant' must be triplet"),
+                          ("prime.dim", "big", "'prime.dim' expects an integer")):
+        with pytest.raises(ConfigError, match=msg):
+            p.set_dotted(key, bad)

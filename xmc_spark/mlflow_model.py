@@ -4,7 +4,8 @@ Input: a pandas DataFrame with ``feature_idx`` (list of 0-based feature ids) and
 ``feature_val`` (list of values) per row, raw (rows are L2-normalized here when the model was
 trained on normalized rows, as ingest does); any other column (e.g. ``sample_id``) is passed
 through. Output: the same rows with ``labels`` (top-k label ids, best first) and ``scores``.
-Optional inference params: ``topk``, ``beam_size``.
+Optional inference params: ``topk``, ``beam_size``. A model folder with ``prime/`` (the prime
+stage's head, :mod:`.prime_model`) scores with PRIME's mode (retrieval or re-ranking).
 
 ``log_model`` logs a model folder (:meth:`XMCModel.save`) as ``<run>/model`` with the
 ``xmc_spark`` package as code, and registers it with an alias when asked.
@@ -96,8 +97,8 @@ def _python_model_class():
         """Beam search of an xmc-spark model over a pandas frame of sparse rows."""
 
         def load_context(self, context):
-            from xmc_spark.model import XMCModel
-            self.model = XMCModel.load(context.artifacts["xmc_model"])
+            from xmc_spark.prime_model import load
+            self.model = load(context.artifacts["xmc_model"])     # with PRIME when the folder has prime/
 
         def predict(self, context, model_input, params=None):
             params = params or {}

@@ -409,6 +409,75 @@ class PredictParams(BaseParams):
 
 
 @dataclass
+class PrimeParams(BaseParams):
+    """PRIME (issue #13) after node training: ``mode`` off (default: the stage only records
+    itself), ``retrieve`` (exact inner product over all label prototypes replaces the tree) or
+    ``rerank`` (the tree's top ``K`` re-ordered by ``weight * tree + (1 - weight) * PRIME``, the
+    weight chosen on held-out *training* rows). The other keys are
+    :class:`xmc_spark.kernels.prime.PrimeParams`' (same names, same defaults)."""
+
+    mode: str = "off"
+    K: int = 100                    # rerank: the tree's candidates per row
+    hard_k: int = 20                # hard negatives: the tree's top hard_k over each training row
+    val_frac: float = 0.1           # training rows held out (by a hash of sample_id) to choose
+    val_max_rows: int = 20000       # the epoch and the rerank weight; at most this many
+    select_epoch: bool = True       # keep the epoch with the best held-out P@1/3/5 (else the last)
+    dim: int = 128
+    residual: bool = False
+    ffn: int = 1024
+    dropout: float = 0.1
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    epochs: int = 15
+    batch_size: int = 256
+    n_pos: int = 1
+    n_hard: int = 8
+    n_random: int = 8
+    lambda_r: float = 0.1
+    r_margin: float = 0.0
+    r_hinge: bool = True
+    gamma_min: float = 0.1
+    gamma_max: float = 0.3
+    alpha: float = 0.95
+    n_free: int = 0
+    margin_variant: str = "triplet"
+    use_centroids: bool = True
+    use_free: bool = True
+    propensity_positives: bool = True
+    seed: int = 0
+
+    STAGE_KEYS = ("mode", "K", "hard_k", "val_frac", "val_max_rows", "select_epoch")
+
+    def kernel(self, propensity_a: float = 0.55, propensity_b: float = 1.5):
+        """The kernel's parameters (:class:`xmc_spark.kernels.prime.PrimeParams`)."""
+        from .kernels.prime import PrimeParams as KernelParams
+        kw = {k: v for k, v in self.to_dict().items() if k not in self.STAGE_KEYS}
+        return KernelParams(**kw, propensity_a=propensity_a, propensity_b=propensity_b)
+
+    def validate(self, prefix=""):
+        _check(self.mode in ("off", "retrieve", "rerank"), prefix + "mode",
+               f"must be off, retrieve or rerank, got {self.mode!r}")
+        _check(self.K >= 1, prefix + "K", "must be >= 1")
+        _check(self.hard_k >= 0, prefix + "hard_k", "must be >= 0 (0: random negatives only)")
+        _check(0 < self.val_frac < 1, prefix + "val_frac", f"must be in (0, 1), got {self.val_frac}")
+        _check(self.val_max_rows >= 1, prefix + "val_max_rows", "must be >= 1")
+        for key in ("dim", "ffn", "epochs", "batch_size", "n_pos"):
+            _check(getattr(self, key) >= 1, prefix + key, "must be >= 1")
+        for key in ("n_hard", "n_random", "n_free"):
+            _check(getattr(self, key) >= 0, prefix + key, "must be >= 0")
+        _check(self.n_hard + self.n_random >= 1, prefix + "n_random", "and n_hard: at least one negative per row")
+        _check(0 <= self.dropout < 1, prefix + "dropout", "must be in [0, 1)")
+        _check(0 <= self.alpha < 1, prefix + "alpha", "must be in [0, 1)")
+        _check(self.lr > 0, prefix + "lr", "must be > 0")
+        _check(self.weight_decay >= 0, prefix + "weight_decay", "must be >= 0")
+        _check(self.lambda_r >= 0, prefix + "lambda_r", "must be >= 0")
+        _check(0 < self.gamma_min <= self.gamma_max, prefix + "gamma_min",
+               f"and gamma_max: need 0 < gamma_min <= gamma_max, got {self.gamma_min}, {self.gamma_max}")
+        _check(self.margin_variant in ("triplet", "inverted", "fixed"), prefix + "margin_variant",
+               f"must be triplet, inverted or fixed, got {self.margin_variant!r}")
+
+
+@dataclass
 class EvalParams(BaseParams):
     ks: List[int] = field(default_factory=lambda: [1, 3, 5])
     propensity_a: float = 0.55
@@ -485,5 +554,6 @@ class PipelineParams(BaseParams):
     clusters: ClustersParams = field(default_factory=ClustersParams)
     train: TrainParams = field(default_factory=TrainParams)
     predict: PredictParams = field(default_factory=PredictParams)
+    prime: PrimeParams = field(default_factory=PrimeParams)
     eval: EvalParams = field(default_factory=EvalParams)
     mlflow: MlflowParams = field(default_factory=MlflowParams)

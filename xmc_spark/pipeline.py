@@ -22,6 +22,7 @@ import pyarrow as pa
 import scipy.sparse as sp
 from pyspark.sql import functions as F
 
+from . import prime_model
 from .arrow_utils import list_offsets_values, to_arrow
 from .compat import CONNECT_MAX_MB, is_connect, shuffle_partitions
 from .config import dump_params
@@ -41,6 +42,7 @@ from .stages import (
     label_tree,
     node_training,
     prediction,
+    prime,
     sharded,
 )
 from .storage import Tables
@@ -313,25 +315,81 @@ def train_stage(ctx: StageContext) -> StageResult:
              "model_layout": "sharded" if isinstance(model, sharded.ShardedModel) else "whole",
              **({"n_trees": len(index)} if isinstance(index, Forest) else
                 label_clusters.cluster_stats(index.slot_label, index.slot_leaf))}
-    tmp = None if ctx.model_dir else Path(tempfile.mkdtemp(prefix="xmc-model-"))
-    folder = ctx.model_dir or str(tmp / "model")
-    try:
-        model.save(folder)
-        if ctx.model_dir:
-            facts["model_dir"] = folder
-        if params.mlflow.log_model:
-            ctx.tracker.log_model(folder)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    keep_model_folder(ctx, model.save)
+    if ctx.model_dir:
+        facts["model_dir"] = ctx.model_dir
     ctx.memo["model"] = model
     return StageResult(facts)
 
 
+def keep_model_folder(ctx: StageContext, write) -> None:
+    """``write(folder)`` into the run's model folder, or a temporary one when the root keeps none
+    (non-local roots: the folder is then only for MLflow), and log it to MLflow when
+    ``mlflow.log_model``."""
+    tmp = None if ctx.model_dir else Path(tempfile.mkdtemp(prefix="xmc-model-"))
+    folder = ctx.model_dir or str(tmp / "model")
+    try:
+        write(folder)
+        if ctx.params.mlflow.log_model:
+            ctx.tracker.log_model(folder)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_predictions(tables: Tables, model: XMCModel, params: PipelineParams, source: str) -> None:
-    """Beam search over table ``source``: writes ``predictions``."""
+    """Beam search over table ``source`` (and PRIME when ``model`` carries it): writes
+    ``predictions``; with PRIME also ``tree_predictions``, the tree's own top-k."""
     tables.write("predictions", prediction.run(tables.read(source), model, params.predict.beam_size,
                                                params.predict.topk))
+    if isinstance(model, prime_model.PrimedModel):
+        tables.write("tree_predictions", prediction.run(tables.read(source), model.tree, params.predict.beam_size,
+                                                        params.predict.topk))
+
+
+def prime_stage(ctx: StageContext) -> StageResult:
+    """PRIME after node training (:mod:`.stages.prime`): with ``prime.mode`` off it only
+    records itself (and drops a ``prime/`` an earlier run left in the model folder); else the
+    ``prime`` table, ``prime/`` in the model folder and, with ``mlflow.log_model``, the model
+    logged again with PRIME."""
+    p, tables = ctx.params, ctx.tables
+    if p.prime.mode == "off":
+        if ctx.model_dir:
+            prime_model.PrimeHead.remove(ctx.model_dir)
+        return StageResult({"prime.mode": "off"})
+    ing = ctx.dataset
+    model = ctx.memo.get("model")
+    if model is None:
+        model = model_from_tables(tables, ing.n_features, ing.n_labels, p)
+    else:
+        for t in ("slots", "weights"):
+            tables.note_read(t)
+    samples = tables.read("train")
+    counts = getattr(model, "label_counts", None)
+    counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
+    with ctx.timer.stage("prime"):
+        head, facts = prime.run(samples, tables.read("label_embeddings"), model, counts, p.prime,
+                                          ing.n_train, ing.n_features, ing.n_labels, p.predict.beam_size, p.eval)
+        tables.write("prime", ctx.spark.createDataFrame(prime.head_frame(head)))
+
+    def write(folder):                 # the train stage's folder gets prime/; a fresh one the tree too
+        if not Path(folder, "param.json").is_file():
+            model.save(folder)
+        head.save(folder)
+
+    keep_model_folder(ctx, write)
+    ctx.memo["prime"] = head
+    return StageResult({k: v for k, v in facts.items() if not isinstance(v, list)},
+                       series={k: v for k, v in facts.items() if isinstance(v, list)})
+
+
+def prime_head(ctx: StageContext):
+    """The PRIME head of this run (None when ``prime.mode`` was off): the prime stage's, or
+    read back from the ``prime`` table and the stage's record."""
+    rec = ctx.records.get("prime", {})
+    if rec.get("prime.mode", "off") == "off":
+        return None
+    return ctx.memo.get("prime") or prime.head_from_table(ctx.tables.read("prime"), rec)
 
 
 def predict_stage(ctx: StageContext) -> StageResult:
@@ -342,8 +400,11 @@ def predict_stage(ctx: StageContext) -> StageResult:
     else:                                   # the train stage's model, as its tables hold it
         for t in ("slots", "weights"):
             ctx.tables.note_read(t)
+    head = prime_head(ctx)
+    if head is not None and ctx.memo.get("prime") is not None:
+        ctx.tables.note_read("prime")
     with ctx.timer.stage("predict"):
-        write_predictions(ctx.tables, model, ctx.params, "test")
+        write_predictions(ctx.tables, prime_model.with_head(model, head), ctx.params, "test")
     return StageResult({"n_test": ing.n_test})
 
 
@@ -359,10 +420,19 @@ def evaluate_stage(ctx: StageContext) -> StageResult:
     with ctx.timer.stage("evaluate"):
         m = evaluation.run(tables.read("predictions"), tables.read("test"), counts, ing.n_train,
                            ctx.params.eval, label_depth=depth)
+        if ctx.records.get("prime", {}).get("prime.mode", "off") != "off":     # the tree's own, beside
+            m.update(tree_metrics(tables.read("tree_predictions"), tables.read("test"), counts, ing.n_train,
+                                  ctx.params, depth))
         metrics = {k: round(v, 4) for k, v in m.items()}
         tables.write("metrics", ctx.spark.createDataFrame(sorted(metrics.items()), "metric string, value double"))
-    log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "depth@"))})
+    log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "depth@", "tree_p@"))})
     return StageResult(metrics=metrics)
+
+
+def tree_metrics(tree_predictions, test, counts, n_train: int, params: PipelineParams, depth) -> Dict[str, float]:
+    """P@k, nDCG@k, PSP@k, recall@k and depth@k of the tree alone, as ``tree_<metric>``."""
+    m = evaluation.run(tree_predictions, test, counts, n_train, params.eval, label_depth=depth)
+    return {f"tree_{k}": v for k, v in m.items()}
 
 
 # ---- commands -------------------------------------------------------------------------------
@@ -481,11 +551,16 @@ def plot_sweep(results, path: str, ks) -> None:
 def load_model(spark, folder, params: PipelineParams):
     """A saved model folder: whole in memory, or sharded (weights read by the tasks) when it is
     chunked and bigger than ``predict.max_broadcast_mb``."""
+    head = prime_model.PrimeHead.load(folder)
     if is_chunked(folder):
         model = sharded.load(spark, str(folder))
         if model.nbytes > broadcast_bound(spark, params.predict):
+            if head is not None:
+                from .params import ConfigError
+                raise ConfigError(f"{folder} has PRIME (prime/) but its weights exceed predict.max_broadcast_mb: "
+                                  "PRIME needs the tree model whole; raise the bound")
             return model
-    return XMCModel.load(folder)
+    return prime_model.with_head(XMCModel.load(folder), head)
 
 
 def predict(spark, model, data: str, out: str, params: PipelineParams) -> Dict:
@@ -506,6 +581,8 @@ def predict(spark, model, data: str, out: str, params: PipelineParams) -> Dict:
         counts = model.label_counts if model.label_counts is not None else evaluation.label_counts(df, model.n_labels)
         m = evaluation.run(tables.read("predictions"), df, counts, n_train, params.eval,
                            label_depth=model.label_depth())
+        if isinstance(model, prime_model.PrimedModel):
+            m.update(tree_metrics(tables.read("tree_predictions"), df, counts, n_train, params, model.label_depth()))
         result.update({k: round(v, 4) for k, v in m.items()})
     (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))
     return result

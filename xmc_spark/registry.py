@@ -15,9 +15,13 @@ tree        eagle        ``train``                                   ``label_emb
 train       tree         ``train``, ``tree``                         ``weights``, ``slots`` (+ ``matcher``,
                                                                      ``clusters``, ``negatives``), the
                                                                      model folder
-predict     train        ``test``, ``slots``, ``weights``            ``predictions``
-evaluate    predict      ``predictions``, ``test``, ``train``,       ``metrics``
-                         ``slots``
+prime       train        ``train``, ``slots``, ``weights``,          ``prime`` (encoder rows and label
+                         ``label_embeddings``                        prototypes; mode off: nothing), the
+                                                                     model folder's ``prime/``
+predict     prime        ``test``, ``slots``, ``weights``,           ``predictions`` (+ ``tree_predictions``
+                         ``prime``                                   when PRIME is on)
+evaluate    predict      ``predictions``, ``test``, ``train``,       ``metrics`` (+ ``tree_p@k``...)
+                         ``slots`` (+ ``tree_predictions``)
 ==========  ===========  ==========================================  ====================================
 
 A stage may run only when every stage it needs (directly or through others) has a record for
@@ -58,9 +62,14 @@ STAGES: Dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("train", f"{_P}:train_stage", ("tree",), ("train", "tree"),
               ("weights", "slots", "matcher", "clusters", "negatives"), ("train", "clusters", "predict"),
               help="node classifiers (and overlapping clusters); the model folder"),
-    StageSpec("predict", f"{_P}:predict_stage", ("train",), ("test", "slots", "weights"), ("predictions",),
-              ("predict",), needs_test=True, help="beam search over the test table"),
-    StageSpec("evaluate", f"{_P}:evaluate_stage", ("predict",), ("predictions", "test", "train", "slots"),
+    StageSpec("prime", f"{_P}:prime_stage", ("train",), ("train", "slots", "weights", "label_embeddings"),
+              ("prime",), ("prime",), help="PRIME label prototypes: a retriever or a re-ranker of the tree "
+              "(prime.mode; off: nothing to do)"),
+    StageSpec("predict", f"{_P}:predict_stage", ("prime",), ("test", "slots", "weights", "prime"),
+              ("predictions", "tree_predictions"), ("predict",), needs_test=True,
+              help="beam search over the test table (and PRIME, when on)"),
+    StageSpec("evaluate", f"{_P}:evaluate_stage", ("predict",),
+              ("predictions", "test", "train", "slots", "tree_predictions"),
               ("metrics",), ("eval",), needs_test=True, help="P@k, nDCG@k, PSP@k, recall@k, depth@k"),
 )}
 ORDER: Tuple[str, ...] = tuple(STAGES)

@@ -70,6 +70,12 @@ TABLES: Dict[str, T.StructType] = {
                              _col("score", T.FloatType())]),
     "predictions": T.StructType([_col("sample_id", T.LongType()), _col("pred_labels", _INTS),
                                  _col("pred_scores", _FLOATS)]),
+    # prime.mode = retrieve | rerank: the tree's own top-k, evaluated beside the final predictions
+    "tree_predictions": T.StructType([_col("sample_id", T.LongType()), _col("pred_labels", _INTS),
+                                      _col("pred_scores", _FLOATS)]),
+    # PRIME's inference weights, one row per matrix row: name E (features x dim), Z (labels x
+    # dim), W_res (dim x dim) / b_res (one row) with prime.residual
+    "prime": T.StructType([_col("name", T.StringType()), _col("row", T.LongType()), _col("vec", _FLOATS)]),
     "metrics": T.StructType([_col("metric", T.StringType()), _col("value", T.DoubleType())]),
     "stage_info": T.StructType([_col("stage", T.StringType()), _col("info", T.StringType()),
                                 _col("seconds", T.DoubleType())]),

@@ -30,7 +30,8 @@ if dag is not None:
     out["schedule"] = str(getattr(dag, "schedule_interval", None) or dag.schedule)   # Airflow 2 / 3
     rejected = {}
     for key, bad in (("max_leaf_size", 1), ("tree_lambda", 3), ("eagle_mode", "nope"), ("environment", "gcp"),
-                     ("train", ""), ("beam_size", "ten")):
+                     ("train", ""), ("beam_size", "ten"),
+                     ("prime_mode", "on")):
         p = copy.deepcopy(dag.params)
         try:
             p.update({key: bad})

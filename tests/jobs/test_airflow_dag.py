@@ -65,6 +65,7 @@ def test_dag_loads_with_one_spark_submit_task_per_stage(tmp_path):
     assert cmd[cmd.index("--run-key") + 1] == DS and cmd[-1] != DS
     assert str(ROOT / "jobs" / "tree.py") in cmd and str(ROOT / "conf" / "databricks.yaml") in cmd
     assert "tree.max_leaf_size=16" in cmd and "--train" not in cmd
+    assert "prime.mode=off" in cmd and "prime.mode=off" in out["commands"]["prime"]     # PRIME's default
     assert "--train" in out["commands"]["ingest"]
 
 

@@ -679,8 +679,9 @@ def candidate_scores(hq: np.ndarray, Z: np.ndarray, cand: np.ndarray, chunk: int
 def rerank(cand: np.ndarray, tree_scores: np.ndarray, prime_scores: np.ndarray, weight: float):
     """Re-rank each row's candidates by ``weight * tree + (1 - weight) * prime`` (a stable sort,
     so weight 1 keeps the tree's order); -1 candidates stay last. Returns (labels, scores)."""
-    final = weight * np.asarray(tree_scores, np.float64) + (1.0 - weight) * np.asarray(prime_scores, np.float64)
-    final = np.where(cand >= 0, final, -np.inf)
+    ok = cand >= 0                       # -1 candidates may carry -inf: keep them out of the sum
+    final = weight * np.where(ok, tree_scores, 0.0) + (1.0 - weight) * np.where(ok, prime_scores, 0.0)
+    final = np.where(ok, final, -np.inf)
     order = np.argsort(-final, axis=1, kind="stable")
     return np.take_along_axis(cand, order, 1), np.take_along_axis(final, order, 1)
 

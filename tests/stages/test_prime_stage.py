@@ -1,0 +1,122 @@
+"""The PRIME stage on Spark agrees with the numpy kernel (kernels.prime) on a tiny synth set:
+retrieval = kernels.prime.retrieve, re-ranking = kernels.prime.rerank, weight 1 = the tree's
+order; the head survives the ``prime`` table; mode off leaves the stage a no-op."""
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from tests.stages.conftest import samples_frame
+from xmc_spark import prime_model, synth
+from xmc_spark.arrow_utils import csr_from_table
+from xmc_spark.kernels import prime as PR
+from xmc_spark.kernels.sparse import l2_normalize_rows
+from xmc_spark.model import XMCModel
+from xmc_spark.params import EmbeddingParams, PipelineParams, PrimeParams, TreeParams
+from xmc_spark.stages import label_embedding, prediction
+from xmc_spark.stages import prime as stage
+
+N_TRAIN, N_TEST, L, D = 400, 120, 30, 150
+
+
+def _synth(start, count):
+    p, proto = synth.label_model(L, D, seed=3)
+    t = synth.make_rows(start, count, p, proto, D, seed=3)
+    X = sp.csr_matrix(l2_normalize_rows(csr_from_table(t, "feature_idx", "feature_val", D)), dtype=np.float32)
+    return X, sp.csr_matrix(csr_from_table(t, "label_idx", None, L), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def trained(spark):
+    """A tree, the samples frames and a PRIME head trained by the stage (2 epochs, dim 8)."""
+    X, Y = _synth(0, N_TRAIN)
+    Xt, Yt = _synth(N_TRAIN, N_TEST)
+    samples, test = samples_frame(spark, X, Y, partitions=2), samples_frame(spark, Xt, Yt, partitions=2)
+    tree = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
+    emb = label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=2)
+    prm = PrimeParams(mode="rerank", K=12, hard_k=5, epochs=2, dim=8, ffn=16, batch_size=64, val_frac=0.2)
+    counts = np.asarray((Y > 0).sum(axis=0)).ravel()
+    head, facts = stage.run(samples, emb, tree, counts, prm, N_TRAIN, D, L, beam_size=3)
+    return tree, head, facts, test, Xt, prm
+
+
+def _collect(df):
+    rows = sorted(df.collect(), key=lambda r: r["sample_id"])
+    return [list(r["pred_labels"]) for r in rows], [list(r["pred_scores"]) for r in rows]
+
+
+def test_stage_trains_streaming_and_chooses_on_held_out_training_rows(trained):
+    tree, head, facts, _, _, prm = trained
+    assert len(facts["prime.loss"]) == prm.epochs and np.isfinite(facts["prime.loss"]).all()
+    assert len(facts["prime.val_retrieve_mean_p"]) == prm.epochs + 1          # epoch 0 = the PIFA start
+    assert 0 <= facts["prime.epoch"] <= prm.epochs
+    assert 0.1 * N_TRAIN < facts["prime.n_held_out"] < 0.3 * N_TRAIN         # val_frac 0.2 by a hash
+    assert facts["prime.val_rerank_mean_p"] >= facts["prime.val_tree_mean_p"]  # the grid holds weight 1
+    assert 0.0 <= head.weight <= 1.0 and head.weight == facts["prime.weight"]
+    assert head.weights["E"].shape == (D, 8) and head.weights["Z"].shape == (L, 8)
+    np.testing.assert_allclose(np.linalg.norm(head.weights["Z"], axis=1), 1.0, rtol=1e-5)
+
+
+def test_held_out_share_is_capped(spark):
+    df = spark.range(0, 2000).withColumnRenamed("id", "sample_id")
+    frac = stage.val_fraction(PrimeParams(val_frac=0.5, val_max_rows=100), 2000)
+    assert frac == pytest.approx(0.05)
+    n = df.filter(stage.is_held_out(frac, 0)).count()
+    assert 60 < n < 140
+    assert df.filter(stage.is_held_out(frac, 0)).count() == n            # deterministic
+
+
+def test_spark_retrieval_equals_kernel_retrieve(trained):
+    tree, head, _, test, Xt, _ = trained
+    ret = dataclasses.replace(head, mode="retrieve")
+    labels, scores = _collect(prediction.run(test, prime_model.PrimedModel(tree, ret), 3, 5))
+    want, want_sc = PR.retrieve(ret.encode(Xt), ret.weights["Z"], 5)
+    assert labels == want.tolist()
+    np.testing.assert_allclose(np.array(scores), want_sc, rtol=1e-5, atol=1e-6)
+
+
+def test_spark_rerank_equals_kernel_rerank_and_weight_one_is_the_tree(trained):
+    tree, head, _, test, Xt, _ = trained
+    for w in (0.3, 1.0):
+        h = dataclasses.replace(head, weight=w)
+        labels, _ = _collect(prediction.run(test, prime_model.PrimedModel(tree, h), 3, 5))
+        cand, ts = tree.predict(Xt, beam_size=3, topk=h.K)
+        want, _ = PR.rerank(cand, ts, PR.candidate_scores(h.encode(Xt), h.weights["Z"], cand), w)
+        assert labels == [[int(x) for x in r if x >= 0] for r in want[:, :5]]
+        if w == 1.0:
+            tlab, _ = tree.predict(Xt, beam_size=3, topk=5)
+            assert labels == [[int(x) for x in r if x >= 0] for r in tlab]
+        else:   # mixing changes some order on this set (else the test could not tell)
+            tlab, _ = tree.predict(Xt, beam_size=3, topk=5)
+            assert labels != [[int(x) for x in r if x >= 0] for r in tlab]
+
+
+def test_head_round_trips_through_the_prime_table_and_the_folder(trained, spark, tmp_path):
+    _, head, facts, _, Xt, _ = trained
+    back = stage.head_from_table(spark.createDataFrame(stage.head_frame(head)), facts)
+    assert (back.mode, back.K, back.weight) == (head.mode, head.K, head.weight)
+    for k in ("E", "Z"):
+        np.testing.assert_array_equal(back.weights[k], head.weights[k])
+    head.save(tmp_path)
+    loaded = prime_model.PrimeHead.load(tmp_path)
+    np.testing.assert_array_equal(loaded.encode(Xt), head.encode(Xt))
+    assert prime_model.PrimeHead.load(tmp_path / "nothing") is None
+
+
+def test_mode_off_only_records_itself_and_predicts_with_the_tree(trained, spark, tmp_path):
+    from xmc_spark.pipeline import prime_head, prime_stage
+    from xmc_spark.registry import STAGES
+    from xmc_spark.runner import StageContext, StageTimer
+    from xmc_spark.tracking import Tracker
+    tree, head, _, _, _, _ = trained
+    head.save(tmp_path)                                  # a prime/ left by an earlier run
+    params = PipelineParams()
+    assert params.prime.mode == "off"
+    ctx = StageContext(spark, STAGES["prime"], params, None, {}, StageTimer(0), Tracker(params.mlflow, enabled=False),
+                       model_dir=str(tmp_path))
+    assert prime_stage(ctx).facts == {"prime.mode": "off"}
+    assert not (tmp_path / "prime").exists()
+    ctx.records["prime"] = {"prime.mode": "off"}
+    assert prime_head(ctx) is None
+    assert prime_model.with_head(tree, prime_head(ctx)) is tree        # predict runs the tree alone

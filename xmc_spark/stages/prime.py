@@ -1,0 +1,256 @@
+"""The PRIME stage (issue #13): label prototypes trained after node training, as a retriever or
+a re-ranker of the tree (``prime.mode``), around the numpy core :mod:`xmc_spark.kernels.prime`.
+
+Where each part runs and what it holds:
+
+* **Shortlist** (Spark, Arrow batches): the tree model's beam search over every training row
+  (:func:`~.prediction.map_with_model`, the model broadcast as for prediction) gives its top
+  ``max(prime.hard_k, prime.K)`` labels and scores: the first ``hard_k`` are PRIME's hard
+  negatives, the top ``K`` of the held-out rows are the re-rank candidates on which the mixing
+  weight is chosen.
+* **Split**: a training row is held out when a hash of its ``sample_id`` falls below
+  ``min(prime.val_frac, prime.val_max_rows / n)``; the held-out (validation) rows choose the
+  epoch and the re-rank weight, never the test set, and are not trained on. They (at most about
+  ``val_max_rows``) and their candidates are collected to the driver.
+* **Optimizer** (one process, the driver's Python): the other training rows, joined with their
+  shortlist, are packed by a Spark job into Arrow IPC blobs of at most
+  ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows (one binary value per batch, no per-row
+  Python), checkpointed on the executors, and streamed with ``toLocalIterator`` once per epoch;
+  each blob's rows are permuted and cut into mini-batches of ``prime.batch_size`` for
+  :func:`~xmc_spark.kernels.prime.train_step` (AdamW). The process holds the parameters and
+  their Adam moments (O(features x dim + labels x dim + the LPN's dim x ffn)), the label-side
+  state (centroids, free vectors: O(labels x dim)), the PIFA label features (the tree stage's
+  ``label_embeddings`` table, the encoder's input for h_l), the held-out rows and one blob,
+  never all training rows. One process rather than local steps per partition with averaging:
+  the Adam moments and the centroids (Eq. 4) are sequential state that averaging per epoch
+  would blur, and on 2 cores a second replica buys nothing.
+* **Inference** (Spark, Arrow batches): only the encoder and the prototypes Z (the LPN applied
+  once to every label, dropout off) are kept (:class:`~xmc_spark.prime_model.PrimeHead`); the
+  predict stage broadcasts them with the tree and scores every batch (exact inner product over
+  all prototypes, or the tree's top K re-ranked).
+
+The head is written to the ``prime`` table (one row per matrix row; the stage record holds
+mode, K and weight) for the predict stage, and to the model folder's ``prime/``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Dict, Iterator, Tuple
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import scipy.sparse as sp
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from ..arrow_utils import csr_from_table, list_array, list_offsets_values, to_arrow
+from ..kernels import metrics as M
+from ..kernels import prime as PR
+from ..params import ConfigError, PrimeParams
+from ..prime_model import PrimeHead
+from .prediction import map_with_model
+
+log = logging.getLogger("xmc_spark.stages.prime")
+
+KS = (1, 3, 5)
+HASH_BUCKETS = 100_000
+SHORTLIST_SCHEMA = "sample_id long, cand array<int>, cand_scores array<float>"
+
+
+def val_fraction(prm: PrimeParams, n_rows: int) -> float:
+    """The held-out share of the training rows: ``val_frac``, capped at ``val_max_rows`` rows."""
+    return min(prm.val_frac, prm.val_max_rows / max(n_rows, 1))
+
+
+def is_held_out(frac: float, seed: int):
+    """Column: the row is held out (a hash of ``sample_id`` and the seed below ``frac``)."""
+    bucket = F.pmod(F.xxhash64(F.col("sample_id"), F.lit(int(seed))), F.lit(HASH_BUCKETS))
+    return bucket < F.lit(int(round(frac * HASH_BUCKETS)))
+
+
+def shortlist(samples: DataFrame, model, beam_size: int, k: int) -> DataFrame:
+    """(sample_id, cand, cand_scores): the tree's top ``k`` labels of every row (beam search,
+    best first, fewer when the beam reaches fewer)."""
+    def score(m, t, X):
+        labels, scores = m.predict(X, beam_size=beam_size, topk=k)
+        keep = labels >= 0
+        off = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
+        return pa.RecordBatch.from_arrays(
+            [t.column("sample_id").combine_chunks(), list_array(off, labels[keep].astype(np.int32), pa.int32()),
+             list_array(off, scores[keep].astype(np.float32), pa.float32())],
+            names=["sample_id", "cand", "cand_scores"])
+
+    return map_with_model(samples, model, score, SHORTLIST_SCHEMA, kind="prime shortlist")
+
+
+def padded(table: pa.Table, column: str, k: int, fill, dtype) -> np.ndarray:
+    """List column -> n x k array, each row's first k values, padded with ``fill``."""
+    off, val = list_offsets_values(table, column)
+    n = len(off) - 1
+    cnt = np.minimum(np.diff(off), k)
+    out = np.full((n, k), fill, dtype)
+    rows = np.repeat(np.arange(n), cnt)
+    cols = np.arange(cnt.sum()) - np.repeat(np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
+    out[rows, cols] = val[np.repeat(off[:-1], cnt) + cols]
+    return out
+
+
+def unpack(table: pa.Table, n_features: int, n_labels: int, hard_k: int):
+    """(X, Y, shortlist n x hard_k, -1 padded) of a table of training rows with ``cand``."""
+    X = csr_from_table(table, "feature_idx", "feature_val", n_features)
+    Y = csr_from_table(table, "label_idx", None, n_labels)
+    S = padded(table, "cand", hard_k, -1, np.int64) if hard_k else None
+    return X, Y, S
+
+
+def pack(df: DataFrame) -> DataFrame:
+    """One binary row (an Arrow IPC stream) per Arrow batch of ``df``: what the optimizer streams."""
+    def fn(batches):
+        for b in batches:
+            if b.num_rows:
+                sink = pa.BufferOutputStream()
+                with pa.ipc.new_stream(sink, b.schema) as w:
+                    w.write_batch(b)
+                yield pa.RecordBatch.from_arrays([pa.array([sink.getvalue().to_pybytes()], pa.binary())],
+                                                 names=["blob"])
+    return df.mapInArrow(fn, "blob binary")
+
+
+def stream(packed: DataFrame) -> Iterator[pa.Table]:
+    """The packed batches, one at a time, on the driver."""
+    for row in packed.toLocalIterator():
+        yield pa.ipc.open_stream(row["blob"]).read_all()
+
+
+def label_features(emb: DataFrame, n_labels: int, n_features: int) -> sp.csr_matrix:
+    """The ``label_embeddings`` table (PIFA rows) as labels x features CSR; absent labels are empty."""
+    t = to_arrow(emb.select("label_idx", "emb_idx", "emb_val"))
+    rows = np.asarray(t.column("label_idx").to_numpy(zero_copy_only=False), np.int64)
+    part = csr_from_table(t, "emb_idx", "emb_val", n_features)
+    order = np.zeros(n_labels, np.int64)
+    full = sp.vstack([part, sp.csr_matrix((1, n_features), dtype=part.dtype)]).tocsr()
+    order[:] = part.shape[0]                  # the empty row
+    order[rows] = np.arange(len(rows))
+    return full[order]
+
+
+def mean_precision(labels: np.ndarray, Y: sp.csr_matrix) -> float:
+    m = M.evaluate(labels[:, :max(KS)], Y, np.ones(Y.shape[1]), KS)
+    return float(np.mean([m[f"p@{k}"] for k in KS]))
+
+
+def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.ndarray, n_rows: int,
+          prm: PrimeParams, n_features: int, eval_params=None) -> Tuple[PR.PrimeModel, Dict]:
+    """Train PRIME streaming the rows of ``fit`` (training rows with ``cand``), one process.
+
+    ``val`` = (X, Y) of the held-out rows: after every epoch the standalone retrieval's mean
+    P@1/3/5 on them is measured and, with ``prime.select_epoch``, the best epoch's state kept.
+    Returns the model and facts (losses per epoch, held-out scores, the chosen epoch)."""
+    kp = prm.kernel(*((eval_params.propensity_a, eval_params.propensity_b) if eval_params else ()))
+    model = PR.init_from_pifa(Z_pifa, kp)
+    n_labels = model.n_labels
+    inv_prop = PR.inverse_propensities(np.asarray(label_counts), n_rows, kp)
+    rng = np.random.default_rng(prm.seed + 1)
+    opt = PR.Optimizer()
+    Xv, Yv = val
+    packed = pack(fit.select("feature_idx", "feature_val", "label_idx", "cand")).localCheckpoint()
+
+    def held_out() -> float:
+        return mean_precision(PR.retrieve(PR.encode(model, Xv), PR.prototypes(model), max(KS))[0], Yv) \
+            if Xv.shape[0] else float("nan")
+
+    scores = [held_out()]                        # epoch 0: the PIFA-initialized model
+    best = {"score": scores[0], "epoch": 0, "weights": copy.deepcopy(model.weights),
+            "centroids": model.centroids.copy()}
+    for ep in range(prm.epochs):
+        total, nb = 0.0, 0
+        for t in stream(packed):
+            X, Y, S = unpack(t, n_features, n_labels, prm.hard_k)
+            perm = rng.permutation(X.shape[0])
+            for s in range(0, len(perm), prm.batch_size):
+                b = np.sort(perm[s:s + prm.batch_size])
+                total += PR.train_step(model, opt, X[b], Y[b], inv_prop, rng, None if S is None else S[b])
+                nb += 1
+        model.history.append(total / max(nb, 1))
+        scores.append(held_out())
+        log.info("prime epoch %d: loss %.4f, held-out mean P@1/3/5 %.2f", ep + 1, model.history[-1], scores[-1])
+        if not prm.select_epoch or not scores[-1] <= best["score"]:
+            best = {"score": scores[-1], "epoch": ep + 1, "weights": copy.deepcopy(model.weights),
+                    "centroids": model.centroids.copy()}
+    packed.unpersist()
+    model.weights, model.centroids = best["weights"], best["centroids"]
+    return model, {"prime.loss": [round(v, 6) for v in model.history],
+                   "prime.val_retrieve_mean_p": [round(v, 4) for v in scores], "prime.epoch": best["epoch"]}
+
+
+def run(samples: DataFrame, label_embeddings: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams,
+        n_rows: int, n_features: int, n_labels: int, beam_size: int, eval_params=None) -> Tuple[PrimeHead, Dict]:
+    """Shortlist, split, train, choose the re-rank weight: the :class:`PrimeHead` and the facts."""
+    from .sharded import ShardedModel
+    if isinstance(tree, ShardedModel):
+        raise ConfigError("prime.mode needs a tree model within predict.max_broadcast_mb (the model is sharded): "
+                          "raise the bound or set prime.mode=off")
+    frac = val_fraction(prm, n_rows)
+    k = max(prm.hard_k, prm.K)
+    rows = samples.filter(F.size("label_idx") > 0).select("sample_id", "feature_idx", "feature_val", "label_idx")
+    with_cand = rows.join(shortlist(rows, tree, beam_size, k), "sample_id").withColumn(
+        "held_out", is_held_out(frac, prm.seed))
+    fit = with_cand.filter(~F.col("held_out")).withColumn("cand", F.slice("cand", 1, max(prm.hard_k, 1)))
+    vt = to_arrow(with_cand.filter(F.col("held_out")).drop("held_out").orderBy("sample_id"))
+    Xv = csr_from_table(vt, "feature_idx", "feature_val", n_features)
+    Yv = csr_from_table(vt, "label_idx", None, n_labels)
+    log.info("prime: %d held-out training rows (%.1f%%) choose the epoch and the re-rank weight", Xv.shape[0],
+             100 * frac)
+    model, facts = train(fit, (Xv, Yv), label_features(label_embeddings, n_labels, n_features), label_counts,
+                         n_rows, prm, n_features, eval_params)
+    Z = PR.prototypes(model)
+    weights = {"E": model.weights["E"], "Z": Z.astype(np.float32)}
+    if prm.residual:
+        weights.update(W_res=model.weights["W_res"], b_res=model.weights["b_res"])
+    head = PrimeHead(prm.mode, prm.K, 1.0, weights, prm.residual)
+    facts.update({"prime.mode": prm.mode, "prime.K": prm.K, "prime.n_held_out": int(Xv.shape[0])})
+    if Xv.shape[0]:
+        cand = padded(vt, "cand", prm.K, -1, np.int64)
+        tree_sc = padded(vt, "cand_scores", prm.K, -np.inf, np.float64)
+        prime_sc = PR.candidate_scores(head.encode(Xv), Z, cand)
+        w, table = PR.choose_weight(cand, tree_sc, prime_sc, Yv)
+        facts.update({"prime.val_tree_mean_p": round(table[1.0], 4), "prime.val_rerank_mean_p": round(table[w], 4)})
+        if prm.mode == "rerank":
+            head.weight = w
+    elif prm.mode == "rerank":
+        log.warning("prime: no held-out training rows (prime.val_frac x rows < 1): re-rank weight 1 (the tree)")
+    facts["prime.weight"] = head.weight
+    head.info = {k: v for k, v in facts.items() if not isinstance(v, list)}
+    return head, facts
+
+
+# ---- the head as a table (the predict stage of another process reads it) --------------------
+def head_frame(head: PrimeHead) -> pd.DataFrame:
+    parts = []
+    for name in ("E", "Z", "W_res", "b_res"):
+        if name in head.weights:
+            a = np.atleast_2d(head.weights[name]).astype(np.float32)
+            parts.append(pd.DataFrame({"name": name, "row": np.arange(a.shape[0], dtype=np.int64), "vec": list(a)}))
+    return pd.concat(parts, ignore_index=True)
+
+
+def head_from_table(df: DataFrame, facts: Dict) -> PrimeHead:
+    """The head the prime stage wrote (table ``prime``) with the mode, K and weight of its record."""
+    t = to_arrow(df.select("name", "row", "vec"))
+    names = np.asarray(t.column("name").to_pylist())
+    rows = np.asarray(t.column("row").to_numpy(zero_copy_only=False))
+    off, val = list_offsets_values(t, "vec")
+    weights = {}
+    for name in np.unique(names):
+        sel = np.flatnonzero(names == name)
+        sel = sel[np.argsort(rows[sel])]
+        dim = int(off[sel[0] + 1] - off[sel[0]])
+        a = val[off[sel][:, None] + np.arange(dim)]           # every row of one matrix has its width
+        weights[str(name)] = a.astype(np.float32).ravel() if name == "b_res" else a.astype(np.float32)
+    if "E" not in weights or "Z" not in weights:
+        raise ConfigError("the prime table lacks the encoder or the prototypes: rerun `xmc-spark stage prime`")
+    return PrimeHead(facts["prime.mode"], int(facts["prime.K"]), float(facts["prime.weight"]), weights,
+                     "W_res" in weights, {k: v for k, v in facts.items() if k.startswith("prime.")})
+
