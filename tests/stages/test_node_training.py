@@ -72,9 +72,49 @@ def test_big_nodes_count_the_routed_rows(problem, index, spark):
     samples, Xl, _ = problem
     n = Xl.shape[0]
     bindex = share(samples, index)
-    assert list(node_training.big_nodes(samples, bindex, n - 1, n)) == [0]
+    big, rows = node_training.big_nodes(samples, bindex, n - 1, n)
+    assert list(big) == [0] and list(rows) == [n]
     routed = spark.createDataFrame([(i, [1, 2]) for i in range(n)], node_training.ROUTED_SCHEMA)
-    assert list(node_training.big_nodes(node_training.with_routed(samples, routed), bindex, n - 1, n)) == [0, 1, 2]
+    big, rows = node_training.big_nodes(node_training.with_routed(samples, routed), bindex, n - 1, n)
+    assert list(big) == [0, 1, 2] and list(rows) == [n, n, n]
+
+
+def test_big_rows_are_packed_without_loss(problem, index, spark):
+    """The packed blocks the distributed solver reads hold exactly the fanned-out rows: per node,
+    the features with the bias column, C x sample weight, and the positives with their label
+    weights, as the kernel's node problem builds them."""
+    from xmc_spark.compat import share
+    samples, Xl, Yl = problem
+    tp = TrainParams(C=2.0, bias=0.5)
+    big = _split(index, Yl)
+    kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
+    node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])])
+    rows = node_training._big_rows(samples, share(samples, index), big, node_ptr).repartition(3)
+    packed = rows.mapInArrow(node_training._pack_rows(D, int(node_ptr[-1]), tp.bias, tp.C),
+                             node_training.PACK_SCHEMA)
+    blocks = [rb for b in packed.toArrow().to_batches()
+              for rb in node_training._unpack(b, D + 1, int(node_ptr[-1]))]
+    Xb = append_bias(Xl, tp.bias)
+    for j, g in enumerate(big):
+        mine = [rb for rb in blocks if rb.node[0] == j]
+        assert all(np.all(rb.node == j) for rb in mine)
+        X = sp.vstack([rb.X for rb in mine]).toarray()
+        P = sp.vstack([rb.pos for rb in mine]).toarray()[:, node_ptr[j]:node_ptr[j + 1]]
+        cost = np.concatenate([rb.cost for rb in mine])
+        _, Xg, Yg, _ = _node_problem(index, int(g), Xb, Yl, None)
+        order = np.lexsort(X.T[::-1])            # the blocks' row order is Spark's: compare sorted rows
+        ref = np.lexsort(Xg.toarray().T[::-1])
+        np.testing.assert_array_equal(X[order], Xg.toarray()[ref])
+        np.testing.assert_array_equal(P[order], Yg.toarray()[ref])
+        np.testing.assert_array_equal(cost, np.full(len(cost), tp.C))
+
+
+def test_big_row_partitions(spark):
+    """As many partitions as tasks run at once, more only where one would exceed the bound."""
+    from xmc_spark.compat import default_parallelism
+    slots = default_parallelism(spark)
+    assert node_training.big_row_partitions(spark, 10, 1000) == slots
+    assert node_training.big_row_partitions(spark, 100 * slots + 1, 10) == 10 * slots + 1
 
 
 def test_routed_nodes_job_equals_the_models_beam(problem, index, spark):

@@ -9,7 +9,9 @@ node, the dual coordinate descent kernel (:func:`..model.train_group`).
 min_w 0.5 ||w||^2 + sum_i C_i max(0, 1 - y_i w^T x_i)^2 per classifier, solved in the primal
 by trust-region Newton (:mod:`..kernels.tron`) with the rows left spread over the partitions.
 The big nodes' rows (of every level) are fanned out once, tagged with their node and their
-positive classifiers, repartitioned over ``spark.sql.shuffle.partitions`` and persisted. Then
+positive classifiers, repartitioned over as many partitions as Spark runs tasks at once (more
+where a partition would exceed the bound: :func:`big_row_partitions`), packed into CSR blocks
+in binary columns (:func:`_pack_rows`) and persisted. Then
 one TRON loop runs on the driver for all big nodes' classifiers at once: every function /
 gradient evaluation and every Hessian-vector product of a CG step is one Spark query over the
 persisted rows (``mapInArrow``: per-partition partial sums, cut into blocks of
@@ -53,7 +55,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
-from ..compat import share, shuffle_partitions
+from ..compat import default_parallelism, share
 from ..kernels import tron
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TreeIndex
@@ -67,6 +69,8 @@ GROUPED_SCHEMA = ("group long, sample_id long, feature_idx array<int>, feature_v
                   "label_idx array<int>, weight float")
 BIG_SCHEMA = ("node int, feature_idx array<int>, feature_val array<float>, weight float, "
               "pos array<int>, pos_w array<float>")
+PACK_SCHEMA = ("node int, rows int, x_ptr binary, x_idx binary, x_val binary, cost binary, "
+               "p_ptr binary, p_idx binary, p_val binary")
 PARTIAL_SCHEMA = "block int, part int, vals array<double>"
 ROUTED_SCHEMA = ddl("negatives")
 BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
@@ -111,11 +115,13 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
         return _weights_table(is_leaf, children, idx, val)
 
     grouped = samples.mapInArrow(expand, schema)
-    big = big_nodes(samples, bindex, node_row_bound(samples.sparkSession, params), n_samples)
+    bound = node_row_bound(samples.sparkSession, params)
+    big, big_rows = big_nodes(samples, bindex, bound, n_samples)
     if not len(big):
         return grouped_apply(grouped, ["group"], train, WEIGHTS_SCHEMA)
     small = grouped.where(~F.col("group").isin([int(g) for g in big]))
-    big_weights = train_big_nodes(samples, index, bindex, big, n_features, params)
+    parts = big_row_partitions(samples.sparkSession, int(big_rows.sum()), bound)
+    big_weights = train_big_nodes(samples, index, bindex, big, n_features, params, parts)
     return grouped_apply(small, ["group"], train, WEIGHTS_SCHEMA).unionByName(big_weights)
 
 
@@ -219,15 +225,16 @@ def node_row_bound(spark, params: TrainParams) -> int:
     return auto_row_bound(spark) if b is None else b
 
 
-def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] = None) -> np.ndarray:
-    """Nodes with more than ``bound`` training rows (sorted). No node has more rows than there
-    are samples (the root has them all), so nodes are counted only when the samples exceed
-    the bound: one aggregation over the label lists, O(nodes) rows to the driver."""
+def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] = None):
+    """(nodes with more than ``bound`` training rows (sorted), their rows). No node has more
+    rows than there are samples (the root has them all), so nodes are counted only when the
+    samples exceed the bound: one aggregation over the label lists, O(nodes) rows to the driver."""
+    none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     if bound <= 0:
-        return np.zeros(0, np.int64)
+        return none
     n = samples.count() if n_samples is None else int(n_samples)
     if n <= bound:
-        return np.zeros(0, np.int64)
+        return none
 
     def count(batches):
         for *_, groups in _fan_out(bindex, batches):
@@ -238,10 +245,12 @@ def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] =
     counts = to_arrow(samples.select("label_idx", *routed).mapInArrow(count, "group long, rows long")
                       .groupBy("group").agg(F.sum("rows").alias("rows")))
     g, c = counts.column("group").to_numpy(), counts.column("rows").to_numpy()
-    big = np.sort(g[c > bound])
+    order = np.argsort(g)
+    g, c = g[order], c[order]
+    big = c > bound
     log.info("train: %d of %d nodes have more than %d rows (largest %d): trained across tasks",
-             len(big), len(g), bound, int(c.max(initial=0)))
-    return big
+             int(big.sum()), len(g), bound, int(c.max(initial=0)))
+    return g[big], c[big]
 
 
 # ---- big nodes: distributed TRON ---------------------------------------------------------------
@@ -290,14 +299,73 @@ def _big_rows(samples: DataFrame, bindex, big: np.ndarray, node_ptr: np.ndarray)
     return samples.mapInArrow(tag, BIG_SCHEMA)
 
 
-class SparkOracle:
-    """TRON's oracle over persisted big-node rows: each call is one Spark query whose tasks
-    return per-partition partial sums by blocks, summed per block by a grouped task; the
-    driver collects the summed blocks only."""
+def big_row_partitions(spark, rows: int, bound: int) -> int:
+    """Partitions of the big nodes' rows: as many as the tasks Spark runs at once (its default
+    parallelism), more only where a partition would exceed ``bound`` rows. Every oracle query
+    runs one task per partition, and a task's fixed cost (~0.05-0.1 s: scheduling, the Python
+    worker's setup, reading the cached block) is paid per query, so the partition count, not
+    ``spark.sql.shuffle.partitions``, sets the distributed solver's per-query overhead."""
+    return max(1, default_parallelism(spark), -(-int(rows) // max(1, int(bound))))
 
-    def __init__(self, rows: DataFrame, node_ptr: np.ndarray, n_features: int, params: TrainParams):
-        self.rows, self.node_ptr = rows, np.asarray(node_ptr, np.int64)
-        self.n_features, self.bias, self.C = n_features, params.bias, params.C
+
+def _bytes(a: np.ndarray, dtype) -> bytes:
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def _pack_rows(n_features: int, n_cls: int, bias: float, C: float):
+    """``mapInArrow`` function: :data:`BIG_SCHEMA` rows -> :data:`PACK_SCHEMA` blocks, one per
+    (Arrow batch, node): the rows as CSR arrays (bias column appended, cost = C x sample weight,
+    positives as a CSR over the classifiers) in binary columns. A query then reads a few large
+    binary values per task and views them as numpy arrays, instead of converting every row's
+    lists from Spark's cache and rebuilding the matrices: what a query pays per row is the
+    arithmetic of :func:`..kernels.tron.partial_fun_grad`, not the conversion."""
+    def pack(batches):
+        for b in batches:
+            t = pa.Table.from_batches([b])
+            X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
+            P = csr_from_table(t, "pos", "pos_w", n_cls)
+            cost = C * t.column("weight").to_numpy().astype(np.float64)
+            node = t.column("node").to_numpy()
+            for j in np.unique(node):
+                r = np.flatnonzero(node == j)
+                Xj, Pj = X[r], P[r]
+                yield pa.RecordBatch.from_pydict({
+                    "node": pa.array([int(j)], pa.int32()), "rows": pa.array([len(r)], pa.int32()),
+                    "x_ptr": [_bytes(Xj.indptr, np.int64)], "x_idx": [_bytes(Xj.indices, np.int32)],
+                    "x_val": [_bytes(Xj.data, np.float32)], "cost": [_bytes(cost[r], np.float64)],
+                    "p_ptr": [_bytes(Pj.indptr, np.int64)], "p_idx": [_bytes(Pj.indices, np.int32)],
+                    "p_val": [_bytes(Pj.data, np.float32)]}, schema=_PACK_ARROW)
+    return pack
+
+
+_PACK_ARROW = pa.schema([("node", pa.int32()), ("rows", pa.int32())] + [
+    (c, pa.binary()) for c in ("x_ptr", "x_idx", "x_val", "cost", "p_ptr", "p_idx", "p_val")])
+
+
+def _unpack(b: pa.RecordBatch, d: int, n_cls: int):
+    """The :class:`~..kernels.tron.RowBlock` of every row of a :data:`PACK_SCHEMA` batch (views
+    of the Arrow buffers, no copy)."""
+    def arr(name, r, dtype):
+        v = b.column(name)[r]
+        return np.frombuffer(v.as_buffer(), dtype) if v.is_valid else np.zeros(0, dtype)
+
+    node, rows = b.column("node").to_numpy(), b.column("rows").to_numpy()
+    for r in range(b.num_rows):
+        n = int(rows[r])
+        X = sp.csr_matrix((arr("x_val", r, np.float32), arr("x_idx", r, np.int32), arr("x_ptr", r, np.int64)),
+                          shape=(n, d))
+        P = sp.csr_matrix((arr("p_val", r, np.float32), arr("p_idx", r, np.int32), arr("p_ptr", r, np.int64)),
+                          shape=(n, n_cls))
+        yield tron.RowBlock(X, np.full(n, node[r], np.int64), arr("cost", r, np.float64), P)
+
+
+class SparkOracle:
+    """TRON's oracle over the persisted, packed big-node rows (:func:`_pack_rows`): each call is
+    one Spark query whose tasks return per-partition partial sums by blocks, summed per block
+    by a grouped task; the driver collects the summed blocks only."""
+
+    def __init__(self, packed: DataFrame, node_ptr: np.ndarray, n_features: int, params: TrainParams):
+        self.rows, self.node_ptr = packed, np.asarray(node_ptr, np.int64)
         self.d = n_features + (1 if params.bias > 0 else 0)
         self.queries = 0
 
@@ -305,7 +373,7 @@ class SparkOracle:
         m, node_ptr, Wp = len(cols), self.node_ptr, _pack(W)
 
         def make():
-            Wl = _unpack(Wp)
+            Wl = _unpack_matrix(Wp)
 
             def part(rows):
                 loss, G = tron.partial_fun_grad(rows, node_ptr, Wl, cols)
@@ -319,7 +387,7 @@ class SparkOracle:
         node_ptr, Wp, Vp = self.node_ptr, _pack(W), _pack(V)
 
         def make():
-            Wl, Vl = _unpack(Wp), _unpack(Vp)
+            Wl, Vl = _unpack_matrix(Wp), _unpack_matrix(Vp)
             return lambda rows: tron.partial_hess_vec(rows, node_ptr, Wl, Vl, cols).ravel()
 
         return V + self._reduce(make, self.d * len(cols), cols).reshape(self.d, len(cols))
@@ -338,8 +406,8 @@ class SparkOracle:
     def _reduce(self, make_part, size: int, cols=None) -> np.ndarray:
         """Sum over the rows of ``make_part()(RowBlock)`` (a flat array of ``size``): one query.
         ``make_part`` runs once per task (unpacking what the closure carries), its result per
-        Arrow batch; only the nodes of classifiers ``cols`` (default all) are read."""
-        node_ptr, n_features, bias, C = self.node_ptr, self.n_features, self.bias, self.C
+        packed block; only the nodes of classifiers ``cols`` (default all) are read."""
+        node_ptr, d = self.node_ptr, self.d
         n_cls = int(node_ptr[-1])
 
         def partial(batches):
@@ -347,12 +415,9 @@ class SparkOracle:
             part = make_part()
             acc, n = np.zeros(size), 0
             for b in batches:
-                t = pa.Table.from_batches([b])
-                X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
-                cost = C * t.column("weight").to_numpy().astype(np.float64)
-                acc += part(tron.RowBlock(X, t.column("node").to_numpy(), cost,
-                                          csr_from_table(t, "pos", "pos_w", n_cls)))
-                n += t.num_rows
+                for rb in _unpack(b, d, n_cls):
+                    acc += part(rb)
+                    n += rb.X.shape[0]
             worker_progress("train (distributed)", rows=n)
             blocks = [k for k in range(-(-size // BLOCK)) if np.any(acc[k * BLOCK:(k + 1) * BLOCK])]
             if not blocks:
@@ -397,7 +462,7 @@ def _pack(M: np.ndarray):
     return M.shape, r, np.ascontiguousarray(M[r])
 
 
-def _unpack(p) -> np.ndarray:
+def _unpack_matrix(p) -> np.ndarray:
     shape, r, v = p
     M = np.zeros(shape)
     M[r] = v
@@ -405,13 +470,15 @@ def _unpack(p) -> np.ndarray:
 
 
 def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, n_features: int,
-                    params: TrainParams) -> DataFrame:
-    """Weights rows of the nodes ``big`` trained by distributed TRON (all nodes in one loop)."""
+                    params: TrainParams, parts: int) -> DataFrame:
+    """Weights rows of the nodes ``big`` trained by distributed TRON (all nodes in one loop),
+    their rows spread over ``parts`` partitions (:func:`big_row_partitions`)."""
     spark = samples.sparkSession
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
-    parts = max(1, shuffle_partitions(spark))
-    rows = _big_rows(samples, bindex, big, node_ptr).repartition(parts).persist(StorageLevel.MEMORY_AND_DISK)
+    rows = (_big_rows(samples, bindex, big, node_ptr).repartition(parts)
+            .mapInArrow(_pack_rows(n_features, int(node_ptr[-1]), params.bias, params.C), PACK_SCHEMA)
+            .persist(StorageLevel.MEMORY_AND_DISK))
     try:
         oracle = SparkOracle(rows, node_ptr, n_features, params)
         node_rows, positives = oracle.counts()          # the first query also fills the cache
