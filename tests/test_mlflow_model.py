@@ -66,24 +66,59 @@ def test_pyfunc_logged_registered_and_loaded_without_spark(tmp_path, parts, tree
     assert version == 1
     mv = mlflow.MlflowClient().get_model_version_by_alias("xmc-test", "champion")
     assert mv.run_id == run.info.run_id
+    got = _score_without_spark(tmp_path, uri, "models:/xmc-test@champion", frame)
+    assert got["ids"] == list(range(100, 140))
+    assert got["labels"] == [list(map(int, x)) for x in want["labels"]]
+    np.testing.assert_allclose(np.concatenate(got["scores"]), np.concatenate(want["scores"]), rtol=1e-6)
+
+
+def _score_without_spark(tmp_path, uri, model_uri, frame, topk=3):
+    """Load ``model_uri`` in a fresh process where Spark cannot be imported; its top-k of ``frame``."""
     frame.to_json(tmp_path / "frame.json", orient="records")
     check = f"""
 import sys, json
 sys.modules["pyspark"] = None            # importing Spark would fail
 import mlflow, pandas as pd
 mlflow.set_tracking_uri("{uri}")
-m = mlflow.pyfunc.load_model("models:/xmc-test@champion")
-out = m.predict(pd.read_json("{tmp_path / 'frame.json'}", orient="records"), params={{"topk": 3}})
+m = mlflow.pyfunc.load_model("{model_uri}")
+out = m.predict(pd.read_json("{tmp_path / 'frame.json'}", orient="records"), params={{"topk": {topk}}})
 print(json.dumps({{"ids": out["sample_id"].tolist(), "labels": [list(map(int, x)) for x in out["labels"]],
                   "scores": [list(map(float, x)) for x in out["scores"]]}}))
 """
     r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["ids"] == list(range(100, 140))
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_pyfunc_applies_prime_from_the_model_folder(tmp_path):
+    """A folder with prime/ scores with PRIME's mode (here re-ranking by a head of random unit
+    vectors, weight 0.4, so labels move), without Spark (retrieval: tests/stages/test_prime_stage.py)."""
+    import mlflow
+
+    from xmc_spark.kernels.sparse import l2_normalize_rows
+    from xmc_spark.mlflow_model import log_model
+    from xmc_spark.prime_model import PrimedModel, PrimeHead
+    X, Y = random_problem(n=150, seed=4)
+    X = sp.csr_matrix(l2_normalize_rows(X), dtype=np.float32)
+    tree = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
+    rng = np.random.default_rng(0)
+    unit = lambda a: (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float32)  # noqa: E731
+    head = PrimeHead("rerank", 8, 0.4, {"E": rng.normal(size=(X.shape[1], 6)).astype(np.float32),
+                                    "Z": unit(rng.normal(size=(tree.n_labels, 6)))})
+    PrimedModel(tree, head).save(str(tmp_path / "model"))
+    frame = _frame(X[:40] * 2.0)
+    want = score_frame(PrimedModel(tree, head), frame, topk=3)
+    tree_only = score_frame(tree, frame, topk=3)
+    assert [list(r) for r in want["labels"]] != [list(r) for r in tree_only["labels"]]   # PRIME changes the answer
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("t")
+    with mlflow.start_run():
+        model_uri, _ = log_model(str(tmp_path / "model"))
+    got = _score_without_spark(tmp_path, uri, model_uri, frame)
     assert got["labels"] == [list(map(int, x)) for x in want["labels"]]
-    np.testing.assert_allclose(np.concatenate(got["scores"]), np.concatenate(want["scores"]), rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate(got["scores"]), np.concatenate(want["scores"]), rtol=1e-5)
 
 
 def test_package_source_from_a_folder_and_from_a_wheel(tmp_path):

@@ -422,6 +422,7 @@ class PrimeParams(BaseParams):
     val_frac: float = 0.1           # training rows held out (by a hash of sample_id) to choose
     val_max_rows: int = 20000       # the epoch and the rerank weight; at most this many
     select_epoch: bool = True       # keep the epoch with the best held-out P@1/3/5 (else the last)
+    val_tree: bool = True           # rerank: a second tree without the held-out rows scores them
     dim: int = 128
     residual: bool = False
     ffn: int = 1024
@@ -446,7 +447,7 @@ class PrimeParams(BaseParams):
     propensity_positives: bool = True
     seed: int = 0
 
-    STAGE_KEYS = ("mode", "K", "hard_k", "val_frac", "val_max_rows", "select_epoch")
+    STAGE_KEYS = ("mode", "K", "hard_k", "val_frac", "val_max_rows", "select_epoch", "val_tree")
 
     def kernel(self, propensity_a: float = 0.55, propensity_b: float = 1.5):
         """The kernel's parameters (:class:`xmc_spark.kernels.prime.PrimeParams`)."""

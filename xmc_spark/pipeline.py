@@ -367,9 +367,10 @@ def prime_stage(ctx: StageContext) -> StageResult:
     samples = tables.read("train")
     counts = getattr(model, "label_counts", None)
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
-    with ctx.timer.stage("prime"):
-        head, facts = prime.run(samples, tables.read("label_embeddings"), model, counts, p.prime,
-                                          ing.n_train, ing.n_features, ing.n_labels, p.predict.beam_size, p.eval)
+    head, facts = prime.run(samples, model, counts, p.prime, ing.n_train, ing.n_features, ing.n_labels,
+                            p.predict.beam_size, p.eval, ctx.timer, val_tree_fit=eagle_model_trainer(p, ing),
+                            embedding_params=p.embedding)
+    with ctx.timer.stage("prime_write"):
         tables.write("prime", ctx.spark.createDataFrame(prime.head_frame(head)))
 
     def write(folder):                 # the train stage's folder gets prime/; a fresh one the tree too

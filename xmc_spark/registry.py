@@ -15,8 +15,8 @@ tree        eagle        ``train``                                   ``label_emb
 train       tree         ``train``, ``tree``                         ``weights``, ``slots`` (+ ``matcher``,
                                                                      ``clusters``, ``negatives``), the
                                                                      model folder
-prime       train        ``train``, ``slots``, ``weights``,          ``prime`` (encoder rows and label
-                         ``label_embeddings``                        prototypes; mode off: nothing), the
+prime       train        ``train``, ``slots``, ``weights``           ``prime`` (encoder rows and label
+                                                                     prototypes; mode off: nothing), the
                                                                      model folder's ``prime/``
 predict     prime        ``test``, ``slots``, ``weights``,           ``predictions`` (+ ``tree_predictions``
                          ``prime``                                   when PRIME is on)
@@ -62,8 +62,8 @@ STAGES: Dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("train", f"{_P}:train_stage", ("tree",), ("train", "tree"),
               ("weights", "slots", "matcher", "clusters", "negatives"), ("train", "clusters", "predict"),
               help="node classifiers (and overlapping clusters); the model folder"),
-    StageSpec("prime", f"{_P}:prime_stage", ("train",), ("train", "slots", "weights", "label_embeddings"),
-              ("prime",), ("prime",), help="PRIME label prototypes: a retriever or a re-ranker of the tree "
+    StageSpec("prime", f"{_P}:prime_stage", ("train",), ("train", "slots", "weights"),
+              ("prime",), ("prime", "embedding"), help="PRIME label prototypes: a retriever or a re-ranker of the tree "
               "(prime.mode; off: nothing to do)"),
     StageSpec("predict", f"{_P}:predict_stage", ("prime",), ("test", "slots", "weights", "prime"),
               ("predictions", "tree_predictions"), ("predict",), needs_test=True,

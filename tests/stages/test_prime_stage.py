@@ -13,8 +13,8 @@ from xmc_spark.arrow_utils import csr_from_table
 from xmc_spark.kernels import prime as PR
 from xmc_spark.kernels.sparse import l2_normalize_rows
 from xmc_spark.model import XMCModel
-from xmc_spark.params import EmbeddingParams, PipelineParams, PrimeParams, TreeParams
-from xmc_spark.stages import label_embedding, prediction
+from xmc_spark.params import PipelineParams, PrimeParams, TreeParams
+from xmc_spark.stages import prediction
 from xmc_spark.stages import prime as stage
 
 N_TRAIN, N_TEST, L, D = 400, 120, 30, 150
@@ -34,10 +34,19 @@ def trained(spark):
     Xt, Yt = _synth(N_TRAIN, N_TEST)
     samples, test = samples_frame(spark, X, Y, partitions=2), samples_frame(spark, Xt, Yt, partitions=2)
     tree = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
-    emb = label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=2)
     prm = PrimeParams(mode="rerank", K=12, hard_k=5, epochs=2, dim=8, ffn=16, batch_size=64, val_frac=0.2)
     counts = np.asarray((Y > 0).sum(axis=0)).ravel()
-    head, facts = stage.run(samples, emb, tree, counts, prm, N_TRAIN, D, L, beam_size=3)
+    seen = {}
+
+    def val_tree_fit(train_df):         # the weight's tree: trained without the held-out rows
+        seen["ids"] = {r["sample_id"] for r in train_df.select("sample_id").collect()}
+        return tree
+
+    head, facts = stage.run(samples, tree, counts, prm, N_TRAIN, D, L, beam_size=3, val_tree_fit=val_tree_fit)
+    held = {r["sample_id"] for r in samples.filter(stage.is_held_out(stage.val_fraction(prm, N_TRAIN), prm.seed))
+            .collect()}
+    assert facts["prime.val_tree"] and len(held) == facts["prime.n_held_out"]
+    assert not seen["ids"] & held and seen["ids"] | held == set(range(N_TRAIN))
     return tree, head, facts, test, Xt, prm
 
 
