@@ -109,6 +109,14 @@ def test_partial_sums_over_a_split_add_up(prob):
     np.testing.assert_allclose(sum(tron.partial_hess_vec(p, [0, K], W, V, cols) for p in parts), HV,
                                rtol=1e-10, atol=1e-12)
     assert np.abs(G).max() > 0 and np.abs(HV).max() > 0
+    # accumulated in place (out=), as the Spark oracle sums its packed blocks
+    acc_loss, acc_G, acc_HV = np.zeros(K), np.zeros_like(G), np.zeros_like(HV)
+    for p in parts:
+        assert tron.partial_fun_grad(p, [0, K], W, cols, out=(acc_loss, acc_G))[1] is acc_G
+        tron.partial_hess_vec(p, [0, K], W, V, cols, out=acc_HV)
+    np.testing.assert_allclose(acc_loss, loss, rtol=1e-12)
+    np.testing.assert_allclose(acc_G, G, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(acc_HV, HV, rtol=1e-10, atol=1e-12)
 
 
 def test_reaches_the_dual_kernels_optimum(prob):

@@ -90,10 +90,11 @@ def test_big_rows_are_packed_without_loss(problem, index, spark):
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])])
     rows = node_training._big_rows(samples, share(samples, index), big, node_ptr).repartition(3)
-    packed = rows.mapInArrow(node_training._pack_rows(D, int(node_ptr[-1]), tp.bias, tp.C),
-                             node_training.PACK_SCHEMA)
+    packed = rows.sortWithinPartitions("node").mapInArrow(
+        node_training._pack_rows(D, int(node_ptr[-1]), tp.bias, tp.C, max_rows=7), node_training.PACK_SCHEMA)
     blocks = [rb for b in packed.toArrow().to_batches()
               for rb in node_training._unpack(b, D + 1, int(node_ptr[-1]))]
+    assert max(rb.X.shape[0] for rb in blocks) == 7          # a node's rows cut at max_rows
     Xb = append_bias(Xl, tp.bias)
     for j, g in enumerate(big):
         mine = [rb for rb in blocks if rb.node[0] == j]

@@ -101,28 +101,32 @@ def _margins(rows: RowBlock, r: np.ndarray, c: np.ndarray, W: np.ndarray):
     return Xr, Z, Ys, Cm
 
 
-def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols) -> Tuple[np.ndarray, np.ndarray]:
+def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols, out=None) -> Tuple[np.ndarray, np.ndarray]:
     """Loss part of f and of its gradient over ``rows`` for classifiers ``cols`` at W (d x len(cols)):
-    (sum_i C_ik max(0, 1 - y_ik z_ik)^2 per classifier, 2 X_I^T (C_I (z_I - y_I)))."""
+    (sum_i C_ik max(0, 1 - y_ik z_ik)^2 per classifier, 2 X_I^T (C_I (z_I - y_I))).
+
+    ``out`` = (loss, G), when given, is added to in place (only the columns of the nodes with
+    rows here are touched) and returned: a caller summing many row blocks of few nodes each
+    pays for those nodes' columns, not for a d x len(cols) matrix per block."""
     cols = np.asarray(cols, np.int64)
-    loss = np.zeros(len(cols))
-    G = np.zeros((rows.X.shape[1], len(cols)))
+    loss, G = (np.zeros(len(cols)), np.zeros((rows.X.shape[1], len(cols)))) if out is None else out
     for r, c, p in _node_parts(rows, node_ptr, cols):
         Xr, Z, Ys, Cm = _margins(rows, r, c, W[:, p])
         m = np.maximum(1.0 - Ys * Z, 0.0)
-        loss[p] = np.sum(Cm * m * m, axis=0)
-        G[:, p] = Xr.T @ (2.0 * Cm * (m > 0) * (Z - Ys))
+        loss[p] += np.sum(Cm * m * m, axis=0)
+        G[:, p] += Xr.T @ (2.0 * Cm * (m > 0) * (Z - Ys))
     return loss, G
 
 
-def partial_hess_vec(rows: RowBlock, node_ptr, W: np.ndarray, V: np.ndarray, cols) -> np.ndarray:
-    """Loss part of the generalized Hessian at W times V over ``rows``: 2 X_I^T (C_I (X_I V))."""
+def partial_hess_vec(rows: RowBlock, node_ptr, W: np.ndarray, V: np.ndarray, cols, out=None) -> np.ndarray:
+    """Loss part of the generalized Hessian at W times V over ``rows``: 2 X_I^T (C_I (X_I V));
+    added to ``out`` (d x len(cols)) in place when given, as :func:`partial_fun_grad`."""
     cols = np.asarray(cols, np.int64)
-    HV = np.zeros((rows.X.shape[1], len(cols)))
+    HV = np.zeros((rows.X.shape[1], len(cols))) if out is None else out
     for r, c, p in _node_parts(rows, node_ptr, cols):
         Xr, Z, Ys, Cm = _margins(rows, r, c, W[:, p])
         D = 2.0 * Cm * (Ys * Z < 1.0)
-        HV[:, p] = Xr.T @ (D * np.asarray(Xr @ V[:, p]))
+        HV[:, p] += Xr.T @ (D * np.asarray(Xr @ V[:, p]))
     return HV
 
 

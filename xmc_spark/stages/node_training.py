@@ -74,6 +74,7 @@ PACK_SCHEMA = ("node int, rows int, x_ptr binary, x_idx binary, x_val binary, co
 PARTIAL_SCHEMA = "block int, part int, vals array<double>"
 ROUTED_SCHEMA = ddl("negatives")
 BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
+PACK_ROWS = 1 << 15             # rows per packed block of one node
 MEMORY_FRACTION = 0.5
 BYTES_PER_ROW = 16 * 1024
 
@@ -312,29 +313,45 @@ def _bytes(a: np.ndarray, dtype) -> bytes:
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
 
 
-def _pack_rows(n_features: int, n_cls: int, bias: float, C: float):
-    """``mapInArrow`` function: :data:`BIG_SCHEMA` rows -> :data:`PACK_SCHEMA` blocks, one per
-    (Arrow batch, node): the rows as CSR arrays (bias column appended, cost = C x sample weight,
-    positives as a CSR over the classifiers) in binary columns. A query then reads a few large
-    binary values per task and views them as numpy arrays, instead of converting every row's
-    lists from Spark's cache and rebuilding the matrices: what a query pays per row is the
-    arithmetic of :func:`..kernels.tron.partial_fun_grad`, not the conversion."""
+def _pack_rows(n_features: int, n_cls: int, bias: float, C: float, max_rows: int = PACK_ROWS):
+    """``mapInArrow`` function: :data:`BIG_SCHEMA` rows, sorted by node within the partition ->
+    :data:`PACK_SCHEMA` blocks of one node's consecutive rows (at most ``max_rows``): the rows as
+    CSR arrays (bias column appended, cost = C x sample weight, positives as a CSR over the
+    classifiers) in binary columns. A query then reads a few large binary values per task and
+    views them as numpy arrays, instead of converting every row's lists from Spark's cache and
+    rebuilding the matrices, and calls the kernel once per block, not per Arrow batch and node:
+    what a query pays per row is the arithmetic of :func:`..kernels.tron.partial_fun_grad`."""
+    def block(parts):
+        X = sp.vstack([p[0] for p in parts], format="csr")
+        P = sp.vstack([p[1] for p in parts], format="csr")
+        cost = np.concatenate([p[2] for p in parts])
+        return pa.RecordBatch.from_pydict({
+            "node": pa.array([int(parts[0][3])], pa.int32()), "rows": pa.array([X.shape[0]], pa.int32()),
+            "x_ptr": [_bytes(X.indptr, np.int64)], "x_idx": [_bytes(X.indices, np.int32)],
+            "x_val": [_bytes(X.data, np.float32)], "cost": [_bytes(cost, np.float64)],
+            "p_ptr": [_bytes(P.indptr, np.int64)], "p_idx": [_bytes(P.indices, np.int32)],
+            "p_val": [_bytes(P.data, np.float32)]}, schema=_PACK_ARROW)
+
     def pack(batches):
+        pending, rows = [], 0
         for b in batches:
             t = pa.Table.from_batches([b])
             X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
             P = csr_from_table(t, "pos", "pos_w", n_cls)
             cost = C * t.column("weight").to_numpy().astype(np.float64)
             node = t.column("node").to_numpy()
-            for j in np.unique(node):
-                r = np.flatnonzero(node == j)
-                Xj, Pj = X[r], P[r]
-                yield pa.RecordBatch.from_pydict({
-                    "node": pa.array([int(j)], pa.int32()), "rows": pa.array([len(r)], pa.int32()),
-                    "x_ptr": [_bytes(Xj.indptr, np.int64)], "x_idx": [_bytes(Xj.indices, np.int32)],
-                    "x_val": [_bytes(Xj.data, np.float32)], "cost": [_bytes(cost[r], np.float64)],
-                    "p_ptr": [_bytes(Pj.indptr, np.int64)], "p_idx": [_bytes(Pj.indices, np.int32)],
-                    "p_val": [_bytes(Pj.data, np.float32)]}, schema=_PACK_ARROW)
+            cut = np.flatnonzero(np.diff(node)) + 1              # runs of one node (sorted input)
+            for lo, end in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(node)]])):
+                while lo < end:
+                    if pending and (pending[0][3] != node[lo] or rows == max_rows):
+                        yield block(pending)
+                        pending, rows = [], 0
+                    hi = min(end, lo + max_rows - rows)
+                    pending.append((X[lo:hi], P[lo:hi], cost[lo:hi], node[lo]))
+                    rows += hi - lo
+                    lo = hi
+        if pending:
+            yield block(pending)
     return pack
 
 
@@ -375,9 +392,8 @@ class SparkOracle:
         def make():
             Wl = _unpack_matrix(Wp)
 
-            def part(rows):
-                loss, G = tron.partial_fun_grad(rows, node_ptr, Wl, cols)
-                return np.concatenate([loss, G.ravel()])
+            def part(rows, acc):
+                tron.partial_fun_grad(rows, node_ptr, Wl, cols, out=(acc[:m], acc[m:].reshape(-1, m)))
             return part
 
         flat = self._reduce(make, m + self.d * m, cols)
@@ -388,7 +404,7 @@ class SparkOracle:
 
         def make():
             Wl, Vl = _unpack_matrix(Wp), _unpack_matrix(Vp)
-            return lambda rows: tron.partial_hess_vec(rows, node_ptr, Wl, Vl, cols).ravel()
+            return lambda rows, acc: tron.partial_hess_vec(rows, node_ptr, Wl, Vl, cols, out=acc.reshape(-1, len(cols)))
 
         return V + self._reduce(make, self.d * len(cols), cols).reshape(self.d, len(cols))
 
@@ -397,16 +413,19 @@ class SparkOracle:
         n_nodes, n_cls = len(self.node_ptr) - 1, int(self.node_ptr[-1])
 
         def make():
-            return lambda rows: np.concatenate([np.bincount(rows.node, minlength=n_nodes),
-                                                np.bincount(rows.pos.indices, minlength=n_cls)]).astype(np.float64)
+            def part(rows, acc):
+                acc[:n_nodes] += np.bincount(rows.node, minlength=n_nodes)
+                acc[n_nodes:] += np.bincount(rows.pos.indices, minlength=n_cls)
+            return part
 
         c = self._reduce(make, n_nodes + n_cls)
         return c[:n_nodes].astype(np.int64), c[n_nodes:].astype(np.int64)
 
     def _reduce(self, make_part, size: int, cols=None) -> np.ndarray:
-        """Sum over the rows of ``make_part()(RowBlock)`` (a flat array of ``size``): one query.
-        ``make_part`` runs once per task (unpacking what the closure carries), its result per
-        packed block; only the nodes of classifiers ``cols`` (default all) are read."""
+        """Sum over the rows of what ``make_part()(RowBlock, acc)`` adds to ``acc`` (a flat array
+        of ``size``): one query. ``make_part`` runs once per task (unpacking what the closure
+        carries), its result once per packed block; only the nodes of classifiers ``cols``
+        (default all) are read."""
         node_ptr, d = self.node_ptr, self.d
         n_cls = int(node_ptr[-1])
 
@@ -416,7 +435,7 @@ class SparkOracle:
             acc, n = np.zeros(size), 0
             for b in batches:
                 for rb in _unpack(b, d, n_cls):
-                    acc += part(rb)
+                    part(rb, acc)
                     n += rb.X.shape[0]
             worker_progress("train (distributed)", rows=n)
             blocks = [k for k in range(-(-size // BLOCK)) if np.any(acc[k * BLOCK:(k + 1) * BLOCK])]
@@ -476,7 +495,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     spark = samples.sparkSession
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
-    rows = (_big_rows(samples, bindex, big, node_ptr).repartition(parts)
+    rows = (_big_rows(samples, bindex, big, node_ptr).repartition(parts).sortWithinPartitions("node")
             .mapInArrow(_pack_rows(n_features, int(node_ptr[-1]), params.bias, params.C), PACK_SCHEMA)
             .persist(StorageLevel.MEMORY_AND_DISK))
     try:
