@@ -105,12 +105,14 @@ def main(argv=None) -> int:
     log.info("xmc-spark %s (%s): %s", __version__, __file__.rsplit("/", 2)[0], args.cmd)
     try:
         if args.cmd == "predict":            # a broken model folder stops before Spark starts
-            from .model import XMCModel, is_chunked, read_header
+            from .model import is_chunked, read_header
+            from .prime_model import PrimeHead, load
             if is_chunked(args.model):
                 read_header(args.model)      # checked now; the weights are read whole or by the tasks later
+                PrimeHead.load(args.model)   # and prime/, when there is one
                 model = args.model
             else:
-                model = XMCModel.load(args.model)
+                model = load(args.model)     # the tree model, with PRIME when the folder has prime/
         from pyspark.sql import SparkSession
         owner = SparkSession.getActiveSession() is None     # stop only a session this call started
         spark = get_spark(params.spark)

@@ -145,6 +145,42 @@ def test_run_with_overlapping_clusters(tmp_path, spark):
     assert (out / "tables" / "clusters" / "_delta_log").is_dir()
 
 
+def test_run_with_prime_rerank_then_predict_from_the_folder(tmp_path, spark):
+    """`run --set prime.mode=rerank` on a tiny synth set: the tree's own P@k beside the final
+    ones, prime/ in the model folder; `predict` on the folder gives the run's predictions, and
+    on a copy without prime/ the tree's (the run's tree_predictions)."""
+    import shutil
+
+    from xmc_spark.storage import read_delta
+    assert main_in_process("synth", "--out", str(tmp_path / "data"), "--n-train", "300", "--n-test", "80",
+                           "--labels", "24", "--features", "120", "--format", "xc", "--seed", "2") == 0
+    data, out = tmp_path / "data", tmp_path / "run"
+    fast = ["--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4"]
+    assert main_in_process("run", "--train", str(data / "train.txt"), "--test", str(data / "test.txt"), "--out",
+                           str(out), *fast, "--set", "prime.mode=rerank", "--set", "prime.epochs=1", "--set",
+                           "prime.dim=8", "--set", "prime.ffn=16", "--set", "prime.K=10", "--set",
+                           "prime.batch_size=64") == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["prime.mode"] == "rerank" and 0 <= m["prime.weight"] <= 1 and m["prime.n_held_out"] > 0
+    assert {"p@1", "tree_p@1", "tree_p@5", "tree_psp@5"} <= set(m) and {"prime", "train"} <= set(m["seconds"])
+    assert json.loads((out / "model" / "prime" / "prime.json").read_text())["weight"] == m["prime.weight"]
+
+    def preds(path):
+        return sorted((r["sample_id"], list(r["pred_labels"])) for r in read_delta(spark, str(path)).collect())
+
+    assert main_in_process("predict", "--model", str(out / "model"), "--data", str(data / "test.txt"), "--out",
+                           str(tmp_path / "pred"), *fast) == 0
+    assert preds(tmp_path / "pred" / "tables" / "predictions") == preds(out / "tables" / "predictions")
+    pm = json.loads((tmp_path / "pred" / "metrics.json").read_text())
+    assert pm["p@1"] == pytest.approx(m["p@1"]) and pm["tree_p@1"] == pytest.approx(m["tree_p@1"])
+    shutil.copytree(out / "model", tmp_path / "tree_only", ignore=shutil.ignore_patterns("prime"))
+    assert main_in_process("predict", "--model", str(tmp_path / "tree_only"), "--data", str(data / "test.txt"),
+                           "--out", str(tmp_path / "pred_tree"), *fast) == 0
+    assert preds(tmp_path / "pred_tree" / "tables" / "predictions") == preds(out / "tables" / "tree_predictions")
+    tm = json.loads((tmp_path / "pred_tree" / "metrics.json").read_text())
+    assert tm["p@1"] == pytest.approx(m["tree_p@1"]) and "tree_p@1" not in tm
+
+
 def test_run_ensemble_with_matcher_negatives_equals_the_reference_then_predicts(tmp_path, spark):
     """tree.ensemble_splits + overlapping clusters + train.negatives = tfn+man through `run` (one
     set of Spark jobs for both trees), the model folder equal to the numpy reference, and

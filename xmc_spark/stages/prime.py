@@ -228,8 +228,10 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
     if own:
         with step("prime_val_tree"):
             vtree = val_tree_fit(samples.filter(~held))
-    with step("prime_weight"):
-        vt = to_arrow(val.join(shortlist(val, vtree, beam_size, prm.K), "sample_id").orderBy("sample_id"))
+    with step("prime_weight"):           # re-rank: the held-out rows' candidates, to choose the weight on
+        if prm.mode == "rerank":
+            val = val.join(shortlist(val, vtree, beam_size, prm.K), "sample_id")
+        vt = to_arrow(val.orderBy("sample_id"))
     Xv = csr_from_table(vt, "feature_idx", "feature_val", n_features)
     Yv = csr_from_table(vt, "label_idx", None, n_labels)
     log.info("prime: %d held-out training rows (%.1f%%) choose the epoch and the re-rank weight", Xv.shape[0],
@@ -258,14 +260,13 @@ def finish(model: PR.PrimeModel, prm: PrimeParams, vt: pa.Table, Xv: sp.csr_matr
     head = PrimeHead(prm.mode, prm.K, 1.0, weights, prm.residual)
     facts.update({"prime.mode": prm.mode, "prime.K": prm.K, "prime.n_held_out": int(Xv.shape[0]),
                   "prime.epoch": model.epoch})
-    if Xv.shape[0]:
+    if Xv.shape[0] and prm.mode == "rerank":
         cand = padded(vt, "cand", prm.K, -1, np.int64)
         tree_sc = padded(vt, "cand_scores", prm.K, -np.inf, np.float64)
         prime_sc = PR.candidate_scores(head.encode(Xv), Z, cand)
         w, table = PR.choose_weight(cand, tree_sc, prime_sc, Yv)
         facts.update({"prime.val_tree_mean_p": round(table[1.0], 4), "prime.val_rerank_mean_p": round(table[w], 4)})
-        if prm.mode == "rerank":
-            head.weight = w
+        head.weight = w
     elif prm.mode == "rerank":
         log.warning("prime: no held-out training rows (prime.val_frac x rows < 1): re-rank weight 1 (the tree)")
     facts["prime.weight"] = head.weight
