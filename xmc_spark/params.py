@@ -502,7 +502,7 @@ class MlflowParams(BaseParams):
 class EagleParams(BaseParams):
     """EAGLE, used when the training input is aggregated (group-level labels)."""
 
-    mode: str = "eagle"          # baseline | eagle0 | eagle | soft
+    mode: str = "soft"           # baseline | eagle0 | eagle | soft (default: best of the README table)
     T: int = 20                  # GRLR iterations (eagle, soft); eagle0 uses 0
     eta: float = 0.1             # GRLR step
     tau: float = 30.0            # soft: softmax temperature (0 = baseline with weights)
