@@ -26,6 +26,10 @@ so the same loop runs with a local oracle (:func:`local_oracle`, the tests) and 
 one of :mod:`..stages.node_training`, which sums the per-partition partial sums of
 :func:`partial_fun_grad` / :func:`partial_hess_vec` over the partitions holding the rows.
 
+The partial sums are numba loops (:func:`_fun_grad_rows`, :func:`_hess_vec_rows`): one pass
+over a node's rows computes x W (and x V), the active set and the scatter x^T coef, with no
+n x K temporaries and no copy of the rows, so a task's memory is its rows plus d x K.
+
 Rows of several nodes are mixed: each row belongs to one node (``RowBlock.node``) and only
 that node's classifiers (columns ``node_ptr[j]:node_ptr[j + 1]``) see it. The partial sums
 hold the loss part only; :func:`regularized` adds 0.5 ||w||^2 and w (once, on the driver).
@@ -42,6 +46,8 @@ from typing import Callable, Tuple
 
 import numpy as np
 import scipy.sparse as sp
+
+from .jit import njit
 
 # trust-region constants (Lin and More 1999, as LIBLINEAR's tron.cpp)
 ETA0, ETA1, ETA2 = 1e-4, 0.25, 0.75
@@ -89,16 +95,75 @@ def _node_parts(rows: RowBlock, node_ptr: np.ndarray, cols: np.ndarray):
         yield order[lo:hi], cols[p], p
 
 
-def _margins(rows: RowBlock, r: np.ndarray, c: np.ndarray, W: np.ndarray):
-    """(X_r, Z = X_r W, sign matrix y, cost matrix C) for rows r and classifiers c (W: d x len(c))."""
-    Xr = rows.X[r]
-    Z = np.asarray(Xr @ W, dtype=np.float64)
-    P = rows.pos[r][:, c].tocoo()
-    Ys = -np.ones_like(Z)
-    Ys[P.row, P.col] = 1.0
-    Cm = np.repeat(np.asarray(rows.cost, np.float64)[r][:, None], len(c), axis=1)
-    Cm[P.row, P.col] *= np.maximum(P.data.astype(np.float64), 1e-12)   # as train_node
-    return Xr, Z, Ys, Cm
+@njit()
+def _row_labels(i, pos_ptr, pos_idx, pos_val, slot, cost_i, y, cm):
+    """Row i's signs and costs for the requested classifiers (``slot[k]`` = position in the
+    request or -1): -1 and C_i everywhere, +1 and C_i x label weight at its positives."""
+    y[:] = -1.0
+    cm[:] = cost_i
+    for jj in range(pos_ptr[i], pos_ptr[i + 1]):
+        q = slot[pos_idx[jj]]
+        if q >= 0:
+            y[q] = 1.0
+            cm[q] = cost_i * max(float(pos_val[jj]), 1e-12)       # as train_node
+
+
+@njit()
+def _fun_grad_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot, W, loss, G):
+    """One pass over ``rows``: z = x W, the squared-hinge loss and 2 C (z - y) on the active
+    set, scattered back as x^T coef; ``loss`` and ``G`` (d x k) are added to in place."""
+    k = W.shape[1]
+    z, y, cm = np.empty(k), np.empty(k), np.empty(k)
+    for i in rows:
+        z[:] = 0.0
+        for jj in range(x_ptr[i], x_ptr[i + 1]):
+            f, v = x_idx[jj], x_val[jj]
+            for q in range(k):
+                z[q] += v * W[f, q]
+        _row_labels(i, pos_ptr, pos_idx, pos_val, slot, cost[i], y, cm)
+        for q in range(k):
+            m = 1.0 - y[q] * z[q]
+            if m > 0.0:
+                loss[q] += cm[q] * m * m
+                z[q] = 2.0 * cm[q] * (z[q] - y[q])
+            else:
+                z[q] = 0.0
+        for jj in range(x_ptr[i], x_ptr[i + 1]):
+            f, v = x_idx[jj], x_val[jj]
+            for q in range(k):
+                G[f, q] += v * z[q]
+
+
+@njit()
+def _hess_vec_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot, W, V, HV):
+    """One pass over ``rows``: z = x W and u = x V, then x^T (D u) with D = 2 C on the active
+    set (y z < 1), added to ``HV`` (d x k) in place."""
+    k = W.shape[1]
+    z, u, y, cm = np.empty(k), np.empty(k), np.empty(k), np.empty(k)
+    for i in rows:
+        z[:] = 0.0
+        u[:] = 0.0
+        for jj in range(x_ptr[i], x_ptr[i + 1]):
+            f, v = x_idx[jj], x_val[jj]
+            for q in range(k):
+                z[q] += v * W[f, q]
+                u[q] += v * V[f, q]
+        _row_labels(i, pos_ptr, pos_idx, pos_val, slot, cost[i], y, cm)
+        for q in range(k):
+            u[q] = 2.0 * cm[q] * u[q] if y[q] * z[q] < 1.0 else 0.0
+        for jj in range(x_ptr[i], x_ptr[i + 1]):
+            f, v = x_idx[jj], x_val[jj]
+            for q in range(k):
+                HV[f, q] += v * u[q]
+
+
+def _kernel_args(rows: RowBlock, r: np.ndarray, c: np.ndarray):
+    """The CSR arrays of a block and the classifier -> request position map of ``c``."""
+    X, P = rows.X, rows.pos
+    slot = np.full(P.shape[1], -1, np.int64)
+    slot[c] = np.arange(len(c))
+    return (np.asarray(r, np.int64), X.indptr, X.indices, X.data, np.asarray(rows.cost, np.float64),
+            P.indptr, P.indices, P.data, slot)
 
 
 def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols, out=None) -> Tuple[np.ndarray, np.ndarray]:
@@ -111,10 +176,10 @@ def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols, out=None) ->
     cols = np.asarray(cols, np.int64)
     loss, G = (np.zeros(len(cols)), np.zeros((rows.X.shape[1], len(cols)))) if out is None else out
     for r, c, p in _node_parts(rows, node_ptr, cols):
-        Xr, Z, Ys, Cm = _margins(rows, r, c, W[:, p])
-        m = np.maximum(1.0 - Ys * Z, 0.0)
-        loss[p] += np.sum(Cm * m * m, axis=0)
-        G[:, p] += Xr.T @ (2.0 * Cm * (m > 0) * (Z - Ys))
+        lp, Gp = np.zeros(len(p)), np.zeros((G.shape[0], len(p)))
+        _fun_grad_rows(*_kernel_args(rows, r, c), np.ascontiguousarray(W[:, p], np.float64), lp, Gp)
+        loss[p] += lp
+        G[:, p] += Gp
     return loss, G
 
 
@@ -124,9 +189,10 @@ def partial_hess_vec(rows: RowBlock, node_ptr, W: np.ndarray, V: np.ndarray, col
     cols = np.asarray(cols, np.int64)
     HV = np.zeros((rows.X.shape[1], len(cols))) if out is None else out
     for r, c, p in _node_parts(rows, node_ptr, cols):
-        Xr, Z, Ys, Cm = _margins(rows, r, c, W[:, p])
-        D = 2.0 * Cm * (Ys * Z < 1.0)
-        HV[:, p] += Xr.T @ (D * np.asarray(Xr @ V[:, p]))
+        Hp = np.zeros((HV.shape[0], len(p)))
+        _hess_vec_rows(*_kernel_args(rows, r, c), np.ascontiguousarray(W[:, p], np.float64),
+                       np.ascontiguousarray(V[:, p], np.float64), Hp)
+        HV[:, p] += Hp
     return HV
 
 
