@@ -224,3 +224,15 @@ def test_prime_section_defaults_are_the_kernels_and_bad_values_name_the_key():
                           ("prime.dim", "big", "'prime.dim' expects an integer")):
         with pytest.raises(ConfigError, match=msg):
             p.set_dotted(key, bad)
+
+
+def test_unquoted_off_in_yaml_is_the_word_off(tmp_path):
+    """YAML 1.1 reads an unquoted ``off`` as false: a string key takes it as "off" (prime.mode,
+    train.max_node_rows), and a key that does not accept "off" still names itself."""
+    f = tmp_path / "c.yaml"
+    f.write_text("prime:\n  mode: off\ntrain:\n  max_node_rows: off\n")
+    p = load_params(str(f))
+    assert p.prime.mode == "off" and p.train.max_node_rows == "off"
+    f.write_text("train:\n  negatives: off\n")
+    with pytest.raises(ConfigError, match="negatives"):
+        load_params(str(f))

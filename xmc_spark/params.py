@@ -53,7 +53,9 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
                 return int(value)
         raise ConfigError(f"config key '{key}' expects {word}, got {value!r}")
     if typ is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):     # YAML 1.1 reads an unquoted off / on (no / yes) as a boolean
+            return "on" if value else "off"
+        if isinstance(value, (str, int, float)):
             return str(value)
         raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
     if origin in (dict, Dict):
