@@ -91,10 +91,10 @@ def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams):
     ensemble (``tree.ensemble`` > 1 or ``tree.ensemble_splits``)."""
     T = params.tree.n_trees()
     tree = rows["tree"].fillna(0).to_numpy() if "tree" in rows else np.zeros(len(rows), np.int64)
-    found = len(np.unique(tree))
-    if set(np.unique(tree).tolist()) != set(range(T)):
+    found = np.unique(tree)
+    if found.tolist() != list(range(T)):
         from .params import ConfigError
-        raise ConfigError(f"the tree table holds {found} tree(s), the configuration {T} (tree.ensemble, "
+        raise ConfigError(f"the tree table holds {len(found)} tree(s), the configuration {T} (tree.ensemble, "
                           "tree.ensemble_splits): rerun the tree stage with this configuration")
     trees = [TreeIndex(rows["label_idx"].to_numpy()[tree == t], rows["node"].to_numpy()[tree == t], n_labels,
                        params.tree.for_tree(t).nr_splits) for t in range(T)]

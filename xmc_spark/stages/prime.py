@@ -240,8 +240,7 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
         emb = label_embedding.run(samples.filter(~held), embedding_params or EmbeddingParams(), n_features=n_features,
                                   n_labels=n_labels, n_buckets=shuffle_partitions(samples.sparkSession))
         model, facts = train(fit, (Xv, Yv), label_features(emb, n_labels, n_features), label_counts,
-                             n_rows, prm, n_features, eval_params)
-    fit.unpersist()
+                             n_rows, prm, n_features, eval_params)       # (train releases fit)
     with step("prime_weight"):
         head, more = finish(model, prm, vt, Xv, Yv)
     facts.update(more)
