@@ -101,3 +101,25 @@ def test_lines_checks_a_wrong_one_split_hint(spark, tmp_path, small_splits):
     assert lines.n == 100 and lines.first("first7") == (8, "line 7")
     got = sorted((r.value, r.line) for r in df.withColumn("line", lines.line()).collect())
     assert got == sorted((f"line {i}", i + 1) for i in range(100))
+
+
+def test_the_quick_screen_passes_only_lines_the_full_checks_accept(spark, tmp_path):
+    """Every line passes through ``_text_ok`` (compiled array functions) and only the rejected
+    ones through the full, lambda-based checks: a line the screen passes must be one the full
+    checks find nothing in, and ordinary good lines must pass it (else the screen saves nothing)."""
+    good = ["0,2 1:0.5 3:1", "1 0:1e-3", "4", "2 3:-2.5 qid:7", "  1:1 2:2", "3\t0:1  1:2 ", "0 1:+1 2:.5 3:1E2"]
+    bad = ["", " ", "x 1:1", "1 1:", "1 :1", "1 1:2:3", "1 1", "1,,2 1:1", "1 a:1", "1 1:b", "-1 1:1", "9 1:1",
+           "1 -1:1", "1 99:1", "1 1:NaN", "1 1:inf", "1 1:-Infinity", "1 1:1e39", "1:1 2:1:1", "1 2147483648:1",
+           " 1 1:1", "1 1:1 qid", "1\u00a02:1", "1 1:1\u000b2:2"]
+    f = tmp_path / "lines.txt"
+    f.write_text("\n".join(good + bad) + "\n")
+    d, L = 5, 5
+    err = ingest._error_sql(d, L, first=ingest._token_error_sql(False))
+    df = ingest.text_lines(spark, str(f), *ingest._text_columns(False)).selectExpr(
+        "value", f"{ingest._text_ok(d, L)} AS ok", f"{err} AS err")
+    rows = {r["value"]: (r["ok"], r["err"]) for r in df.collect()}
+    for line, (ok, err) in rows.items():
+        assert not (ok and err is not None), (line, err)
+    for line in good:
+        assert rows[line] == (True, None), line
+    assert sum(err is not None for _, err in rows.values()) >= len(bad) - 1    # "" is a line of its own

@@ -199,12 +199,16 @@ _FLOAT_MAX = 3.4028234663852886e38
 _BAD_TOKEN = "t -> size(split(t, ':')) != 2"
 
 
+def _token_sql(one_based: bool):
+    """SQL over a token ``t`` = 'index:value': (its 0-based index, its value), NULL if unreadable."""
+    return (f"try_subtract(try_cast(substring_index(t, ':', 1) AS BIGINT), {int(one_based)})",
+            "try_cast(substring_index(t, ':', -1) AS FLOAT)")
+
+
 def _text_columns(one_based: bool) -> list:
     """SQL for ``value`` lines -> tokens, labels and features (bigint ids: an id beyond int is
-    caught by the range checks) and ``_tokerr``, the first token-level problem (NULL if none).
-    One projection over lateral aliases; no Python per line."""
-    idx = f"try_subtract(try_cast(substring_index(t, ':', 1) AS BIGINT), {int(one_based)})"
-    val = "try_cast(substring_index(t, ':', -1) AS FLOAT)"
+    caught by the range checks). One projection over lateral aliases; no Python per line."""
+    idx, val = _token_sql(one_based)
     return [
         r"filter(split(value, '\\s+'), t -> t != '') AS _toks",
         # the label list is the first field: a line that starts with whitespace has none
@@ -215,7 +219,15 @@ def _text_columns(one_based: bool) -> list:
         " AS label_idx",
         f"transform(_ft, t -> {idx}) AS feature_idx",
         f"transform(_ft, t -> {val}) AS feature_val",
-        f"""CASE WHEN size(_toks) = 0 THEN 'empty line'
+    ]
+
+
+def _token_error_sql(one_based: bool) -> str:
+    """SQL over the columns of :func:`_text_columns`: the first token-level problem of a line
+    (NULL if none); an expression, not a column, so that only the lines :func:`_text_ok`
+    rejects evaluate it."""
+    idx, val = _token_sql(one_based)
+    return f"""(CASE WHEN size(_toks) = 0 THEN 'empty line'
             WHEN exists(_ft, {_BAD_TOKEN}) THEN concat('malformed feature token (expected index:value): ''',
                 get(filter(_ft, {_BAD_TOKEN}), 0), '''')
             WHEN exists(label_idx, x -> x IS NULL) THEN concat('label id is not an integer in ''', _lab, '''')
@@ -223,8 +235,7 @@ def _text_columns(one_based: bool) -> list:
                 get(filter(_ft, t -> {idx} IS NULL), 0), '''')
             WHEN exists(feature_val, x -> x IS NULL) THEN concat('feature value is not a number: ''',
                 get(filter(_ft, t -> {val} IS NULL), 0), '''')
-            END AS _tokerr""",
-    ]
+            END)"""
 
 
 def _error_sql(d: Optional[int], L: Optional[int], first: Optional[str] = None) -> str:
@@ -247,6 +258,36 @@ def _error_sql(d: Optional[int], L: Optional[int], first: Optional[str] = None) 
 
 
 _REPEATED = "size(array_distinct(feature_idx)) != size(feature_idx)"    # a feature index listed twice
+
+# A line whose label field (if any) has no ':' and whose every other token has exactly one ':'
+# (Java regex, as Spark's split): no token-format error is possible on it.
+_WELL_FORMED = r"^(?:[^\\s:]+|[^\\s:]*:[^\\s:]*)?(?:\\s+[^\\s:]*:[^\\s:]*)*\\s*$"
+
+
+def _no_nulls(col: str) -> str:
+    return f"size(array_compact({col})) = size({col})"
+
+
+def _quick_ok(d: Optional[int], L: Optional[int]) -> str:
+    """SQL: a sufficient condition for :func:`_error_sql` to find nothing in a row's parsed
+    arrays (ranges, NaN/infinite/too large values), from array_min/array_max only: Spark compiles
+    these, while the lambdas of :func:`_error_sql` are interpreted element by element, so every
+    row is screened by this and only a row that fails it is described by the full checks."""
+    conds = []
+    for col, end in (("label_idx", L), ("feature_idx", d)):
+        end = min(end or ID_END, ID_END)
+        conds += [f"coalesce(array_min({col}), 0) >= 0", f"coalesce(array_max({col}), 0) < {end}"]
+    # NaN sorts above every number in Spark, so a NaN is the array's max
+    conds += [f"coalesce(array_max(feature_val), 0) <= {_FLOAT_MAX!r}",
+              f"coalesce(array_min(feature_val), 0) >= {-_FLOAT_MAX!r}"]
+    return " AND ".join(conds)
+
+
+def _text_ok(d: Optional[int], L: Optional[int]) -> str:
+    """SQL: a sufficient condition for a parsed text line to have no problem at all
+    (:func:`_token_error_sql` and :func:`_error_sql` both NULL), without lambdas (see :func:`_quick_ok`)."""
+    return " AND ".join([f"value RLIKE '{_WELL_FORMED}'", "size(_toks) > 0", _no_nulls("label_idx"),
+                         _no_nulls("feature_idx"), _no_nulls("feature_val"), _quick_ok(d, L)])
 
 
 def _finish(df: DataFrame, normalize: bool) -> DataFrame:
@@ -309,8 +350,10 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         one_based = params.svmlight_one_based
     is_data = "_mid != 0" if fmt == "xc" else "true"     # the XC header is the first line of the first split
     # a blank line is an error, not an empty sample (a final newline makes no line at all)
+    # the full checks run only on the lines the compiled screen rejects
+    err = _error_sql(d, L, first=_token_error_sql(one_based))
     parsed = text_lines(spark, path, *_text_columns(one_based),
-                        f"CASE WHEN {is_data} THEN {_error_sql(d, L, first='_tokerr')} END AS _err")
+                        f"CASE WHEN {is_data} AND NOT coalesce({_text_ok(d, L)}, false) THEN {err} END AS _err")
     rep = f"{is_data} AND {_REPEATED}"
     with _read_errors(path):
         lines = Lines(parsed, one_split(spark, path), err=first_where("_err IS NOT NULL", "_err"),
