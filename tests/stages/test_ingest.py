@@ -123,3 +123,29 @@ def test_the_quick_screen_passes_only_lines_the_full_checks_accept(spark, tmp_pa
     for line in good:
         assert rows[line] == (True, None), line
     assert sum(err is not None for _, err in rows.values()) >= len(bad) - 1    # "" is a line of its own
+
+
+@pytest.mark.parametrize("fmt", ["xc", "svmlight"])
+def test_the_numba_path_gives_the_rows_of_the_sql_path(spark, tmp_path, monkeypatch, fmt):
+    """A file in the plain forms goes through the numba parser (check and parse); the same file
+    through the SQL checks and parse (the path of files with unusual forms) gives identical rows
+    and sizes, floats bit for bit."""
+    rng = np.random.default_rng(5)
+    lines = [] if fmt == "svmlight" else ["300 50 9"]
+    shift = 1 if fmt == "svmlight" else 0
+    for _ in range(300):
+        labels = ",".join(map(str, rng.choice(9, rng.integers(0, 3), replace=False)))
+        feats = " ".join(f"{j + shift}:{v:.6g}" for j, v in zip(rng.integers(0, 50, 6), rng.normal(size=6) * 10))
+        lines.append(f"{labels} {feats}" if labels else f" {feats}")
+    f = tmp_path / f"data.{'txt' if fmt == 'xc' else 'svm'}"
+    f.write_text("\n".join(lines) + "\n")
+    calls = []
+    fast = ingest._fast_lines
+    monkeypatch.setattr(ingest, "_fast_lines", lambda *a: calls.append(fast(*a)) or calls[-1])
+    df, info = ingest.read_samples(spark, str(f), IngestParams())
+    assert calls and calls[0] is not None
+    got = _rows(df)
+    monkeypatch.setattr(ingest, "_fast_lines", lambda *a: None)
+    df2, info2 = ingest.read_samples(spark, str(f), IngestParams())
+    assert got == _rows(df2) and info == info2
+    assert info.n_samples == 300 and info.n_rows_merged_features > 0

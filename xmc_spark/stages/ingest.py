@@ -1,8 +1,18 @@
 """Ingest: XC-repository text, svmlight/libsvm multi-label, Parquet or Delta -> samples table.
 
-Parsing and validation are Spark SQL expressions (no Python per line). Every input is
-checked in full before anything is written: the first bad line (or row) raises
+Every input is checked in full before anything is written: the first bad line (or row) raises
 :class:`IngestError` naming the file, the line and the problem, and no table is written.
+
+Text goes one of two ways, each a check job then a write job, never Python per line:
+
+- **fast** (:func:`_fast_lines`): each Arrow batch of lines is parsed by the numba kernel
+  :func:`~..kernels.text_parse.parse_lines`, which reads the plain forms of ids and values only.
+  When every data line is in those forms and every id in range, the file is written through
+  the same kernel (:func:`_fast_finish`).
+- **SQL** (otherwise): Spark SQL expressions parse the lines, a compiled screen
+  (:func:`_text_ok`) passes the good ones, and the lambda-based checks name the first problem
+  of the others; a file whose unusual forms are all valid (``+1``, ``1f``, hex floats, ...) is
+  parsed by the same SQL.
 """
 from __future__ import annotations
 
@@ -156,8 +166,8 @@ class Lines:
     ``one_split`` (see :func:`one_split`) that job is one task with no shuffle (a global
     aggregate over ``coalesce(1)``), checked to have seen one partition, else redone by partition."""
 
-    def __init__(self, df: DataFrame, one_split: bool = False, **aggs: str):
-        exprs = ["count(1) AS _n", "min(_mid) AS _m0", *[f"{c} AS {k}" for k, c in aggs.items()]]
+    def __init__(self, df: DataFrame, one_split: bool = False, count: str = "count(1)", **aggs: str):
+        exprs = [f"{count} AS _n", "min(_mid) AS _m0", *[f"{c} AS {k}" for k, c in aggs.items()]]
         parts = None
         if one_split:
             r = df.coalesce(1).agg(*[F.expr(e) for e in ("min(_pid) AS _pid", "max(_pid) AS _last_pid",
@@ -349,6 +359,12 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     else:
         one_based = params.svmlight_one_based
     is_data = "_mid != 0" if fmt == "xc" else "true"     # the XC header is the first line of the first split
+    with _read_errors(path):
+        lines = _fast_lines(spark, path, is_data, one_based, d, L)
+    if lines is not None:          # every line in the plain forms: parsed by the numba kernel
+        data = text_lines(spark, path).where(is_data).select(
+            "value", (lines.line() - 1 - (1 if fmt == "xc" else 0)).alias("sample_id"))
+        return _fast_finish(data, one_based, params.normalize), _info(path, fmt, lines, header_n, d, L)
     # a blank line is an error, not an empty sample (a final newline makes no line at all)
     # the full checks run only on the lines the compiled screen rejects
     err = _error_sql(d, L, first=_token_error_sql(one_based))
@@ -363,6 +379,15 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     bad = lines.first("err")
     if bad is not None:
         raise IngestError(f"{path}:{bad[0]}: {bad[1]}")
+    info = _info(path, fmt, lines, header_n, d, L)
+    data = parsed.where(is_data).withColumn("sample_id", lines.line() - 1 - (1 if fmt == "xc" else 0))
+    return _finish(data, params.normalize), info
+
+
+def _info(path: str, fmt: str, lines: Lines, header_n: Optional[int], d: Optional[int],
+          L: Optional[int]) -> DatasetInfo:
+    """The sizes of a validated text input (line counts against the XC header), with the
+    warning about repeated feature indices."""
     skip = 1 if fmt == "xc" else 0
     n = lines.n - skip
     if n <= 0:
@@ -375,8 +400,75 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     if n_rep:
         log.warning("%s:%d: %d line(s) list a feature index more than once (the first here); "
                     "their values are summed", path, lines.first("rep")[0], n_rep)
-    data = parsed.where(is_data).withColumn("sample_id", lines.line() - 1 - skip)
-    return _finish(data, params.normalize), DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep))
+    return DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep))
+
+
+# ---- the fast path: numba over each Arrow batch of lines ----------------------------------------
+FAST_SCHEMA = ("_pid int, _mid long, n long, bad long, max_label long, max_feature long, n_rep long, "
+               "rep long")
+
+
+def _line_bytes(col: pa.Array):
+    """(bytes, offsets) of an Arrow string column, as numpy views."""
+    col = col.cast(pa.large_string()) if not pa.types.is_large_string(col.type) else col
+    off = np.frombuffer(col.buffers()[1], np.int64)[col.offset:col.offset + len(col) + 1]
+    return np.frombuffer(col.buffers()[2], np.uint8) if len(col) else np.zeros(0, np.uint8), off
+
+
+def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d: Optional[int],
+                L: Optional[int]) -> Optional[Lines]:
+    """:class:`Lines` of a text input whose every data line :func:`~..kernels.text_parse.parse_lines`
+    parses (one Spark job, a summary row per Arrow batch), with ids in range; None otherwise (the
+    SQL checks then find and name the problem, or accept the unusual forms)."""
+    from ..kernels.text_parse import parse_lines
+
+    def screen(batches):
+        for b in batches:
+            if not b.num_rows:
+                continue
+            buf, off = _line_bytes(b.column("value"))
+            data = b.column("_data").to_numpy(zero_copy_only=False)
+            mid = b.column("_mid").to_numpy()
+            ok, rep, lp, lab, fp, fidx, _ = parse_lines(buf, off, data, int(one_based))
+            yield pa.RecordBatch.from_pydict({
+                "_pid": pa.array([b.column("_pid")[0].as_py()], pa.int32()),
+                "_mid": pa.array([int(mid.min())], pa.int64()), "n": pa.array([b.num_rows], pa.int64()),
+                "bad": pa.array([int(np.count_nonzero(data & ~ok))], pa.int64()),
+                "max_label": pa.array([int(lab.max()) if len(lab) else -1], pa.int64()),
+                "max_feature": pa.array([int(fidx.max()) if len(fidx) else -1], pa.int64()),
+                "n_rep": pa.array([int(np.count_nonzero(rep))], pa.int64()),
+                "rep": pa.array([int(mid[rep].min()) if rep.any() else None], pa.int64())})
+            worker_progress("ingest (check)", rows=b.num_rows)
+
+    summary = text_lines(spark, path, f"{is_data} AS _data").select("value", "_pid", "_mid", "_data") \
+        .mapInArrow(screen, FAST_SCHEMA)
+    lines = Lines(summary, count="sum(n)", bad="sum(bad)", max_label="max(max_label)",
+                  max_feature="max(max_feature)", n_rep="sum(n_rep)",
+                  rep="min(CASE WHEN rep IS NOT NULL THEN struct(rep AS mid, true AS value) END)")
+    ends = [min(e or ID_END, ID_END) for e in (L, d)]
+    if (sum(lines.values("bad")) or max(lines.values("max_label"), default=-1) >= ends[0]
+            or max(lines.values("max_feature"), default=-1) >= ends[1]):
+        return None
+    return lines
+
+
+def _fast_finish(data: DataFrame, one_based: bool, normalize: bool) -> DataFrame:
+    """(value, sample_id) lines that :func:`_fast_lines` accepted -> samples (as :func:`_finish`)."""
+    from ..kernels.text_parse import parse_lines
+
+    def parse(batches):
+        for b in batches:
+            buf, off = _line_bytes(b.column("value"))
+            _, _, lp, lab, fp, fidx, fval = parse_lines(buf, off, np.ones(b.num_rows, np.bool_), int(one_based))
+            t = pa.table({"sample_id": b.column("sample_id"),
+                          "feature_idx": list_array(fp, fidx.astype(np.int32), pa.int32()),
+                          "feature_val": list_array(fp, fval, pa.float32()),
+                          "label_idx": list_array(lp, lab.astype(np.int32), pa.int32()),
+                          "weight": pa.array(np.ones(b.num_rows, np.float32))})
+            yield from finish_batch(t, normalize).to_batches()
+            worker_progress("ingest", rows=b.num_rows)
+
+    return data.mapInArrow(parse, SAMPLES_SCHEMA)
 
 
 def _table_errors(columns) -> str:
