@@ -1,5 +1,6 @@
 """The numba line parser against a plain-Python parser of the same forms, and its refusals."""
 import random
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -17,14 +18,23 @@ def _run(lines, one_based=0, data=None):
              fval[fp[k]:fp[k + 1]].tolist()) for k in range(len(raw))]
 
 
+def _float32(text):
+    """The float32 nearest to the decimal ``text`` (ties to even), as Java's Float.parseFloat:
+    exact arithmetic over the neighbours of the double-rounded guess."""
+    exact = Fraction(text)
+    guess = np.float32(float(text))
+    cands = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    return float(min(cands, key=lambda c: (abs(Fraction(float(c)) - exact), int(c.view(np.uint32)) & 1)))
+
+
 def _reference(line, one_based):
-    """Python's split() (the same whitespace for ASCII) and float(), then float32."""
+    """Python's split() (the same whitespace for ASCII), values rounded once to float32."""
     toks = line.split()
     labels = []
     if toks and not line[0].isspace() and ":" not in toks[0]:
         labels = [int(x) for x in toks.pop(0).split(",")]
     feats = [t.split(":") for t in toks if not t.startswith("qid:")]
-    return labels, [int(i) - one_based for i, _ in feats], [float(np.float32(float(v))) for _, v in feats]
+    return labels, [int(i) - one_based for i, _ in feats], [_float32(v) for _, v in feats]
 
 
 @pytest.mark.parametrize("one_based", [0, 1])
@@ -45,12 +55,18 @@ def test_random_plain_lines_equal_the_reference(one_based):
         if not labels and feats:
             line = " " + line
         lines.append(line or "0")
+    parsed = 0
     for line, (ok, rep, lab, idx, val) in zip(lines, _run(lines, one_based)):
         want = _reference(line, one_based)
-        assert ok, line
+        if not ok:             # only a value exactly halfway between two float32 after rounding
+            assert any(len(v.replace(".", "").lstrip("+-0").split("e")[0].split("E")[0]) > 8
+                       for t in line.split() if ":" in t for v in [t.split(":")[1]]), line
+            continue
+        parsed += 1
         assert (lab, idx) == want[:2], line
         assert val == want[2], line                    # float32 bit for bit
         assert rep == (len(set(idx)) != len(idx))
+    assert parsed >= 495
 
 
 def test_forms_it_leaves_to_the_sql_checks():
@@ -74,3 +90,15 @@ def test_labels_qid_header_and_one_based():
 
 def test_repeated_indices_are_marked():
     assert [r[1] for r in _run(["0 3:1 1:2 3:2", "0 1:1 2:1", "0 2:1 2:-1"])] == [True, False, True]
+
+
+def test_a_double_rounding_tie_is_left_to_the_sql_path():
+    """Decimals whose nearest double lies exactly halfway between two float32: casting that
+    double rounds the other way than Java's Float.parseFloat (bits from Java 17), so the kernel
+    must not parse them; an exact halfway decimal would be fine either way but is refused too."""
+    java = {"8.48125410079956": 0x4107b337, "8.19161081314087": 0x410310d7, "8.37816858291626": 0x41060cfb,
+            "9.77526330947876": 0x411c677b, "4.22980809211731": 0x40875a97}
+    for text, bits in java.items():
+        assert int(np.float32(_float32(text)).view(np.uint32)) == bits      # the reference agrees with Java
+        (ok, _, _, _, val), = _run([f"0 0:{text}"])
+        assert not ok or int(np.float32(val[0]).view(np.uint32)) == bits, text

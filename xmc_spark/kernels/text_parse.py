@@ -3,9 +3,11 @@
 A fast path for ingest, not a validator: it parses only the plain forms (labels and feature
 indices as unsigned decimal integers of at most 18 digits, values as ``[+-]digits[.digits]
 [e[+-]digits]`` with at most 15 significant digits and a decimal exponent within +-22, so that
-the double ``m * 10^e`` is correctly rounded before the cast to float32) and marks every other
-line as not parsed. Ingest hands files with such lines to its Spark SQL checks, which name
-the problem, so a line parsed here is one those checks accept, with the same ids and values.
+the double ``m * 10^e`` is correctly rounded, and not exactly halfway between two float32,
+where its cast to float32 could round the other way than Java's ``Float.parseFloat``, which
+Spark uses) and marks every other line as not parsed. Ingest hands files with such lines to its
+Spark SQL checks, which name the problem, so a line parsed here is one those checks accept,
+with the same ids and values.
 
 Tokens are split on Java's ``\\s`` (space, \\t, \\n, \\x0b, \\f, \\r), as Spark's
 ``split(value, '\\\\s+')``. The first token is the label list (comma separated) when the line
@@ -13,6 +15,8 @@ does not start with whitespace and the token has no ':'; tokens starting with ``
 skipped (svmlight); every other token is ``index:value``.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -93,6 +97,12 @@ def _float(buf, a, b, pow10):
         return False, np.float32(0)
     v = m * pow10[e] if e >= 0 else m / pow10[-e]
     if v > _FLOAT32_MAX:
+        return False, np.float32(0)
+    # a double exactly halfway between two float32 (25 significant bits, the last one set) may
+    # be a rounded decimal: its second rounding could go the other way than Java's single one
+    mant, _ = math.frexp(v)
+    x = mant * 33554432.0                  # 2^25
+    if x == math.floor(x) and int(x) & 1:
         return False, np.float32(0)
     f = np.float32(-v if neg else v)
     if np.isinf(f):

@@ -364,7 +364,7 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     if lines is not None:          # every line in the plain forms: parsed by the numba kernel
         data = text_lines(spark, path).where(is_data).select(
             "value", (lines.line() - 1 - (1 if fmt == "xc" else 0)).alias("sample_id"))
-        return _fast_finish(data, one_based, params.normalize), _info(path, fmt, lines, header_n, d, L)
+        return _fast_finish(data, path, one_based, params.normalize), _info(path, fmt, lines, header_n, d, L)
     # a blank line is an error, not an empty sample (a final newline makes no line at all)
     # the full checks run only on the lines the compiled screen rejects
     err = _error_sql(d, L, first=_token_error_sql(one_based))
@@ -452,14 +452,19 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
     return lines
 
 
-def _fast_finish(data: DataFrame, one_based: bool, normalize: bool) -> DataFrame:
+def _fast_finish(data: DataFrame, path: str, one_based: bool, normalize: bool) -> DataFrame:
     """(value, sample_id) lines that :func:`_fast_lines` accepted -> samples (as :func:`_finish`)."""
     from ..kernels.text_parse import parse_lines
 
     def parse(batches):
         for b in batches:
+            if not b.num_rows:
+                continue
             buf, off = _line_bytes(b.column("value"))
-            _, _, lp, lab, fp, fidx, fval = parse_lines(buf, off, np.ones(b.num_rows, np.bool_), int(one_based))
+            ok, _, lp, lab, fp, fidx, fval = parse_lines(buf, off, np.ones(b.num_rows, np.bool_), int(one_based))
+            if not ok.all():           # the file changed between the check and this write
+                raise IngestError(f"{path}: line with sample_id {b.column('sample_id')[int(np.argmin(ok))].as_py()} "
+                                  "no longer reads as it did when checked (the input changed during ingest)")
             t = pa.table({"sample_id": b.column("sample_id"),
                           "feature_idx": list_array(fp, fidx.astype(np.int32), pa.int32()),
                           "feature_val": list_array(fp, fval, pa.float32()),
