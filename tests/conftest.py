@@ -13,6 +13,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a long end-to-end run (several JVMs or a real data set); "
                                        "CI runs them, `-m 'not slow'` skips them while developing")
     config.addinivalue_line("markers", "airflow_e2e: the Airflow DAG's dag.test() through the real spark-submit")
+    config.addinivalue_line("markers", "on_demand: an end-to-end run of minutes whose parts other tests cover; "
+                                       "outside the default command (CI's 30 minutes): run it with -m on_demand")
     config.addinivalue_line("markers", "connect: also run on a local Spark Connect server, in the subprocess "
                                        "tests/test_connect_suite.py starts with XMC_TEST_SPARK_REMOTE set")
 

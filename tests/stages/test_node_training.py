@@ -278,6 +278,7 @@ def _cli_run(bibtex, tmp_path, name, *sets):
 
 
 @pytest.mark.slow
+@pytest.mark.on_demand          # ~130-170 s: about 100 TRON queries of ~1 s fixed Spark cost each
 def test_bibtex_with_big_nodes_is_as_accurate_as_grouped(bibtex, tmp_path):
     """The real CLI on bibtex with a bound of n/4 (the root and both leaves trained across
     tasks, over 9 partitions; n/8 behaves the same at twice the test's time) gives P@1/3/5

@@ -442,7 +442,7 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
 
     summary = text_lines(spark, path, f"{is_data} AS _data").select("value", "_pid", "_mid", "_data") \
         .mapInArrow(screen, FAST_SCHEMA)
-    lines = Lines(summary, count="sum(n)", bad="sum(bad)", max_label="max(max_label)",
+    lines = Lines(summary, one_split(spark, path), count="sum(n)", bad="sum(bad)", max_label="max(max_label)",
                   max_feature="max(max_feature)", n_rep="sum(n_rep)",
                   rep="min(CASE WHEN rep IS NOT NULL THEN struct(rep AS mid, true AS value) END)")
     ends = [min(e or ID_END, ID_END) for e in (L, d)]
