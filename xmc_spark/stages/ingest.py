@@ -205,6 +205,11 @@ class Lines:
 
 # ---- parsing and validation: Spark SQL, one projection and one aggregation job ----------------
 ID_END = 2 ** 31 - 1            # ids and their count (max id + 1) must fit an int
+
+
+def _id_end(n: Optional[int]) -> int:
+    """The exclusive upper bound of ids given a declared count ``n`` (None: only the int limit)."""
+    return min(n or ID_END, ID_END)
 _FLOAT_MAX = 3.4028234663852886e38
 _BAD_TOKEN = "t -> size(split(t, ':')) != 2"
 
@@ -256,7 +261,7 @@ def _error_sql(d: Optional[int], L: Optional[int], first: Optional[str] = None) 
 
     checks = [] if first is None else [(f"{first} IS NOT NULL", first)]
     for col, what, end in (("label_idx", "label id", L), ("feature_idx", "feature index", d)):
-        end = min(end or ID_END, ID_END)
+        end = _id_end(end)
         checks += [(f"exists({col}, x -> x < 0)", f"concat('negative {what} ', {first_of(col, 'x < 0')})"),
                    (f"exists({col}, x -> x >= {end})",
                     f"concat('{what} ', {first_of(col, f'x >= {end}')}, ' out of range [0, {end})')")]
@@ -285,7 +290,7 @@ def _quick_ok(d: Optional[int], L: Optional[int]) -> str:
     row is screened by this and only a row that fails it is described by the full checks."""
     conds = []
     for col, end in (("label_idx", L), ("feature_idx", d)):
-        end = min(end or ID_END, ID_END)
+        end = _id_end(end)
         conds += [f"coalesce(array_min({col}), 0) >= 0", f"coalesce(array_max({col}), 0) < {end}"]
     # NaN sorts above every number in Spark, so a NaN is the array's max
     conds += [f"coalesce(array_max(feature_val), 0) <= {_FLOAT_MAX!r}",
@@ -445,9 +450,8 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
     lines = Lines(summary, one_split(spark, path), count="sum(n)", bad="sum(bad)", max_label="max(max_label)",
                   max_feature="max(max_feature)", n_rep="sum(n_rep)",
                   rep="min(CASE WHEN rep IS NOT NULL THEN struct(rep AS mid, true AS value) END)")
-    ends = [min(e or ID_END, ID_END) for e in (L, d)]
-    if (sum(lines.values("bad")) or max(lines.values("max_label"), default=-1) >= ends[0]
-            or max(lines.values("max_feature"), default=-1) >= ends[1]):
+    if (sum(lines.values("bad")) or max(lines.values("max_label"), default=-1) >= _id_end(L)
+            or max(lines.values("max_feature"), default=-1) >= _id_end(d)):
         return None
     return lines
 
