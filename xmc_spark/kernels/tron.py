@@ -42,7 +42,7 @@ LIBLINEAR stops on (no predicted reduction, reductions below 1e-12 |f|).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
 import scipy.sparse as sp
@@ -239,46 +239,106 @@ def _col_dot(A, B):
     return np.einsum("ij,ij->j", A, B)
 
 
-def _trcg(hess_vec: HessVec, W, G, delta, cols, eps_cg, max_cg_iter):
-    """Steihaug CG on every column: approx. argmin_s g^T s + 0.5 s^T H s, ||s|| <= delta.
-    Returns (S, R = -G - H S, reached boundary, CG steps)."""
-    d, m = G.shape
-    S = np.zeros((d, m))
-    R = -G.copy()
-    D = R.copy()
-    rtr = _col_dot(R, R)
+Terms = Sequence[Tuple[object, str]]
+
+
+class NumpySpace:
+    """The d x K vectors TRON works on (named: W, G, S, R, D, HD, Gn), held in memory, with the
+    oracle ``fun_grad(W, cols) -> (f, G)`` / ``hess_vec(W, V, cols) -> HV`` of the module
+    docstring. :func:`tron_space` talks to its vectors only through the four methods below, so a
+    space whose vectors live elsewhere (:class:`..stages.shared_vectors.SharedSpace`: files on
+    storage every Spark task sees) runs the same loop with only scalars reaching the caller.
+
+    Every method acts on the classifiers ``cols``; a vector never written is zero. ``terms`` are
+    [(coefficient, name)], a coefficient a scalar or one value per entry of ``cols``; ``dots`` are
+    [(name, name)] pairs whose column-wise inner products are returned (one row per pair) *after*
+    the call's writes."""
+
+    def __init__(self, fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int):
+        self._fg, self._hv, self.d, self.K = fun_grad, hess_vec, d, K
+        self.v: dict = {}
+
+    def _get(self, name: str, cols) -> np.ndarray:
+        return self.v[name][:, cols] if name in self.v else np.zeros((self.d, len(cols)))
+
+    def _eval(self, terms: Terms, cols) -> np.ndarray:
+        out = np.zeros((self.d, len(cols)))
+        for coef, name in terms:
+            out += np.asarray(coef, np.float64) * self._get(name, cols)
+        return out
+
+    def _set(self, name: str, cols, value: np.ndarray) -> None:
+        self.v.setdefault(name, np.zeros((self.d, self.K)))[:, cols] = value
+
+    def _dots(self, dots, cols) -> np.ndarray:
+        out = [_col_dot(self._get(a, cols), self._get(b, cols)) for a, b in dots]
+        return np.array(out).reshape(len(dots), len(cols))
+
+    def fun_grad(self, w: Terms, out: str, cols, dots=()) -> Tuple[np.ndarray, np.ndarray]:
+        """(f at w = sum of ``w``'s terms, dots); ``out`` := the gradient there."""
+        f, G = self._fg(self._eval(w, cols), cols)
+        self._set(out, cols, G)
+        return np.asarray(f, np.float64), self._dots(dots, cols)
+
+    def hess_vec(self, w: str, v: str, out: str, cols, dots=()) -> np.ndarray:
+        """``out`` := H(w) v; returns the dots."""
+        self._set(out, cols, self._hv(self._get(w, cols), self._get(v, cols), cols))
+        return self._dots(dots, cols)
+
+    def combine(self, updates: Dict[str, Terms], cols, dots=()) -> np.ndarray:
+        """Every ``out: terms`` of ``updates`` at once (all terms read before any write)."""
+        new = {name: self._eval(terms, cols) for name, terms in updates.items()}
+        for name, value in new.items():
+            self._set(name, cols, value)
+        return self._dots(dots, cols)
+
+    def result(self) -> np.ndarray:
+        return self._get("W", np.arange(self.K))
+
+
+def _boundary_step(sd, ss, dd, delta):
+    """tau >= 0 with ||s + tau d|| = delta, from s.d, s.s, d.d (LIBLINEAR's trcg)."""
+    dsq = delta ** 2
+    rad = np.sqrt(sd * sd + dd * np.maximum(dsq - ss, 0.0))
+    return np.where(sd >= 0, (dsq - ss) / np.where(sd + rad > 0, sd + rad, 1.0), (rad - sd) / np.where(dd > 0, dd, 1.0))
+
+
+def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter):
+    """Steihaug CG on the classifiers ``c``: leaves S ~ argmin_s g^T s + 0.5 s^T H s with
+    ||s|| <= delta and R = -G - H S in the space; returns (reached boundary, CG steps).
+
+    One Hessian-vector product and one update per step. ||s + alpha d||^2 and the new ||r||^2
+    come from inner products the product returns (s.s + 2 alpha s.d + alpha^2 d.d, and
+    r.r - 2 alpha r.Hd + alpha^2 Hd.Hd), so that r, s and d are updated in one pass; the exact
+    ||r||^2 the update returns replaces the expansion for the next step."""
+    m = len(c)
+    space.combine({"S": [], "R": [(-1.0, "G")], "D": [(-1.0, "G")]}, c)
+    rtr = np.array(rtr, np.float64)
     cgtol = eps_cg * np.sqrt(rtr)
     boundary = np.zeros(m, bool)
     steps = np.zeros(m, np.int64)
     run = np.sqrt(rtr) > cgtol
     while run.any():
-        j = np.flatnonzero(run)
-        HD = hess_vec(W[:, j], D[:, j], cols[j])
-        steps[j] += 1
-        alpha = rtr[j] / _col_dot(D[:, j], HD)
-        Snew = S[:, j] + alpha * D[:, j]
-        out = np.sqrt(_col_dot(Snew, Snew)) > delta[j]
-        if out.any():   # back to the old s, then to the boundary along d
-            jo, Do, So = j[out], D[:, j[out]], S[:, j[out]]
-            std, sts, dtd = _col_dot(So, Do), _col_dot(So, So), _col_dot(Do, Do)
-            dsq = delta[jo] ** 2
-            rad = np.sqrt(std * std + dtd * np.maximum(dsq - sts, 0.0))
-            a = np.where(std >= 0, (dsq - sts) / np.where(std + rad > 0, std + rad, 1.0),
-                         (rad - std) / dtd)
-            S[:, jo] = So + a * Do
-            R[:, jo] -= a * HD[:, out]
-            boundary[jo] = True
-            run[jo] = False
-        ji, inn = j[~out], ~out
-        if len(ji):
-            S[:, ji] = Snew[:, inn]
-            R[:, ji] -= alpha[inn] * HD[:, inn]
-            rnew = _col_dot(R[:, ji], R[:, ji])
-            D[:, ji] = R[:, ji] + (rnew / rtr[ji]) * D[:, ji]
-            rtr[ji] = rnew
-            run[ji] = np.sqrt(rnew) > cgtol[ji]
+        loc = np.flatnonzero(run)
+        j = c[loc]
+        dhd, ss, sd, dd, rhd, hh = space.hess_vec("W", "D", "HD", j, dots=[
+            ("D", "HD"), ("S", "S"), ("S", "D"), ("D", "D"), ("R", "HD"), ("HD", "HD")])
+        steps[loc] += 1
+        r0 = rtr[loc]
+        alpha = r0 / dhd
+        out = np.sqrt(np.maximum(ss + 2 * alpha * sd + alpha * alpha * dd, 0.0)) > delta[loc]
+        a = np.where(out, _boundary_step(sd, ss, dd, delta[loc]), alpha)
+        rnew = np.maximum(r0 - 2 * a * rhd + a * a * hh, 0.0)
+        beta = np.where(out, 0.0, rnew / r0)
+        (rr,) = space.combine({"S": [(1.0, "S"), (a, "D")], "R": [(1.0, "R"), (-a, "HD")],
+                               "D": [(1.0, "R"), (-a, "HD"), (beta, "D")]}, j, dots=[("R", "R")])
+        boundary[loc[out]] = True
+        run[loc[out]] = False
+        inn = ~out
+        rtr[loc[inn]] = rr[inn]
+        run[loc[inn]] = np.sqrt(rr[inn]) > cgtol[loc[inn]]
         run &= steps < max_cg_iter
-    return S, R, boundary, steps
+    return boundary, steps
 
 
 @dataclass
@@ -304,9 +364,18 @@ class TronInfo:
 def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps=0.01, max_iter: int = 50,
          eps_cg: float = 0.1, max_cg_iter: int | None = None, log=None) -> Tuple[np.ndarray, TronInfo]:
     """Minimize K independent objectives from w = 0 (see the module docstring); W is d x K.
+    :func:`tron_space` on a :class:`NumpySpace` over the oracle; returns (W, info)."""
+    space = NumpySpace(fun_grad, hess_vec, d, K)
+    info = tron_space(space, d, K, eps, max_iter, eps_cg, max_cg_iter, log)
+    return space.result(), info
+
+
+def tron_space(space, d: int, K: int, eps=0.01, max_iter: int = 50, eps_cg: float = 0.1,
+               max_cg_iter: int | None = None, log=None) -> TronInfo:
+    """The trust-region loop over a vector space (:class:`NumpySpace` or one of the same
+    methods); the solution is the space's ``W``.
 
     ``eps``: one tolerance or one per classifier (:func:`liblinear_eps` scales it as LIBLINEAR).
-
     ``max_cg_iter`` bounds the CG steps of one trust-region step (default max(d, 5), as
     LIBLINEAR). ``log(msg)``, when given, receives one line per trust-region round.
     """
@@ -315,21 +384,11 @@ def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps=0.01, max_ite
         raise ValueError(f"tron: eps must be > 0 and max_iter >= 1 (got eps min {eps.min(initial=1)}, "
                          f"max_iter {max_iter})")
     max_cg_iter = max(d, 5) if max_cg_iter is None else int(max_cg_iter)
-    calls = {"fg": 0, "hv": 0}
-
-    def fg(Wc, c):
-        calls["fg"] += 1
-        return fun_grad(Wc, c)
-
-    def hv(Wc, Vc, c):
-        calls["hv"] += 1
-        return hess_vec(Wc, Vc, c)
-
-    W = np.zeros((d, K))
     allc = np.arange(K)
-    f, G = fg(W, allc)
-    f, G = np.array(f, np.float64), np.array(G, np.float64)
-    gnorm0 = np.sqrt(_col_dot(G, G))
+    f, (gg,) = space.fun_grad([], "G", allc, dots=[("G", "G")])          # at w = 0
+    f = np.array(f, np.float64)
+    calls = {"fg": 1, "hv": 0}
+    gnorm0 = np.sqrt(gg)
     gnorm = gnorm0.copy()
     delta = gnorm0.copy()
     adjusted = np.zeros(K, bool)
@@ -339,16 +398,16 @@ def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps=0.01, max_ite
     rnd = 0
     while live.any():
         c = np.flatnonzero(live)
-        Wc, Gc = W[:, c], G[:, c]
-        S, R, boundary, cgs = _trcg(hv, Wc, Gc, delta[c], c, eps_cg, max_cg_iter)
+        boundary, cgs = _trcg(space, c, gnorm[c] ** 2, delta[c], eps_cg, max_cg_iter)
+        calls["hv"] += int(cgs.max(initial=0))
         cg_steps[c] += cgs
-        Wn = Wc + S
-        fn, Gn = fg(Wn, c)
+        fn, (gs, sr, ss, gn2) = space.fun_grad([(1.0, "W"), (1.0, "S")], "Gn", c,
+                                               dots=[("G", "S"), ("S", "R"), ("S", "S"), ("Gn", "Gn")])
+        calls["fg"] += 1
         fc = f[c]
-        gs = _col_dot(Gc, S)
-        prered = -0.5 * (gs - _col_dot(S, R))
+        prered = -0.5 * (gs - sr)
         actred = fc - fn
-        snorm = np.sqrt(_col_dot(S, S))
+        snorm = np.sqrt(ss)
         dl = delta[c]
         first = ~adjusted[c]
         dl = np.where(first, np.minimum(dl, snorm), dl)
@@ -366,10 +425,10 @@ def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps=0.01, max_ite
         delta[c] = dl
         acc = actred > ETA0 * prered
         ca = c[acc]
-        W[:, ca] = Wn[:, acc]
+        if len(ca):
+            space.combine({"W": [(1.0, "W"), (1.0, "S")], "G": [(1.0, "Gn")]}, ca)
         f[ca] = fn[acc]
-        G[:, ca] = Gn[:, acc]
-        gnorm[ca] = np.sqrt(_col_dot(Gn[:, acc], Gn[:, acc]))
+        gnorm[ca] = np.sqrt(gn2[acc])
         steps[c] += 1
         tiny = (np.abs(actred) <= 1e-12 * np.abs(f[c])) & (np.abs(prered) <= 1e-12 * np.abs(f[c]))
         done = (gnorm[c] <= eps[c] * gnorm0[c]) | (steps[c] >= max_iter) | (prered <= 0) | tiny
@@ -379,7 +438,7 @@ def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps=0.01, max_ite
             log(f"tron round {rnd}: {len(c)} classifiers, CG steps <= {int(cgs.max(initial=0))}, "
                 f"{int(acc.sum())} accepted, {int(live.sum())} still running, "
                 f"max |g|/|g0| {float(np.max(gnorm[c] / gnorm0[c])):.2e}")
-    return W, TronInfo(steps, cg_steps, f, gnorm, gnorm0, eps, calls["fg"], calls["hv"])
+    return TronInfo(steps, cg_steps, f, gnorm, gnorm0, eps, calls["fg"], calls["hv"])
 
 
 def prune(W: np.ndarray, threshold: float) -> sp.csc_matrix:

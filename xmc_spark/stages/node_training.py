@@ -56,6 +56,7 @@ from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
 from ..compat import default_parallelism, share
+from ..errors import XmcError
 from ..kernels import tron
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TreeIndex
@@ -63,6 +64,7 @@ from ..model import add_pairs, train_group
 from ..params import TrainParams
 from ..progress import worker_progress
 from ..schemas import WEIGHTS_SCHEMA, ddl
+from .shared_vectors import SharedSpace
 
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, sample_id long, feature_idx array<int>, feature_val array<float>, "
@@ -80,14 +82,15 @@ BYTES_PER_ROW = 16 * 1024
 
 
 def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainParams,
-        n_samples: Optional[int] = None) -> DataFrame:
+        n_samples: Optional[int] = None, scratch: Optional[str] = None) -> DataFrame:
     """(is_leaf, key, w_idx, w_val): one row per classifier (key = node id, or slot id at leaves).
 
     A ``label_weight`` column (array<float> aligned with ``label_idx``, e.g. EAGLE's soft
     assignment) weights each positive; without it every positive weighs 1. ``n_samples`` (the
     number of rows of ``samples``, when the caller knows it) saves a count; nodes are only
     counted when it exceeds the bound. Big nodes are trained here (Spark jobs run before this
-    returns); the small nodes' training runs when the result is computed.
+    returns); the small nodes' training runs when the result is computed. ``scratch``: a folder
+    every task sees, for the solver's vectors above ``train.tron_driver_mb`` (:func:`scratch_root`).
     """
     bindex = share(samples, index, name="the tree index")
     weighted = "label_weight" in samples.columns
@@ -122,7 +125,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
         return grouped_apply(grouped, ["group"], train, WEIGHTS_SCHEMA)
     small = grouped.where(~F.col("group").isin([int(g) for g in big]))
     parts = big_row_partitions(samples.sparkSession, int(big_rows.sum()), bound)
-    big_weights = train_big_nodes(samples, index, bindex, big, n_features, params, parts)
+    big_weights = train_big_nodes(samples, index, bindex, big, n_features, params, parts, scratch)
     return grouped_apply(small, ["group"], train, WEIGHTS_SCHEMA).unionByName(big_weights)
 
 
@@ -488,33 +491,67 @@ def _unpack_matrix(p) -> np.ndarray:
     return M
 
 
+def scratch_root(spark, scratch: Optional[str]) -> str:
+    """Where the solver keeps its vectors above ``train.tron_driver_mb``: ``scratch`` (the
+    pipeline passes ``<run folder>/_scratch``), else in local mode the machine's temp folder;
+    a cluster needs a folder its tasks share."""
+    if scratch:
+        return scratch
+    if str(_conf(spark, "spark.master", "") or "").startswith("local"):
+        import tempfile
+        return tempfile.gettempdir()
+    raise XmcError("train: the big nodes' solver vectors exceed train.tron_driver_mb and no scratch folder "
+                   "was given: pass one every executor sees (the pipeline uses <run folder>/_scratch), or "
+                   "raise train.tron_driver_mb")
+
+
 def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, n_features: int,
-                    params: TrainParams, parts: int) -> DataFrame:
+                    params: TrainParams, parts: int, scratch: Optional[str] = None) -> DataFrame:
     """Weights rows of the nodes ``big`` trained by distributed TRON (all nodes in one loop),
-    their rows spread over ``parts`` partitions (:func:`big_row_partitions`)."""
+    their rows spread over ``parts`` partitions (:func:`big_row_partitions`). The solver's
+    vectors (features x the nodes' classifiers, float64) stay on the driver up to
+    ``train.tron_driver_mb``; above, in files under ``scratch`` (:mod:`.shared_vectors`)."""
     spark = samples.sparkSession
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
+    is_leaf = np.isin(big, index.leaves)
     rows = (_big_rows(samples, bindex, big, node_ptr).repartition(parts).sortWithinPartitions("node")
             .mapInArrow(_pack_rows(n_features, int(node_ptr[-1]), params.bias, params.C), PACK_SCHEMA)
             .persist(StorageLevel.MEMORY_AND_DISK))
+    space = None
     try:
         oracle = SparkOracle(rows, node_ptr, n_features, params)
         node_rows, positives = oracle.counts()          # the first query also fills the cache
+        d, K = oracle.d, int(node_ptr[-1])
+        shared = d * K * 8 > params.tron_driver_mb * 2 ** 20
         log.info("train: %d big nodes, %d classifiers, %d rows over %d partitions: distributed TRON "
-                 "(eps %g, at most %d steps)", len(big), node_ptr[-1], node_rows.sum(), parts, params.tron_eps,
-                 params.tron_max_iter)
+                 "(eps %g, at most %d steps), vectors of %.1f MB %s", len(big), K, node_rows.sum(), parts,
+                 params.tron_eps, params.tron_max_iter, d * K * 8 / 2 ** 20,
+                 "in shared files (only scalars to the driver)" if shared else "on the driver")
         eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
-        W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, oracle.d, int(node_ptr[-1]), eps=eps,
-                            max_iter=params.tron_max_iter, log=log.info)
+        if shared:
+            n_cls = K
+            space = SharedSpace(rows, lambda b: _unpack(b, d, n_cls), node_ptr, d, scratch_root(spark, scratch))
+            info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info)
+        else:
+            W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, d, K, eps=eps,
+                                max_iter=params.tron_max_iter, log=log.info)
+        log.info("train: distributed TRON done in %d queries; Newton steps per classifier %d-%d, CG steps %d-%d, "
+                 "%d of %d met |g| <= eps_k |g0| (eps %g scaled per classifier)%s",
+                 oracle.queries + (space.jobs if space else 0), info.steps.min(), info.steps.max(),
+                 info.cg_steps.min(), info.cg_steps.max(), int(info.converged.sum()), len(info.steps),
+                 params.tron_eps, f"; {space.driver_bytes} bytes of scalars to the driver" if space else "")
+        if space is not None:
+            threshold = params.threshold
+
+            def emit(g: int, Wg: np.ndarray) -> pa.Table:
+                idx, val = csr_rows_to_arrays(tron.prune(Wg, threshold).T.tocsr())
+                return _weights_table(np.full(len(kids[g]), is_leaf[g]), kids[g], idx, val)
+            return space.weights(emit, WEIGHTS_SCHEMA)
     finally:
         rows.unpersist()
-    log.info("train: distributed TRON done in %d queries; Newton steps per classifier %d-%d, CG steps %d-%d, "
-             "%d of %d met |g| <= eps_k |g0| (eps %g scaled per classifier)", oracle.queries, info.steps.min(),
-             info.steps.max(), info.cg_steps.min(), info.cg_steps.max(), int(info.converged.sum()), len(info.steps),
-             params.tron_eps)
-    Wc = tron.prune(W, params.threshold)
-    idx, val = csr_rows_to_arrays(Wc.T.tocsr())
-    is_leaf = np.isin(np.repeat(big, np.diff(node_ptr)), index.leaves)
-    table = _weights_table(is_leaf, np.concatenate(kids), idx, val)
+        if space is not None:
+            space.close()
+    idx, val = csr_rows_to_arrays(tron.prune(W, params.threshold).T.tocsr())
+    table = _weights_table(np.repeat(is_leaf, np.diff(node_ptr)), np.concatenate(kids), idx, val)
     return spark.createDataFrame(table, schema=WEIGHTS_SCHEMA)

@@ -1,0 +1,112 @@
+"""The distributed solver's vectors in shared files: every method of the file-backed space
+(gradient, Hessian-vector product, combination, inner products; all classifiers and a subset)
+equals the in-memory space on the big nodes of the stage tests' problem, and the stage trains
+the same weights with its vectors in files as with them on the driver, leaving no file behind."""
+import dataclasses
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import scipy.sparse as sp
+from pyspark import StorageLevel
+
+from tests.stages.conftest import D, L
+from xmc_spark.compat import share
+from xmc_spark.kernels import tron
+from xmc_spark.kernels.label_embedding import pifa
+from xmc_spark.kernels.tree import TreeIndex, build_tree
+from xmc_spark.params import TrainParams
+from xmc_spark.schemas import check_table
+from xmc_spark.stages import node_training
+from xmc_spark.stages.shared_vectors import SharedSpace
+
+BOUND = 60      # of the 150 samples: the root and the nodes near it are big
+
+
+@pytest.fixture(scope="module")
+def index(problem):
+    _, Xl, Yl = problem
+    return TreeIndex(np.arange(L), build_tree(pifa(Xl, Yl), 4, 2, 20, 0), L, 2)
+
+
+def _big(index, Y):
+    rows, groups = index.groups_of_samples(Y.indptr, Y.indices)
+    g, c = np.unique(groups, return_counts=True)
+    assert (c > BOUND).sum() >= 3
+    return g[c > BOUND]
+
+
+def _files(root):
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
+    samples, _, Yl = problem
+    tp = TrainParams(C=1.5, bias=0.5)
+    big = _big(index, Yl)
+    kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
+    node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
+    d, K = D + 1, int(node_ptr[-1])
+    packed = (node_training._big_rows(samples, share(samples, index), big, node_ptr).repartition(3)
+              .sortWithinPartitions("node")
+              .mapInArrow(node_training._pack_rows(D, K, tp.bias, tp.C, max_rows=16), node_training.PACK_SCHEMA)
+              .persist(StorageLevel.MEMORY_ONLY))
+    blocks = [rb for b in packed.toArrow().to_batches() for rb in node_training._unpack(b, d, K)]
+    whole = tron.RowBlock(sp.vstack([b.X for b in blocks], format="csr"), np.concatenate([b.node for b in blocks]),
+                          np.concatenate([b.cost for b in blocks]), sp.vstack([b.pos for b in blocks], format="csr"))
+    ref = tron.NumpySpace(*tron.local_oracle(whole, node_ptr), d, K)
+    got = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path))
+    allc, sub = np.arange(K), np.arange(K)[1::2]          # the subset leaves classifiers of every node out
+    assert len(np.unique(np.searchsorted(node_ptr, sub, side="right"))) > 1
+
+    def both(method, *args, **kw):
+        a, b = getattr(ref, method)(*args, **kw), getattr(got, method)(*args, **kw)
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-12, err_msg=method)
+
+    both("fun_grad", [], "G", allc, dots=[("G", "G")])
+    both("hess_vec", "W", "G", "HD", allc, dots=[("G", "HD"), ("HD", "HD")])
+    both("combine", {"W": [(0.3, "G"), (-0.01 * np.arange(K), "HD")], "D": [(1.0, "G")]}, allc,
+         dots=[("W", "W"), ("W", "D")])
+    both("fun_grad", [(1.0, "W"), (0.5, "D")], "Gn", sub, dots=[("Gn", "Gn"), ("W", "Gn")])
+    both("hess_vec", "W", "D", "HD", sub, dots=[("D", "HD"), ("Gn", "HD")])
+    both("combine", {"W": [(1.0, "HD"), (np.arange(len(sub)), "W")], "S": []}, sub,
+         dots=[("W", "W"), ("S", "S"), ("W", "Gn")])
+
+    def emit(g, Wg):
+        return pa.table({"col": pa.array(node_ptr[g] + np.arange(Wg.shape[1])),
+                         "w": pa.array(list(Wg.T), pa.list_(pa.float64()))})
+    W = ref.result()
+    out = {r["col"]: np.asarray(r["w"]) for r in got.weights(emit, "col long, w array<double>").collect()}
+    assert sorted(out) == list(range(K))
+    for j in range(K):
+        np.testing.assert_allclose(out[j], W[:, j], rtol=1e-9, atol=1e-12)
+    assert got.driver_bytes < 64 * 1024          # scalars only: a few doubles per node and block
+    got.close()
+    packed.unpersist()
+    assert not os.listdir(tmp_path)
+
+
+def test_stage_with_vectors_in_files_equals_vectors_on_the_driver(problem, index, tmp_path):
+    """train.tron_driver_mb = 0 puts the solver's vectors in files: the same weights (no pruning,
+    to compare every entry; one Newton step, the same iterate either way), and the scratch
+    folder is left empty."""
+    samples, _, Yl = problem
+    _big(index, Yl)
+    tp = TrainParams(threshold=0.0, max_node_rows=str(BOUND), tron_max_iter=1)
+    on_driver = node_training.run(samples, index, D, tp)
+    in_files = node_training.run(samples, index, D, dataclasses.replace(tp, tron_driver_mb=0), scratch=str(tmp_path))
+
+    def dense(df):
+        out = {}
+        for r in check_table(df, "weights").collect():
+            v = np.zeros(D + 1)
+            v[np.asarray(r["w_idx"])] = r["w_val"]
+            out[(r["is_leaf"], r["key"])] = v
+        return out
+    a, b = dense(on_driver), dense(in_files)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-5, err_msg=str(k))
+    assert not _files(tmp_path)

@@ -1,0 +1,301 @@
+"""TRON's vectors in shared storage: the distributed solver of the big nodes with only scalars
+reaching the driver.
+
+:func:`..kernels.tron.tron_space` runs the trust-region loop against a vector space of named
+d x K vectors (W, G, S, R, D, HD, Gn: d = features + bias, K = the big nodes' classifiers).
+:class:`SharedSpace` keeps those vectors in files under a scratch folder that every task and the
+driver see (the run's folder: local disk in local mode, a ``/Volumes`` or ``/dbfs`` mount, or
+``s3://``/``gs://``/``abfss://`` through pyarrow), one file per (vector, node, block of
+:data:`BLOCK` doubles of feature rows); the driver holds which job wrote each (vector, node)
+last and the per-classifier scalars of the loop, O(nodes x vectors + classifiers).
+
+Every call is one Spark job:
+
+- ``fun_grad`` / ``hess_vec``: the tasks over the persisted big-node rows (as
+  :class:`..stages.node_training.SparkOracle`'s) read the current W (and the direction) of the
+  nodes they hold from the files, add up their rows' partial sums per node, and emit them cut
+  into the same (node, block) pieces; ``groupBy(node, block).applyInArrow`` sums each piece,
+  adds the regularizer, writes it as the new vector's block and returns only that block's
+  share of the loss and of the inner products the loop asked for;
+- ``combine``: one task per few (node, block) keys reads the terms' blocks, writes the linear
+  combinations (per-classifier coefficients), returns the inner products.
+
+So a task holds its rows plus one node's d x K_node vectors, the reduce and combine tasks one
+block of each vector, and the driver receives (nodes x blocks x inner products) doubles per job
+whatever the number of samples or features. A job writes a new folder (``j<n>``); folders no
+vector refers to any more are deleted after each job, the whole scratch folder at the end. A
+retried task rewrites the same files.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Callable, Dict, Iterable, Optional
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from ..arrow_utils import grouped_apply, list_array, list_offsets_values, to_arrow
+from ..compat import default_parallelism
+from ..kernels import tron
+from ..storage import client_fs
+
+log = logging.getLogger("xmc_spark.train")
+BLOCK = 1 << 16                 # doubles per file (512 KiB)
+PIECE_SCHEMA = "g int, fb int, part int, loss array<double>, vals array<double>"
+SCALAR_SCHEMA = "g int, fb int, loss array<double>, dots array<double>"
+
+
+def _scalars(g, fb, loss, dots) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({
+        "g": pa.array([int(g)], pa.int32()), "fb": pa.array([int(fb)], pa.int32()),
+        "loss": list_array(np.array([0, len(loss)]), np.asarray(loss, np.float64), pa.float64()),
+        "dots": list_array(np.array([0, len(dots)]), np.asarray(dots, np.float64), pa.float64())})
+
+
+class _Files:
+    """What a task needs to read and write blocks: the scratch root, the block layout and which
+    job folder holds each (vector, node) (absent: the zero vector). Pickled into the closures."""
+
+    def __init__(self, uri: str, base: str, d: int, node_ptr: np.ndarray, where: Dict):
+        self.uri, self.base, self.d, self.node_ptr, self.where = uri, base, d, node_ptr, dict(where)
+        self.k = np.diff(node_ptr)
+        self.fb_rows = np.maximum(1, BLOCK // np.maximum(self.k, 1))
+
+    def blocks(self, g: int) -> int:
+        return -(-self.d // int(self.fb_rows[g]))
+
+    def span(self, g: int, fb: int):
+        lo = fb * int(self.fb_rows[g])
+        return lo, min(self.d, lo + int(self.fb_rows[g]))
+
+    def path(self, job: int, name: str, g: int, fb: int) -> str:
+        return f"{self.base}/j{job}/{name}-{g}-{fb}"
+
+    def load(self, fs, name: str, g: int, fb: int) -> np.ndarray:
+        """Block fb of vector ``name`` of node g: (rows, K_g), all of the node's classifiers."""
+        lo, hi = self.span(g, fb)
+        job = self.where.get((name, g))
+        if job is None:
+            return np.zeros((hi - lo, int(self.k[g])))
+        with fs.open_input_stream(self.path(job, name, g, fb)) as f:
+            return np.frombuffer(f.read(), np.float64).reshape(hi - lo, int(self.k[g]))
+
+    def save(self, fs, job: int, name: str, g: int, fb: int, block: np.ndarray) -> None:
+        with fs.open_output_stream(self.path(job, name, g, fb)) as f:
+            f.write(np.ascontiguousarray(block, np.float64).tobytes())
+
+    def terms(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
+        """sum coef x block of the node's classifiers ``sub`` (coefficients per global classifier)."""
+        lo, hi = self.span(g, fb)
+        out = np.zeros((hi - lo, len(sub)))
+        for coef, name in terms:
+            if (name, g) in self.where:
+                out += coef[self.node_ptr[g] + sub] * self.load(fs, name, g, fb)[:, sub]
+        return out
+
+    def whole(self, fs, terms, g: int, sub: np.ndarray) -> np.ndarray:
+        """The d x len(sub) matrix of ``terms`` of node g (all its blocks)."""
+        return np.vstack([self.terms(fs, terms, g, fb, sub) for fb in range(self.blocks(g))])
+
+    def write(self, fs, job: int, name: str, g: int, fb: int, sub: np.ndarray, block: np.ndarray) -> None:
+        """Set the classifiers ``sub`` of block fb of ``name`` (the others keep their values)."""
+        if len(sub) < self.k[g]:
+            full = self.load(fs, name, g, fb).copy()
+            full[:, sub] = block
+            block = full
+        self.save(fs, job, name, g, fb, block)
+
+
+def _dots(blocks: Dict[str, np.ndarray], files: _Files, fs, dots, g, fb, sub) -> np.ndarray:
+    """Column-wise inner products of block fb of the ``dots`` pairs (``blocks``: values this job
+    just computed; the rest read from the files)."""
+    def get(name):
+        if name not in blocks:
+            blocks[name] = files.terms(fs, [(np.ones(files.node_ptr[-1]), name)], g, fb, sub)
+        return blocks[name]
+    return np.concatenate([np.einsum("ij,ij->j", get(a), get(b)) for a, b in dots]) if dots else np.zeros(0)
+
+
+class SharedSpace:
+    """The vector space of :func:`..kernels.tron.tron_space` with its vectors in files under
+    ``root`` (see the module docstring). ``rows``: the persisted packed rows (column ``node`` =
+    index of the big node), ``unpack(batch)``: their :class:`..kernels.tron.RowBlock` s (one node
+    each), ``node_ptr``: classifiers of node g = ``node_ptr[g]:node_ptr[g + 1]``."""
+
+    def __init__(self, rows: DataFrame, unpack: Callable[[pa.RecordBatch], Iterable[tron.RowBlock]],
+                 node_ptr: np.ndarray, d: int, root: str):
+        self.rows, self.unpack = rows, unpack
+        self.node_ptr = np.asarray(node_ptr, np.int64)
+        self.d, self.K = int(d), int(self.node_ptr[-1])
+        self.root = f"{root.rstrip('/')}/tron-{uuid.uuid4().hex}"
+        self.fs, self.fs_root = client_fs(self.root)
+        self.fs.create_dir(self.fs_root, recursive=True)
+        self.where: Dict = {}
+        self.alive: set = set()             # job folders holding files
+        self.jobs = 0
+        self.driver_bytes = 0               # bytes of the scalar rows collected so far
+        self.col_node = np.repeat(np.arange(len(self.node_ptr) - 1), np.diff(self.node_ptr))
+
+    # ---- the four methods tron_space calls -------------------------------------------------------
+
+    def fun_grad(self, w, out: str, cols, dots=()):
+        loss, d = self._oracle("fg", self._coefs(w, cols), None, out, cols, dots)
+        return loss, d
+
+    def hess_vec(self, w: str, v: str, out: str, cols, dots=()):
+        return self._oracle("hv", [(self._full(1.0, cols), w)], v, out, cols, dots)[1]
+
+    def combine(self, updates, cols, dots=()):
+        cols = np.asarray(cols, np.int64)
+        upd = {name: self._coefs(terms, cols) for name, terms in updates.items()}
+        files, job, subs = self._files(), self._next_job(), self._subs(cols)
+        keys = [(int(g), fb) for g in subs for fb in range(files.blocks(g))]
+
+        def run(batches):
+            fs, _ = client_fs(files.uri)
+            for b in batches:
+                for g, fb in zip(b.column("g").to_pylist(), b.column("fb").to_pylist()):
+                    sub = subs[g]
+                    new = {name: files.terms(fs, terms, g, fb, sub) for name, terms in upd.items()}
+                    for name, block in new.items():
+                        files.write(fs, job, name, g, fb, sub, block)
+                    yield _scalars(g, fb, [], _dots(new, files, fs, dots, g, fb, sub))
+
+        spark = self.rows.sparkSession
+        df = spark.createDataFrame(keys, "g int, fb int").repartition(
+            max(1, min(len(keys), 4 * default_parallelism(spark))))
+        return self._finish(df.mapInArrow(run, SCALAR_SCHEMA), job, list(upd), cols, dots)[1]
+
+    # ---- the final weights -----------------------------------------------------------------------
+
+    def weights(self, emit: Callable[[int, np.ndarray], pa.Table], schema: str) -> DataFrame:
+        """``emit(g, W_g)`` of every node (W_g: d x K_g from the files) as a DataFrame, computed
+        and checkpointed here (the files are deleted by :meth:`close`)."""
+        files = self._files()
+        nodes = len(self.node_ptr) - 1
+
+        def run(batches):
+            fs, _ = client_fs(files.uri)
+            for b in batches:
+                for g in b.column("g").to_pylist():
+                    W = files.whole(fs, [(np.ones(files.node_ptr[-1]), "W")], g, np.arange(files.k[g]))
+                    yield from emit(g, W).to_batches()
+
+        spark = self.rows.sparkSession
+        df = spark.createDataFrame([(g,) for g in range(nodes)], "g int").repartition(max(1, nodes))
+        return df.mapInArrow(run, schema).localCheckpoint()
+
+    def close(self) -> None:
+        self.fs.delete_dir(self.fs_root)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _full(self, coef, cols) -> np.ndarray:
+        full = np.zeros(self.K)
+        full[np.asarray(cols, np.int64)] = coef
+        return full
+
+    def _coefs(self, terms, cols):
+        return [(self._full(c, cols), name) for c, name in terms]
+
+    def _subs(self, cols) -> Dict[int, np.ndarray]:
+        """node -> its requested classifiers, as positions within the node."""
+        cols = np.asarray(cols, np.int64)
+        g = self.col_node[cols]
+        return {int(n): np.sort(cols[g == n] - self.node_ptr[n]) for n in np.unique(g)}
+
+    def _files(self) -> _Files:
+        return _Files(self.root, self.fs_root, self.d, self.node_ptr, self.where)
+
+    def _next_job(self) -> int:
+        self.jobs += 1
+        self.fs.create_dir(f"{self.fs_root}/j{self.jobs}", recursive=True)
+        return self.jobs
+
+    def _oracle(self, kind: str, w, v: Optional[str], out: str, cols, dots):
+        """One data pass: ``out`` := gradient at w (``fg``, returns the objective) or H(w) v (``hv``)."""
+        cols = np.asarray(cols, np.int64)
+        files, job, subs, unpack = self._files(), self._next_job(), self._subs(cols), self.unpack
+        node_ptr, ones = self.node_ptr, [(np.ones(self.K), v)] if v else []
+
+        def partial(batches):
+            from pyspark import TaskContext
+            fs, _ = client_fs(files.uri)
+            part = TaskContext.get().partitionId() if TaskContext.get() else 0
+            vec, acc = {}, {}
+            for b in batches:
+                for rb in unpack(b):
+                    g = int(rb.node[0])
+                    if g not in subs:
+                        continue
+                    sub = subs[g]
+                    gcols = node_ptr[g] + sub
+                    if g not in vec:
+                        vec[g] = (files.whole(fs, w, g, sub), files.whole(fs, ones, g, sub) if v else None)
+                        acc[g] = (np.zeros(len(sub)), np.zeros((files.d, len(sub))))
+                    if kind == "fg":
+                        tron.partial_fun_grad(rb, node_ptr, vec[g][0], gcols, out=acc[g])
+                    else:
+                        tron.partial_hess_vec(rb, node_ptr, vec[g][0], vec[g][1], gcols, out=acc[g][1])
+            for g, (loss, M) in acc.items():
+                for fb in range(files.blocks(g)):
+                    lo, hi = files.span(g, fb)
+                    lv = loss if fb == 0 and kind == "fg" else np.zeros(0)
+                    yield pa.RecordBatch.from_pydict({
+                        "g": pa.array([g], pa.int32()), "fb": pa.array([fb], pa.int32()),
+                        "part": pa.array([part], pa.int32()),
+                        "loss": list_array(np.array([0, len(lv)]), lv, pa.float64()),
+                        "vals": list_array(np.array([0, (hi - lo) * M.shape[1]]), M[lo:hi].ravel(), pa.float64())})
+
+        def reduce(t: pa.Table) -> pa.Table:
+            fs, _ = client_fs(files.uri)
+            t = t.take(pa.array(np.argsort(t.column("part").to_numpy(), kind="stable")))
+            g, fb = int(t.column("g")[0].as_py()), int(t.column("fb")[0].as_py())
+            sub = subs[g]
+            _, vals = list_offsets_values(t, "vals")
+            block = vals.reshape(t.num_rows, -1).sum(axis=0).reshape(-1, len(sub))
+            off, lv = list_offsets_values(t, "loss")
+            loss = lv.reshape(-1, len(sub)).sum(axis=0) if len(lv) else np.zeros(len(sub))
+            if kind == "fg":                       # + w and 0.5 ||w||^2 (this block's share)
+                wb = files.terms(fs, w, g, fb, sub)
+                block = block + wb
+                loss = loss + 0.5 * np.einsum("ij,ij->j", wb, wb)
+            else:                                  # + v
+                block = block + files.terms(fs, ones, g, fb, sub)
+            files.write(fs, job, out, g, fb, sub, block)
+            return pa.Table.from_batches([_scalars(g, fb, loss, _dots({out: block}, files, fs, dots, g, fb, sub))])
+
+        n_keys = sum(files.blocks(g) for g in subs)
+        nodes = [int(g) for g in subs]
+        df = self.rows if len(nodes) == len(self.node_ptr) - 1 else self.rows.where(F.col("node").isin(nodes))
+        pieces = df.mapInArrow(partial, PIECE_SCHEMA).repartition(max(1, n_keys), "g", "fb")
+        return self._finish(grouped_apply(pieces, ["g", "fb"], reduce, SCALAR_SCHEMA), job, [out], cols, dots)
+
+    def _finish(self, scalars: DataFrame, job: int, written, cols, dots):
+        """Collect the per-block scalars (summed per classifier, in ``cols``' order), record the
+        job's vectors, delete job folders nothing refers to any more."""
+        t = to_arrow(scalars)
+        self.driver_bytes += t.nbytes
+        subs = self._subs(cols)
+        pos = {int(c): i for i, c in enumerate(np.asarray(cols, np.int64))}
+        loss, D = np.zeros(len(cols)), np.zeros((len(dots), len(cols)))
+        _, lv = list_offsets_values(t, "loss")
+        loff, _ = list_offsets_values(t, "loss")
+        doff, dv = list_offsets_values(t, "dots")
+        for r, g in enumerate(t.column("g").to_numpy()):
+            at = np.array([pos[int(self.node_ptr[g] + s)] for s in subs[int(g)]], np.int64)
+            if loff[r + 1] > loff[r]:
+                loss[at] += lv[loff[r]:loff[r + 1]]
+            if len(dots):
+                D[:, at] += dv[doff[r]:doff[r + 1]].reshape(len(dots), len(at))
+        for g in subs:
+            for name in written:
+                self.where[(name, g)] = job
+        live = set(self.where.values())
+        for j in self.alive - live:
+            self.fs.delete_dir(f"{self.fs_root}/j{j}")
+        self.alive = live
+        return loss, D
