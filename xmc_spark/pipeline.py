@@ -154,7 +154,7 @@ def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp
                   pred: PredictParams, n_samples: Optional[int] = None) -> XMCModel:
     """Train every node's classifiers for ``index``; write the weights table; build the model.
     ``n_samples`` (the rows of ``samples``, when known) spares the trainer a count."""
-    w = node_training.run(samples, index, n_features, tp.train, n_samples=n_samples).cache()
+    w = node_training.run(samples, index, n_features, tp.train, n_samples=n_samples, scratch=tables.scratch).cache()
     tables.write("weights", w)
     w.unpersist()
     return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
@@ -251,8 +251,9 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     spark, tables = ctx.spark, ctx.tables
     agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing.train, ctx.params.ingest)
     with ctx.timer.stage("eagle"):
+        fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch)
         train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark),
-                                                   train_model=eagle_model_trainer(ctx.params, agg.info))
+                                                   train_model=fit)
         if emb is not None:
             tables.write("eagle_embeddings", emb)
         tables.write("train", train_df)
@@ -267,7 +268,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     return StageResult(facts, series=series)
 
 
-def eagle_model_trainer(params: PipelineParams, info):
+def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = None):
     """train_df -> model, for EAGLE's re-assignment rounds: PIFA, tree and node classifiers
     of the training table as the tree and train stages build them (without overlapping
     clusters; of an ensemble, its first tree only), from in-memory DataFrames; writes no table."""
@@ -284,7 +285,7 @@ def eagle_model_trainer(params: PipelineParams, info):
         tree = label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
                               f_tilde=ft).toPandas()
         index = tree_index(tree, info.n_labels, params)
-        w = node_training.run(train_df, index, info.n_features, params.train).localCheckpoint()
+        w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch).localCheckpoint()
         return model_from_weights(w, index, info.n_features, tp, params.predict)
     return fit
 
@@ -368,8 +369,8 @@ def prime_stage(ctx: StageContext) -> StageResult:
     counts = getattr(model, "label_counts", None)
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     head, facts = prime.run(samples, model, counts, p.prime, ing.n_train, ing.n_features, ing.n_labels,
-                            p.predict.beam_size, p.eval, ctx.timer, val_tree_fit=eagle_model_trainer(p, ing),
-                            embedding_params=p.embedding)
+                            p.predict.beam_size, p.eval, ctx.timer,
+                            val_tree_fit=eagle_model_trainer(p, ing, tables.scratch), embedding_params=p.embedding)
     with ctx.timer.stage("prime_write"):
         tables.write("prime", ctx.spark.createDataFrame(prime.head_frame(head)))
 

@@ -246,6 +246,12 @@ class Tables:
     def path(self, name: str) -> str:
         return self.links.get(name) or f"{self.root}/{name}"
 
+    @property
+    def scratch(self) -> str:
+        """A folder of the run for files the tasks write and read during a stage (the distributed
+        solver's vectors); each user makes a unique sub-folder and deletes it."""
+        return f"{self.root}/_scratch"
+
     def write(self, name: str, df: DataFrame, where: Optional[str] = None) -> None:
         write_delta(df, self.path(name), self.run_key, where)
         self.pins.pop(name, None)                 # this run's own output from now on

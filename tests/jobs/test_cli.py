@@ -129,6 +129,9 @@ def test_params_skeleton_round_trips(tmp_path):
 
 
 def test_run_with_overlapping_clusters(tmp_path, spark):
+    """Overlapping clusters, with the root over train.max_node_rows and the distributed solver's
+    vectors in files (train.tron_driver_mb=0) in both trainings: the run's scratch folder is
+    left empty."""
     from tests.conftest import random_problem, write_xc
 
     X, Y = random_problem(n=300, d=60, L=30, seed=11)
@@ -137,12 +140,16 @@ def test_run_with_overlapping_clusters(tmp_path, spark):
     out = tmp_path / "run"
     assert main_in_process("run", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"),
                            "--out", str(out), "--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4",
-                           "--set", "clusters.lam=2", "--set", "clusters.beam_size=2") == 0
+                           "--set", "clusters.lam=2", "--set", "clusters.beam_size=2",
+                           "--set", "train.max_node_rows=200", "--set", "train.tron_driver_mb=0",
+                           "--set", "train.tron_max_iter=1") == 0
     m = json.loads((out / "metrics.json").read_text())
     assert {"clusters", "retrain"} <= set(m["seconds"])
     assert m["n_labels"] <= m["n_slots"] <= 2 * m["n_labels"] and m["copies_per_label_max"] <= 2
     assert m["p@1"] > 50
     assert (out / "tables" / "clusters" / "_delta_log").is_dir()
+    scratch = out / "tables" / "_scratch"
+    assert scratch.is_dir() and not [f for _, _, fs in os.walk(scratch) for f in fs]
 
 
 def test_run_with_prime_rerank_then_predict_from_the_folder(tmp_path, spark):

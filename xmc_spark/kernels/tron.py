@@ -13,7 +13,7 @@ With the active set I = {i : 1 - y_ik w^T x_i > 0} (Lin, Weng and Keerthi 2008; 
     grad f_k(w)     = w + 2 X_I^T (C_I (X_I w - y_I))
     H_k(w) v        = v + 2 X_I^T (C_I (X_I v))          (generalized Hessian)
 
-:func:`tron` is the driver loop, vectorized across the K classifiers (W is d x K): every
+:func:`tron_space` is the driver loop, vectorized across the K classifiers (W is d x K): every
 classifier keeps its own iterate, trust region and conjugate-gradient state, and the CG steps
 of all classifiers still running are taken together, so one call of the oracle serves all of
 them. The oracle is two callables,
@@ -24,7 +24,11 @@ them. The oracle is two callables,
 
 so the same loop runs with a local oracle (:func:`local_oracle`, the tests) and with the Spark
 one of :mod:`..stages.node_training`, which sums the per-partition partial sums of
-:func:`partial_fun_grad` / :func:`partial_hess_vec` over the partitions holding the rows.
+:func:`partial_fun_grad` / :func:`partial_hess_vec` over the partitions holding the rows. The
+loop reaches its vectors only through a vector space (:class:`NumpySpace`: the oracle and the
+vectors in memory, what :func:`tron` uses), so a space that keeps them elsewhere
+(:class:`..stages.shared_vectors.SharedSpace`) runs the same loop with only per-classifier
+scalars coming back.
 
 The partial sums are numba loops (:func:`_fun_grad_rows`, :func:`_hess_vec_rows`): one pass
 over a node's rows computes x W (and x V), the active set and the scatter x^T coef, with no

@@ -6,8 +6,9 @@ d x K vectors (W, G, S, R, D, HD, Gn: d = features + bias, K = the big nodes' cl
 :class:`SharedSpace` keeps those vectors in files under a scratch folder that every task and the
 driver see (the run's folder: local disk in local mode, a ``/Volumes`` or ``/dbfs`` mount, or
 ``s3://``/``gs://``/``abfss://`` through pyarrow), one file per (vector, node, block of
-:data:`BLOCK` doubles of feature rows); the driver holds which job wrote each (vector, node)
-last and the per-classifier scalars of the loop, O(nodes x vectors + classifiers).
+:data:`BLOCK` doubles of feature rows), in a folder per (vector, node, job that wrote it); the
+driver holds which job wrote each (vector, node) last and the per-classifier scalars of the
+loop, O(nodes x vectors + classifiers).
 
 Every call is one Spark job:
 
@@ -22,9 +23,9 @@ Every call is one Spark job:
 
 So a task holds its rows plus one node's d x K_node vectors, the reduce and combine tasks one
 block of each vector, and the driver receives (nodes x blocks x inner products) doubles per job
-whatever the number of samples or features. A job writes a new folder (``j<n>``); folders no
-vector refers to any more are deleted after each job, the whole scratch folder at the end. A
-retried task rewrites the same files.
+whatever the number of samples or features. A job writes its vectors' blocks into new folders;
+the versions they replace are deleted after the job (so the folder holds each vector once), the
+whole scratch folder at the end. A retried task rewrites the same files.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _scalars(g, fb, loss, dots) -> pa.RecordBatch:
 
 class _Files:
     """What a task needs to read and write blocks: the scratch root, the block layout and which
-    job folder holds each (vector, node) (absent: the zero vector). Pickled into the closures."""
+    job wrote each (vector, node) last (absent: the zero vector). Pickled into the closures."""
 
     def __init__(self, uri: str, base: str, d: int, node_ptr: np.ndarray, where: Dict):
         self.uri, self.base, self.d, self.node_ptr, self.where = uri, base, d, node_ptr, dict(where)
@@ -72,7 +73,7 @@ class _Files:
         return lo, min(self.d, lo + int(self.fb_rows[g]))
 
     def path(self, job: int, name: str, g: int, fb: int) -> str:
-        return f"{self.base}/j{job}/{name}-{g}-{fb}"
+        return f"{version_dir(self.base, name, g, job)}/{fb}"
 
     def load(self, fs, name: str, g: int, fb: int) -> np.ndarray:
         """Block fb of vector ``name`` of node g: (rows, K_g), all of the node's classifiers."""
@@ -84,6 +85,7 @@ class _Files:
             return np.frombuffer(f.read(), np.float64).reshape(hi - lo, int(self.k[g]))
 
     def save(self, fs, job: int, name: str, g: int, fb: int, block: np.ndarray) -> None:
+        fs.create_dir(version_dir(self.base, name, g, job), recursive=True)
         with fs.open_output_stream(self.path(job, name, g, fb)) as f:
             f.write(np.ascontiguousarray(block, np.float64).tobytes())
 
@@ -107,6 +109,11 @@ class _Files:
             full[:, sub] = block
             block = full
         self.save(fs, job, name, g, fb, block)
+
+
+def version_dir(base: str, name: str, g: int, job: int) -> str:
+    """The folder of vector ``name`` of node g as job ``job`` wrote it (one file per block)."""
+    return f"{base}/{name}-{g}/j{job}"
 
 
 def _dots(blocks: Dict[str, np.ndarray], files: _Files, fs, dots, g, fb, sub) -> np.ndarray:
@@ -134,7 +141,6 @@ class SharedSpace:
         self.fs, self.fs_root = client_fs(self.root)
         self.fs.create_dir(self.fs_root, recursive=True)
         self.where: Dict = {}
-        self.alive: set = set()             # job folders holding files
         self.jobs = 0
         self.driver_bytes = 0               # bytes of the scalar rows collected so far
         self.col_node = np.repeat(np.arange(len(self.node_ptr) - 1), np.diff(self.node_ptr))
@@ -212,7 +218,6 @@ class SharedSpace:
 
     def _next_job(self) -> int:
         self.jobs += 1
-        self.fs.create_dir(f"{self.fs_root}/j{self.jobs}", recursive=True)
         return self.jobs
 
     def _oracle(self, kind: str, w, v: Optional[str], out: str, cols, dots):
@@ -276,7 +281,7 @@ class SharedSpace:
 
     def _finish(self, scalars: DataFrame, job: int, written, cols, dots):
         """Collect the per-block scalars (summed per classifier, in ``cols``' order), record the
-        job's vectors, delete job folders nothing refers to any more."""
+        job's vectors, delete the versions they replace."""
         t = to_arrow(scalars)
         self.driver_bytes += t.nbytes
         subs = self._subs(cols)
@@ -293,9 +298,8 @@ class SharedSpace:
                 D[:, at] += dv[doff[r]:doff[r + 1]].reshape(len(dots), len(at))
         for g in subs:
             for name in written:
+                old = self.where.get((name, g))
                 self.where[(name, g)] = job
-        live = set(self.where.values())
-        for j in self.alive - live:
-            self.fs.delete_dir(f"{self.fs_root}/j{j}")
-        self.alive = live
+                if old is not None:             # the version this job replaced
+                    self.fs.delete_dir(version_dir(self.fs_root, name, g, old))
         return loss, D
