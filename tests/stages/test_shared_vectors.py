@@ -74,6 +74,15 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     both("combine", {"W": [(1.0, "HD"), (np.arange(len(sub)), "W")], "S": []}, sub,
          dots=[("W", "W"), ("S", "S"), ("W", "Gn")])
 
+    # deferred combinations (no inner products asked): applied by the next job, also to a node
+    # that job does not otherwise touch, and by weights()
+    both("combine", {"D": [(1.0, "W"), (0.2, "HD")], "S": [(1.0, "D")]}, allc)
+    rest = np.arange(node_ptr[1], K)                     # node 0 left out
+    both("hess_vec", "W", "D", "HD", rest, dots=[("D", "HD"), ("S", "S"), ("S", "D")])
+    both("combine", {"S": [(2.0, "S")], "R": [(1.0, "D"), (-1.0, "S")]}, sub)
+    both("fun_grad", [(1.0, "W"), (1.0, "S")], "Gn", allc, dots=[("G", "S"), ("S", "S"), ("R", "R"), ("D", "D")])
+    both("combine", {"W": [(1.0, "W"), (0.5, "S")]}, sub)
+
     def emit(g, Wg):
         return pa.table({"col": pa.array(node_ptr[g] + np.arange(Wg.shape[1])),
                          "w": pa.array(list(Wg.T), pa.list_(pa.float64()))})

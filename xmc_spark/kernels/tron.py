@@ -308,13 +308,16 @@ def _boundary_step(sd, ss, dd, delta):
 
 
 def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter):
-    """Steihaug CG on the classifiers ``c``: leaves S ~ argmin_s g^T s + 0.5 s^T H s with
-    ||s|| <= delta and R = -G - H S in the space; returns (reached boundary, CG steps).
+    """Steihaug CG on the classifiers ``c`` (``rtr`` = ||g||^2): leaves S ~ argmin_s g^T s +
+    0.5 s^T H s with ||s|| <= delta and R = -G - H S in the space; returns (reached boundary, CG
+    steps).
 
-    One Hessian-vector product and one update per step. ||s + alpha d||^2 and the new ||r||^2
-    come from inner products the product returns (s.s + 2 alpha s.d + alpha^2 d.d, and
-    r.r - 2 alpha r.Hd + alpha^2 Hd.Hd), so that r, s and d are updated in one pass; the exact
-    ||r||^2 the update returns replaces the expansion for the next step."""
+    One Hessian-vector product and one update per step, and the update asks for no inner product:
+    ||s + alpha d||^2 and the new ||r||^2 come from those the product returns (s.s + 2 alpha s.d +
+    alpha^2 d.d, and r.r - 2 alpha r.Hd + alpha^2 Hd.Hd), so that r, s and d are updated in one
+    pass, which a space may defer into its next call (:class:`..stages.shared_vectors.SharedSpace`
+    does: one Spark job per CG step). The exact r.r, returned with the next product, is the one
+    alpha uses; the expansion decides only the stop and beta."""
     m = len(c)
     space.combine({"S": [], "R": [(-1.0, "G")], "D": [(-1.0, "G")]}, c)
     rtr = np.array(rtr, np.float64)
@@ -325,22 +328,20 @@ def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter):
     while run.any():
         loc = np.flatnonzero(run)
         j = c[loc]
-        dhd, ss, sd, dd, rhd, hh = space.hess_vec("W", "D", "HD", j, dots=[
-            ("D", "HD"), ("S", "S"), ("S", "D"), ("D", "D"), ("R", "HD"), ("HD", "HD")])
+        dhd, ss, sd, dd, rhd, hh, r0 = space.hess_vec("W", "D", "HD", j, dots=[
+            ("D", "HD"), ("S", "S"), ("S", "D"), ("D", "D"), ("R", "HD"), ("HD", "HD"), ("R", "R")])
         steps[loc] += 1
-        r0 = rtr[loc]
         alpha = r0 / dhd
         out = np.sqrt(np.maximum(ss + 2 * alpha * sd + alpha * alpha * dd, 0.0)) > delta[loc]
         a = np.where(out, _boundary_step(sd, ss, dd, delta[loc]), alpha)
         rnew = np.maximum(r0 - 2 * a * rhd + a * a * hh, 0.0)
         beta = np.where(out, 0.0, rnew / r0)
-        (rr,) = space.combine({"S": [(1.0, "S"), (a, "D")], "R": [(1.0, "R"), (-a, "HD")],
-                               "D": [(1.0, "R"), (-a, "HD"), (beta, "D")]}, j, dots=[("R", "R")])
+        space.combine({"S": [(1.0, "S"), (a, "D")], "R": [(1.0, "R"), (-a, "HD")],
+                       "D": [(1.0, "R"), (-a, "HD"), (beta, "D")]}, j)
         boundary[loc[out]] = True
         run[loc[out]] = False
         inn = ~out
-        rtr[loc[inn]] = rr[inn]
-        run[loc[inn]] = np.sqrt(rr[inn]) > cgtol[loc[inn]]
+        run[loc[inn]] = np.sqrt(rnew[inn]) > cgtol[loc[inn]]
         run &= steps < max_cg_iter
     return boundary, steps
 

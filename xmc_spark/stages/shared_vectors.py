@@ -60,8 +60,9 @@ class _Files:
     """What a task needs to read and write blocks: the scratch root, the block layout and which
     job wrote each (vector, node) last (absent: the zero vector). Pickled into the closures."""
 
-    def __init__(self, uri: str, base: str, d: int, node_ptr: np.ndarray, where: Dict):
+    def __init__(self, uri: str, base: str, d: int, node_ptr: np.ndarray, where: Dict, pending=None):
         self.uri, self.base, self.d, self.node_ptr, self.where = uri, base, d, node_ptr, dict(where)
+        self.pending = pending              # a deferred combine: ({name: terms}, mask of its classifiers)
         self.k = np.diff(node_ptr)
         self.fb_rows = np.maximum(1, BLOCK // np.maximum(self.k, 1))
 
@@ -89,14 +90,39 @@ class _Files:
         with fs.open_output_stream(self.path(job, name, g, fb)) as f:
             f.write(np.ascontiguousarray(block, np.float64).tobytes())
 
-    def terms(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
-        """sum coef x block of the node's classifiers ``sub`` (coefficients per global classifier)."""
+    def stored(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
+        """sum coef x block of the node's classifiers ``sub`` (coefficients per global
+        classifier), as the files hold the vectors."""
         lo, hi = self.span(g, fb)
         out = np.zeros((hi - lo, len(sub)))
         for coef, name in terms:
             if (name, g) in self.where:
                 out += coef[self.node_ptr[g] + sub] * self.load(fs, name, g, fb)[:, sub]
         return out
+
+    def terms(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
+        """:meth:`stored` with the deferred combine applied: a vector it updates is its terms on
+        the classifiers it covers."""
+        if self.pending is None:
+            return self.stored(fs, terms, g, fb, sub)
+        upd, mask = self.pending
+        cols = self.node_ptr[g] + sub
+        out = np.zeros((self.span(g, fb)[1] - self.span(g, fb)[0], len(sub)))
+        for coef, name in terms:
+            value = self.stored(fs, [(np.ones(len(mask)), name)], g, fb, sub)
+            if name in upd and mask[cols].any():
+                value = np.where(mask[cols], self.stored(fs, upd[name], g, fb, sub), value)
+            out += coef[cols] * value
+        return out
+
+    def apply_pending(self, fs, job: int, g: int, fb: int) -> None:
+        """Write block fb of node g of every vector the deferred combine updates."""
+        upd, mask = self.pending
+        psub = np.flatnonzero(mask[self.node_ptr[g]:self.node_ptr[g + 1]])
+        if len(psub):
+            new = {name: self.stored(fs, terms, g, fb, psub) for name, terms in upd.items()}
+            for name, block in new.items():
+                self.write(fs, job, name, g, fb, psub, block)
 
     def whole(self, fs, terms, g: int, sub: np.ndarray) -> np.ndarray:
         """The d x len(sub) matrix of ``terms`` of node g (all its blocks)."""
@@ -141,6 +167,7 @@ class SharedSpace:
         self.fs, self.fs_root = client_fs(self.root)
         self.fs.create_dir(self.fs_root, recursive=True)
         self.where: Dict = {}
+        self.pending = None                 # (updates with per-classifier coefficients, classifiers)
         self.jobs = 0
         self.driver_bytes = 0               # bytes of the scalar rows collected so far
         self.col_node = np.repeat(np.arange(len(self.node_ptr) - 1), np.diff(self.node_ptr))
@@ -155,49 +182,69 @@ class SharedSpace:
         return self._oracle("hv", [(self._full(1.0, cols), w)], v, out, cols, dots)[1]
 
     def combine(self, updates, cols, dots=()):
+        """Without ``dots`` the combination is deferred into the next call's job (its tasks read
+        the updated vectors through their terms, its reduce tasks write them): the CG update and
+        the next Hessian-vector product are one Spark job."""
         cols = np.asarray(cols, np.int64)
         upd = {name: self._coefs(terms, cols) for name, terms in updates.items()}
+        self.flush()
+        if not len(dots):
+            mask = np.zeros(self.K, bool)
+            mask[cols] = True
+            self.pending = (upd, mask)
+            return np.zeros((0, len(cols)))
+        return self._combine_job(upd, cols, dots)
+
+    def flush(self) -> None:
+        """Run the deferred combination as a job of its own."""
+        if self.pending is not None:
+            (upd, mask), self.pending = self.pending, None
+            self._combine_job(upd, np.flatnonzero(mask), ())
+
+    def _combine_job(self, upd, cols, dots):
         files, job, subs = self._files(), self._next_job(), self._subs(cols)
         keys = [(int(g), fb) for g in subs for fb in range(files.blocks(g))]
 
         def run(batches):
             fs, _ = client_fs(files.uri)
             for b in batches:
-                for g, fb in zip(b.column("g").to_pylist(), b.column("fb").to_pylist()):
+                for g, fb in (keys[i] for i in b.column("id").to_pylist()):
                     sub = subs[g]
                     new = {name: files.terms(fs, terms, g, fb, sub) for name, terms in upd.items()}
                     for name, block in new.items():
                         files.write(fs, job, name, g, fb, sub, block)
                     yield _scalars(g, fb, [], _dots(new, files, fs, dots, g, fb, sub))
 
-        spark = self.rows.sparkSession
-        df = spark.createDataFrame(keys, "g int, fb int").repartition(
-            max(1, min(len(keys), 4 * default_parallelism(spark))))
-        return self._finish(df.mapInArrow(run, SCALAR_SCHEMA), job, list(upd), cols, dots)[1]
+        return self._finish(self._tasks(len(keys)).mapInArrow(run, SCALAR_SCHEMA), job,
+                            {g: list(upd) for g in subs}, cols, dots)[1]
 
     # ---- the final weights -----------------------------------------------------------------------
 
     def weights(self, emit: Callable[[int, np.ndarray], pa.Table], schema: str) -> DataFrame:
         """``emit(g, W_g)`` of every node (W_g: d x K_g from the files) as a DataFrame, computed
         and checkpointed here (the files are deleted by :meth:`close`)."""
+        self.flush()
         files = self._files()
         nodes = len(self.node_ptr) - 1
 
         def run(batches):
             fs, _ = client_fs(files.uri)
             for b in batches:
-                for g in b.column("g").to_pylist():
+                for g in b.column("id").to_pylist():
                     W = files.whole(fs, [(np.ones(files.node_ptr[-1]), "W")], g, np.arange(files.k[g]))
                     yield from emit(g, W).to_batches()
 
-        spark = self.rows.sparkSession
-        df = spark.createDataFrame([(g,) for g in range(nodes)], "g int").repartition(max(1, nodes))
-        return df.mapInArrow(run, schema).localCheckpoint()
+        return self._tasks(nodes).mapInArrow(run, schema).localCheckpoint()
 
     def close(self) -> None:
         self.fs.delete_dir(self.fs_root)
 
     # ---- internals -------------------------------------------------------------------------------
+
+    def _tasks(self, n: int) -> DataFrame:
+        """ids 0..n-1 over a few tasks (no shuffle): one per (node, block) key or node."""
+        spark = self.rows.sparkSession
+        return spark.range(0, n, numPartitions=max(1, min(n, 4 * default_parallelism(spark))))
 
     def _full(self, coef, cols) -> np.ndarray:
         full = np.zeros(self.K)
@@ -214,7 +261,7 @@ class SharedSpace:
         return {int(n): np.sort(cols[g == n] - self.node_ptr[n]) for n in np.unique(g)}
 
     def _files(self) -> _Files:
-        return _Files(self.root, self.fs_root, self.d, self.node_ptr, self.where)
+        return _Files(self.root, self.fs_root, self.d, self.node_ptr, self.where, self.pending)
 
     def _next_job(self) -> int:
         self.jobs += 1
@@ -223,42 +270,58 @@ class SharedSpace:
     def _oracle(self, kind: str, w, v: Optional[str], out: str, cols, dots):
         """One data pass: ``out`` := gradient at w (``fg``, returns the objective) or H(w) v (``hv``)."""
         cols = np.asarray(cols, np.int64)
+        if self.pending is not None and out in self.pending[0]:
+            self.flush()
         files, job, subs, unpack = self._files(), self._next_job(), self._subs(cols), self.unpack
         node_ptr, ones = self.node_ptr, [(np.ones(self.K), v)] if v else []
+        pnodes = [] if self.pending is None else [int(g) for g in np.unique(self.col_node[self.pending[1]])]
+        extra = [(g, fb) for g in pnodes if g not in subs for fb in range(files.blocks(g))]
+
+        def node_pieces(g, loss, M, part):
+            for fb in range(files.blocks(g)):
+                lo, hi = files.span(g, fb)
+                lv = loss if fb == 0 and kind == "fg" else np.zeros(0)
+                yield pa.RecordBatch.from_pydict({
+                    "g": pa.array([g], pa.int32()), "fb": pa.array([fb], pa.int32()),
+                    "part": pa.array([part], pa.int32()),
+                    "loss": list_array(np.array([0, len(lv)]), lv, pa.float64()),
+                    "vals": list_array(np.array([0, (hi - lo) * M.shape[1]]), M[lo:hi].ravel(), pa.float64())})
 
         def partial(batches):
+            """A partition's blocks come sorted by node: a node's vectors are read when its first
+            block arrives and its pieces emitted (and dropped) when the next node's does, so a
+            task holds one node's d x K_node vectors at a time."""
             from pyspark import TaskContext
             fs, _ = client_fs(files.uri)
             part = TaskContext.get().partitionId() if TaskContext.get() else 0
-            vec, acc = {}, {}
+            cur, vec, acc = None, None, None
             for b in batches:
                 for rb in unpack(b):
                     g = int(rb.node[0])
                     if g not in subs:
                         continue
                     sub = subs[g]
-                    gcols = node_ptr[g] + sub
-                    if g not in vec:
-                        vec[g] = (files.whole(fs, w, g, sub), files.whole(fs, ones, g, sub) if v else None)
-                        acc[g] = (np.zeros(len(sub)), np.zeros((files.d, len(sub))))
+                    if g != cur:
+                        if cur is not None:
+                            yield from node_pieces(cur, *acc, part)
+                        cur = g
+                        vec = (files.whole(fs, w, g, sub), files.whole(fs, ones, g, sub) if v else None)
+                        acc = (np.zeros(len(sub)), np.zeros((files.d, len(sub))))
                     if kind == "fg":
-                        tron.partial_fun_grad(rb, node_ptr, vec[g][0], gcols, out=acc[g])
+                        tron.partial_fun_grad(rb, node_ptr, vec[0], node_ptr[g] + sub, out=acc)
                     else:
-                        tron.partial_hess_vec(rb, node_ptr, vec[g][0], vec[g][1], gcols, out=acc[g][1])
-            for g, (loss, M) in acc.items():
-                for fb in range(files.blocks(g)):
-                    lo, hi = files.span(g, fb)
-                    lv = loss if fb == 0 and kind == "fg" else np.zeros(0)
-                    yield pa.RecordBatch.from_pydict({
-                        "g": pa.array([g], pa.int32()), "fb": pa.array([fb], pa.int32()),
-                        "part": pa.array([part], pa.int32()),
-                        "loss": list_array(np.array([0, len(lv)]), lv, pa.float64()),
-                        "vals": list_array(np.array([0, (hi - lo) * M.shape[1]]), M[lo:hi].ravel(), pa.float64())})
+                        tron.partial_hess_vec(rb, node_ptr, vec[0], vec[1], node_ptr[g] + sub, out=acc[1])
+            if cur is not None:
+                yield from node_pieces(cur, *acc, part)
 
         def reduce(t: pa.Table) -> pa.Table:
             fs, _ = client_fs(files.uri)
             t = t.take(pa.array(np.argsort(t.column("part").to_numpy(), kind="stable")))
             g, fb = int(t.column("g")[0].as_py()), int(t.column("fb")[0].as_py())
+            if files.pending is not None:
+                files.apply_pending(fs, job, g, fb)
+            if g not in subs:                      # a block only the deferred combine writes
+                return pa.Table.from_batches([_scalars(g, fb, [], [])])
             sub = subs[g]
             _, vals = list_offsets_values(t, "vals")
             block = vals.reshape(t.num_rows, -1).sum(axis=0).reshape(-1, len(sub))
@@ -276,28 +339,44 @@ class SharedSpace:
         n_keys = sum(files.blocks(g) for g in subs)
         nodes = [int(g) for g in subs]
         df = self.rows if len(nodes) == len(self.node_ptr) - 1 else self.rows.where(F.col("node").isin(nodes))
-        pieces = df.mapInArrow(partial, PIECE_SCHEMA).repartition(max(1, n_keys), "g", "fb")
-        return self._finish(grouped_apply(pieces, ["g", "fb"], reduce, SCALAR_SCHEMA), job, [out], cols, dots)
+        reducers = max(1, min(n_keys, 4 * default_parallelism(self.rows.sparkSession)))
+        pieces = df.mapInArrow(partial, PIECE_SCHEMA)
+        if extra:
+            def empty(batches):
+                for b in batches:
+                    for g, fb in (extra[i] for i in b.column("id").to_pylist()):
+                        yield pa.RecordBatch.from_pydict({
+                            "g": pa.array([g], pa.int32()), "fb": pa.array([fb], pa.int32()),
+                            "part": pa.array([-1], pa.int32()), "loss": pa.array([[]], pa.list_(pa.float64())),
+                            "vals": pa.array([[]], pa.list_(pa.float64()))})
+            pieces = pieces.unionByName(self._tasks(len(extra)).mapInArrow(empty, PIECE_SCHEMA))
+        writes = {g: [out] for g in subs}
+        for g in pnodes:
+            writes[g] = writes.get(g, []) + list(self.pending[0])
+        self.pending = None
+        scalars = grouped_apply(pieces.repartition(reducers, "g", "fb"), ["g", "fb"], reduce, SCALAR_SCHEMA)
+        return self._finish(scalars, job, writes, cols, dots)
 
-    def _finish(self, scalars: DataFrame, job: int, written, cols, dots):
+    def _finish(self, scalars: DataFrame, job: int, writes: Dict[int, list], cols, dots):
         """Collect the per-block scalars (summed per classifier, in ``cols``' order), record the
-        job's vectors, delete the versions they replace."""
+        job's vectors (``writes``: node -> the vectors it wrote), delete the versions they replace."""
         t = to_arrow(scalars)
         self.driver_bytes += t.nbytes
         subs = self._subs(cols)
         pos = {int(c): i for i, c in enumerate(np.asarray(cols, np.int64))}
         loss, D = np.zeros(len(cols)), np.zeros((len(dots), len(cols)))
-        _, lv = list_offsets_values(t, "loss")
-        loff, _ = list_offsets_values(t, "loss")
+        loff, lv = list_offsets_values(t, "loss")
         doff, dv = list_offsets_values(t, "dots")
         for r, g in enumerate(t.column("g").to_numpy()):
+            if int(g) not in subs:
+                continue
             at = np.array([pos[int(self.node_ptr[g] + s)] for s in subs[int(g)]], np.int64)
             if loff[r + 1] > loff[r]:
                 loss[at] += lv[loff[r]:loff[r + 1]]
             if len(dots):
                 D[:, at] += dv[doff[r]:doff[r + 1]].reshape(len(dots), len(at))
-        for g in subs:
-            for name in written:
+        for g, names in writes.items():
+            for name in names:
                 old = self.where.get((name, g))
                 self.where[(name, g)] = job
                 if old is not None:             # the version this job replaced
