@@ -9,8 +9,9 @@ Each size n gets a synthetic XC set (labels and features growing with n: 20K x 5
 samples, 50K x 100K at 500K, 100K x 200K from 1M; ``--labels`` / ``--features`` override)
 and one real CLI run with Spark's event log on, ``spark.sql.shuffle.partitions=64`` and
 partition coalescing off, ``train.max_node_rows = n / 8`` (``--node-rows-fraction``; 0 keeps
-the configured bound) and ``predict.max_broadcast_mb``
-(default 4: above it the model stays sharded). Reported per run:
+the configured bound), ``predict.max_broadcast_mb``
+(default 4: above it the model stays sharded) and ``train.tron_driver_mb`` (default 0: the
+distributed solver's vectors in files, what the default does above 64 MB a vector). Reported per run:
 
 - wall seconds per pipeline stage (metrics.json) and of the whole process;
 - the largest task's shuffle-read rows divided by n, per pipeline stage (jobs are tagged
@@ -188,6 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--work", default="/tmp/xmc-scale")
     ap.add_argument("--max-broadcast-mb", type=float, default=4.0)
+    ap.add_argument("--tron-driver-mb", type=float, default=0.0,
+                    help="train.tron_driver_mb (0: the big nodes' solver keeps its vectors in files, as it does "
+                         "by default above 64 MB a vector)")
     ap.add_argument("--node-rows-fraction", type=int, default=8,
                     help="train.max_node_rows = n / this (0: the configured bound, auto by default)")
     ap.add_argument("--cap-python-memory", help="spark.executor.pyspark.memory for one extra capped run per size")
@@ -195,7 +199,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    extra = [x for s in args.set for x in ("--set", s)] + ["--set", f"predict.max_broadcast_mb={args.max_broadcast_mb}"]
+    extra = [x for s in args.set for x in ("--set", s)] + ["--set", f"predict.max_broadcast_mb={args.max_broadcast_mb}",
+                                                          "--set", f"train.tron_driver_mb={args.tron_driver_mb}"]
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         L, d = shape_of(n, args.labels, args.features)

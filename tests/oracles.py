@@ -113,3 +113,20 @@ def grlr_reference(X: np.ndarray, groups: dict, label_groups: dict, label: int, 
             acc += X[groups[j][tied[label % len(tied)]]]
         e = proj(e + eta * proj(acc))
     return e
+
+
+# ---- the reference pipeline -------------------------------------------------------------------
+
+def reference_run(folder, **train_kw):
+    """The single-process reference trainer (:meth:`XMCModel.train_local`) on ``folder``'s
+    train.txt, its predictions for test.txt and their P@k / nDCG@k / PSP@k by the numpy metrics
+    kernel: (model, test features, predictions, metrics)."""
+    from xmc_spark.kernels import metrics as M
+    from xmc_spark.local_io import read_xc
+    from xmc_spark.model import XMCModel
+    Xtr, Ytr = read_xc(str(folder / "train.txt"))
+    Xt, Yt = read_xc(str(folder / "test.txt"))
+    model = XMCModel.train_local(Xtr, Ytr, **train_kw)
+    pred, _ = model.predict(Xt)
+    counts = np.asarray(Ytr.sum(axis=0)).ravel()
+    return model, Xt, pred, M.evaluate(pred, Yt, 1 / M.propensities(counts, Xtr.shape[0]), (1, 3, 5))

@@ -33,17 +33,11 @@ def test_stages_in_order_equal_the_reference_model(env, spark):
     assert list(res) == list(ORDER)
     assert res["eagle"]["skipped"] is True
     # the stage jobs' model = the single-process reference trainer's; metrics = the numpy kernel's
-    from xmc_spark.kernels import metrics as M
-    from xmc_spark.local_io import read_xc
+    from tests.oracles import reference_run
     from xmc_spark.model import XMCModel
-    Xtr, Ytr = read_xc(str(d / "train.txt"))
-    Xt, Yt = read_xc(str(d / "test.txt"))
-    ref = XMCModel.train_local(Xtr, Ytr, tree=params.tree, train=params.train)
-    want, _ = ref.predict(Xt)
+    ref, Xt, want, kernel = reference_run(d, tree=params.tree, train=params.train)
     got, _ = XMCModel.load(res["train"]["model_dir"]).predict(Xt)
     np.testing.assert_array_equal(got, want)
-    counts = np.asarray(Ytr.sum(axis=0)).ravel()
-    kernel = M.evaluate(want, Yt, 1 / M.propensities(counts, Xtr.shape[0]), (1, 3, 5))
     tables = Tables(spark, d / "root" / "tables", K1)
     stored = {r["metric"]: r["value"] for r in tables.read("metrics").collect()}
     for k in ("p@1", "p@3", "p@5", "ndcg@3", "psp@5"):

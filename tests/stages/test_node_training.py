@@ -285,15 +285,9 @@ def test_bibtex_with_big_nodes_is_as_accurate_as_grouped(bibtex, tmp_path):
     within 0.3 of the all-grouped model: the single-process reference trainer (what the
     default auto bound trains on bibtex; see test_stage_jobs), scored by the numpy metrics
     kernel on the same test split."""
-    from xmc_spark.kernels import metrics as M
-    from xmc_spark.local_io import read_xc
-    from xmc_spark.model import XMCModel
+    from tests.oracles import reference_run
     big, log_big = _cli_run(bibtex, tmp_path, "big", "--set", f"train.max_node_rows={4880 // 4}")
     assert "3 of 3 nodes have more than 1220 rows" in log_big and "over 9 partitions" in log_big
-    Xtr, Ytr = read_xc(str(bibtex / "train.txt"))
-    Xt, Yt = read_xc(str(bibtex / "test.txt"))
-    pred, _ = XMCModel.train_local(Xtr, Ytr).predict(Xt)
-    counts = np.asarray(Ytr.sum(axis=0)).ravel()
-    grouped = M.evaluate(pred, Yt, 1 / M.propensities(counts, Xtr.shape[0]), (1, 3, 5))
+    grouped = reference_run(bibtex)[3]
     for k in ("p@1", "p@3", "p@5"):
         assert abs(big[k] - grouped[k]) <= 0.3, (k, big[k], grouped[k])

@@ -31,8 +31,8 @@ live on the driver as above: each query ships W and the direction to the tasks a
 summed vector. Above it, the same loop (:func:`..kernels.tron.tron_space`) runs over
 :class:`.shared_vectors.SharedSpace`: the vectors are files under the run's scratch folder,
 written and read by the tasks; each query's tasks read their nodes' W and direction from the
-files, the summed pieces are written back by the reduce tasks, the CG updates are a job of their
-own, and the driver receives only per-classifier inner products and losses. The weights are
+files, the summed pieces are written back by the reduce tasks, the CG updates ride along with
+the next query, and the driver receives only per-classifier inner products and losses. The weights are
 pruned and emitted by tasks reading W's files.
 
 **The bound.** ``train.max_node_rows``: an integer, ``off`` (never distribute) or ``auto``

@@ -10,7 +10,7 @@ driver see (the run's folder: local disk in local mode, a ``/Volumes`` or ``/dbf
 driver holds which job wrote each (vector, node) last and the per-classifier scalars of the
 loop, O(nodes x vectors + classifiers).
 
-Every call is one Spark job:
+Jobs:
 
 - ``fun_grad`` / ``hess_vec``: the tasks over the persisted big-node rows (as
   :class:`..stages.node_training.SparkOracle`'s) read the current W (and the direction) of the
@@ -18,8 +18,12 @@ Every call is one Spark job:
   into the same (node, block) pieces; ``groupBy(node, block).applyInArrow`` sums each piece,
   adds the regularizer, writes it as the new vector's block and returns only that block's
   share of the loss and of the inner products the loop asked for;
-- ``combine``: one task per few (node, block) keys reads the terms' blocks, writes the linear
-  combinations (per-classifier coefficients), returns the inner products.
+- ``combine``: the linear combinations (per-classifier coefficients) of the CG step and the
+  trust-region step ask for no inner product, so they are deferred into the next job: its
+  tasks read an updated vector through its terms, its reduce tasks (and one task per block of a
+  node it would not otherwise touch) write it. One Spark job per CG step. A combination that
+  asks for inner products, or meets one already deferred, is a job of its own over the
+  (node, block) keys.
 
 So a task holds its rows plus one node's d x K_node vectors, the reduce and combine tasks one
 block of each vector, and the driver receives (nodes x blocks x inner products) doubles per job
