@@ -67,6 +67,22 @@ def test_sharded_matcher_equals_match_leaves(spark, problem, models):
         np.testing.assert_allclose([found[i][k] for k in sorted(ref)], [ref[k] for k in sorted(ref)], rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["plain", "overlap"])
+def test_sharded_routing_equals_beam_nodes(spark, problem, models, kind):
+    """tfn+man's routed nodes from the layer-by-layer beam: every (sample, node) pair of the
+    broadcast model's beam_nodes, nothing else; through node_training.routed_nodes, as the
+    pipeline calls it."""
+    from xmc_spark.stages import node_training
+    samples, Xl, _ = problem
+    model = models[kind]
+    rows, nodes = model.beam_nodes(Xl, beam_size=3)
+    got = check_table(node_training.routed_nodes(samples, as_sharded(spark, model), beam_size=3), "negatives")
+    found = {r["sample_id"]: r["man"] for r in got.collect()}
+    for i in range(Xl.shape[0]):
+        assert found.get(i, []) == sorted(int(g) for g in nodes[rows == i]), i
+    assert len(nodes) > Xl.shape[0] * model.index.depth      # beams wider than one node a depth
+
+
 def test_single_leaf_tree(spark, problem):
     samples, Xl, Yl = problem
     model = XMCModel.train_local(Xl, Yl, tree=TreeParams(max_leaf_size=1000))

@@ -9,8 +9,9 @@ node, the dual coordinate descent kernel (:func:`..model.train_group`).
 min_w 0.5 ||w||^2 + sum_i C_i max(0, 1 - y_i w^T x_i)^2 per classifier, solved in the primal
 by trust-region Newton (:mod:`..kernels.tron`) with the rows left spread over the partitions.
 The big nodes' rows (of every level) are fanned out once, tagged with their node and their
-positive classifiers, repartitioned over as many partitions as Spark runs tasks at once (more
-where a partition would exceed the bound: :func:`big_row_partitions`), packed into CSR blocks
+positive classifiers, range-partitioned by (node, row hash) over as many partitions as Spark
+runs tasks at once (more where a partition would exceed the bound: :func:`big_row_partitions`;
+a node's rows fill consecutive partitions, so a task holds one or a few nodes), packed into CSR blocks
 in binary columns (:func:`_pack_rows`) and persisted. Then
 one TRON loop runs on the driver for all big nodes' classifiers at once: every function /
 gradient evaluation and every Hessian-vector product of a CG step is one Spark query over the
@@ -72,7 +73,7 @@ from ..kernels.tree import TreeIndex
 from ..model import add_pairs, train_group
 from ..params import TrainParams
 from ..progress import worker_progress
-from ..schemas import WEIGHTS_SCHEMA, ddl
+from ..schemas import TABLES, WEIGHTS_SCHEMA, ddl
 from .shared_vectors import SharedSpace
 
 log = logging.getLogger("xmc_spark.train")
@@ -158,13 +159,12 @@ def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
     """(sample_id, man): the nodes (ensemble keys for an ensemble) whose group the trained
     matcher's beam of width ``beam_size`` sends each sample to, at every depth
     (:meth:`~xmc_spark.model.XMCModel.beam_nodes`); one pass over the samples with the model
-    shared as for prediction. Joined to the samples, the trainer adds them as negatives."""
+    shared as for prediction (a sharded model: its layer-by-layer beam, :func:`.sharded.routed`).
+    Joined to the samples, the trainer adds them as negatives."""
     from . import sharded
     from .prediction import map_with_model
     if isinstance(model, sharded.ShardedModel):
-        from ..params import ConfigError
-        raise ConfigError("train.negatives = tfn+man needs the model within predict.max_broadcast_mb (its "
-                          f"weights are {model.nbytes / 2 ** 20:.1f} MB): raise the bound or use tfn")
+        return sharded.routed(samples, model, beam_size).to(TABLES["negatives"])
 
     def route(m, t, X):
         rows, nodes = m.beam_nodes(X, beam_size)              # sorted by row
@@ -524,7 +524,11 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
     is_leaf = np.isin(big, index.leaves)
-    rows = (_big_rows(samples, bindex, big, node_ptr).repartition(parts).sortWithinPartitions("node")
+    # range-partitioned by (node, row hash): a node's rows fill consecutive partitions of about
+    # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
+    rows = (_big_rows(samples, bindex, big, node_ptr)
+            .withColumn("_h", F.xxhash64("feature_idx", "feature_val", "pos", "weight"))
+            .repartitionByRange(parts, "node", "_h").drop("_h").sortWithinPartitions("node")
             .mapInArrow(_pack_rows(n_features, int(node_ptr[-1]), params.bias, params.C), PACK_SCHEMA)
             .persist(StorageLevel.MEMORY_AND_DISK))
     space = None

@@ -151,10 +151,11 @@ def _placed(weights: DataFrame, index: TreeIndex) -> DataFrame:
 
 
 def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int,
-          final_topk: Optional[int]):
+          final_topk: Optional[int], keep: Optional[list] = None):
     """The beam over the first ``n_layers`` layers: rows (sample_id, pos, score) of the last
     one's candidates, top ``beam_size`` per sample — or, with ``final_topk``, the label layer's
-    (sample_id, pred_labels, pred_scores)."""
+    (sample_id, pred_labels, pred_scores). ``keep``: a list that receives every layer's beam as
+    (sample_id, pos) rows, each layer checkpointed (computed once)."""
     shape = tree_layers(model.index)
     W = _placed(model.weights, model.index)      # not cached: nothing to release when the caller is done
     feats = samples.select("sample_id", "feature_idx", "feature_val")
@@ -187,6 +188,9 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "prank", "pos"))), 1,
                        beam_size)
         top = cand.groupBy("sample_id").agg(best.alias("beam"))
+        if keep is not None:
+            top = top.localCheckpoint()
+            keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
         if t < n_layers - 1:
             cur = (top.join(feats, "sample_id")
                    .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
@@ -242,6 +246,26 @@ def predict(samples: DataFrame, model: ShardedModel, beam_size: int, topk: int,
     broadcast beam search of the same model."""
     n_layers = len(tree_layers(model.index).layers)
     return _beam(samples, model, beam_size, n_layers, group_rows, topk).to(TABLES["predictions"])
+
+
+def routed(samples: DataFrame, model: ShardedModel, beam_size: int, group_rows: int = GROUP_ROWS) -> DataFrame:
+    """(sample_id, man): every node (depth >= 1, not a pad) the beam holds for a sample at every
+    depth, sorted, as :meth:`XMCModel.beam_nodes` (``train.negatives = tfn+man``); samples
+    whose beam holds none are left out (the trainer reads them as having none)."""
+    shape = tree_layers(model.index)
+    inner = len(shape.layers) - 1
+    spark = samples.sparkSession
+    if inner == 0:
+        return spark.createDataFrame([], "sample_id long, man array<long>")
+    beams: list = []
+    _beam(samples, model, beam_size, inner, group_rows, None, keep=beams)
+    found = None
+    for (ids, _, through), beam in zip(shape.layers, beams):
+        real = np.flatnonzero(~through)
+        nodes = spark.createDataFrame([(int(p), int(ids[p])) for p in real], "pos long, node long")
+        part = beam.join(F.broadcast(nodes), "pos").select("sample_id", "node")
+        found = part if found is None else found.unionByName(part)
+    return found.groupBy("sample_id").agg(F.array_sort(F.collect_set("node")).alias("man"))
 
 
 def matcher(samples: DataFrame, model: ShardedModel, beam_size: int, group_rows: int = GROUP_ROWS) -> DataFrame:
