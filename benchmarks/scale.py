@@ -10,8 +10,8 @@ samples, 50K x 100K at 500K, 100K x 200K from 1M; ``--labels`` / ``--features`` 
 and one real CLI run with Spark's event log on, ``spark.sql.shuffle.partitions=64`` and
 partition coalescing off, ``train.max_node_rows = n / 8`` (``--node-rows-fraction``; 0 keeps
 the configured bound), ``predict.max_broadcast_mb``
-(default 4: above it the model stays sharded) and ``train.tron_driver_mb`` (default 0: the
-distributed solver's vectors in files, what the default does above 64 MB a vector). Reported per run:
+(default 4: above it the model stays sharded) and ``train.tron_driver_mb`` (default 0, as the
+pipeline's: the distributed solver's vectors in files). Reported per run:
 
 - wall seconds per pipeline stage (metrics.json) and of the whole process;
 - the largest task's shuffle-read rows divided by n, per pipeline stage (jobs are tagged
@@ -190,8 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/xmc-scale")
     ap.add_argument("--max-broadcast-mb", type=float, default=4.0)
     ap.add_argument("--tron-driver-mb", type=float, default=0.0,
-                    help="train.tron_driver_mb (0: the big nodes' solver keeps its vectors in files, as it does "
-                         "by default above 64 MB a vector)")
+                    help="train.tron_driver_mb (0, the default: the big nodes' solver keeps its vectors in files)")
     ap.add_argument("--node-rows-fraction", type=int, default=8,
                     help="train.max_node_rows = n / this (0: the configured bound, auto by default)")
     ap.add_argument("--cap-python-memory", help="spark.executor.pyspark.memory for one extra capped run per size")

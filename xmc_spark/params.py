@@ -362,8 +362,9 @@ class TrainParams(BaseParams):
     tron_max_iter: int = 50         # distributed solver: Newton steps at most
     # distributed solver: its vectors (features x big-node classifiers, float64) stay on the
     # driver up to this size; above, in files under the run folder's _scratch, read and written by
-    # the tasks, with only per-classifier scalars reaching the driver (0: always in files)
-    tron_driver_mb: float = 64.0
+    # the tasks, with only per-classifier scalars reaching the driver. 0 (default): always in
+    # files; a size > 0 where the executors cannot write the run folder through pyarrow
+    tron_driver_mb: float = 0.0
     # tfn: a node's classifiers see the samples with a label below it (teacher forcing);
     # tfn+man: also the samples the trained matcher's beam (predict.beam_size) sends to it,
     # then the model is trained again (PECOS's neg_mining_chain)

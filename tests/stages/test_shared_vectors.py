@@ -98,12 +98,13 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
 
 
 def test_stage_with_vectors_in_files_equals_vectors_on_the_driver(problem, index, tmp_path):
-    """train.tron_driver_mb = 0 puts the solver's vectors in files: the same weights (no pruning,
+    """train.tron_driver_mb = 0 (the default) puts the solver's vectors in files, 64 MB keeps
+    these on the driver: the same weights (no pruning,
     to compare every entry; one Newton step, the same iterate either way), and the scratch
     folder is left empty."""
     samples, _, Yl = problem
     _big(index, Yl)
-    tp = TrainParams(threshold=0.0, max_node_rows=str(BOUND), tron_max_iter=1)
+    tp = TrainParams(threshold=0.0, max_node_rows=str(BOUND), tron_max_iter=1, tron_driver_mb=64)
     on_driver = node_training.run(samples, index, D, tp)
     in_files = node_training.run(samples, index, D, dataclasses.replace(tp, tron_driver_mb=0), scratch=str(tmp_path))
 
