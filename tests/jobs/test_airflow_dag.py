@@ -96,6 +96,8 @@ def test_airflow_built_spark_submit_runs_the_ingest_job_from_the_wheel(tmp_path,
     assert read_delta(spark, str(tmp_path / "runs" / "pipeline" / "tables" / "test"), DS).count() == 10
 
 
+@pytest.mark.slow
+@pytest.mark.on_demand      # ~2 min; the wheel under spark-submit is checked in CI by the ingest-job test above
 def test_spark_submit_runs_the_whole_pipeline_from_the_wheel(tmp_path, wheel):
     """jobs/run_pipeline.py under spark-submit --py-files wheel: every stage, and the pyfunc
     model logged from code that lives inside the wheel."""

@@ -66,7 +66,6 @@ from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
 from ..compat import default_parallelism, share
-from ..errors import XmcError
 from ..kernels import tron
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TreeIndex
@@ -504,18 +503,16 @@ def _unpack_matrix(p) -> np.ndarray:
     return M
 
 
-def scratch_root(spark, scratch: Optional[str]) -> str:
+def scratch_root(spark, scratch: Optional[str]) -> Optional[str]:
     """Where the solver keeps its vectors above ``train.tron_driver_mb``: ``scratch`` (the
     pipeline passes ``<run folder>/_scratch``), else in local mode the machine's temp folder;
-    a cluster needs a folder its tasks share."""
+    None on a cluster without one (the vectors then stay on the driver)."""
     if scratch:
         return scratch
     if str(_conf(spark, "spark.master", "") or "").startswith("local"):
         import tempfile
         return tempfile.gettempdir()
-    raise XmcError("train: the big nodes' solver vectors exceed train.tron_driver_mb and no scratch folder "
-                   "was given: pass one every executor sees (the pipeline uses <run folder>/_scratch), or "
-                   "raise train.tron_driver_mb")
+    return None
 
 
 def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, n_features: int,
@@ -540,7 +537,12 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
         oracle = SparkOracle(rows, node_ptr, n_features, params)
         node_rows, positives = oracle.counts()          # the first query also fills the cache
         d, K = oracle.d, int(node_ptr[-1])
-        shared = d * K * 8 > params.tron_driver_mb * 2 ** 20
+        root = scratch_root(spark, scratch)
+        wanted = d * K * 8 > params.tron_driver_mb * 2 ** 20
+        shared = wanted and root is not None
+        if wanted and root is None:
+            log.warning("train: no scratch folder the executors share was given: the solver's vectors stay on "
+                        "the driver (%.1f MB each)", d * K * 8 / 2 ** 20)
         log.info("train: %d big nodes, %d classifiers, %d rows over %d partitions: distributed TRON "
                  "(eps %g, at most %d steps), vectors of %.1f MB %s", len(big), K, node_rows.sum(), parts,
                  params.tron_eps, params.tron_max_iter, d * K * 8 / 2 ** 20,
@@ -548,7 +550,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
         eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
         if shared:
             n_cls = K
-            space = SharedSpace(rows, lambda b: _unpack(b, d, n_cls), node_ptr, d, scratch_root(spark, scratch))
+            space = SharedSpace(rows, lambda b: _unpack(b, d, n_cls), node_ptr, d, root)
             info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info)
         else:
             W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, d, K, eps=eps,

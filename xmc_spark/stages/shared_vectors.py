@@ -26,8 +26,9 @@ Jobs:
   (node, block) keys.
 
 So a task holds its rows plus one node's d x K_node vectors, the reduce and combine tasks one
-block of each vector, and the driver receives (nodes x blocks x inner products) doubles per job
-whatever the number of samples or features. A job writes its vectors' blocks into new folders;
+block of each vector, and the driver receives one row per node per job (the node's losses and
+inner products, summed over its blocks by a grouped task), whatever the number of samples or
+features. A job writes its vectors' blocks into new folders;
 the versions they replace are deleted after the job (so the folder holds each vector once), the
 whole scratch folder at the end. A retried task rewrites the same files.
 """
@@ -90,9 +91,17 @@ class _Files:
             return np.frombuffer(f.read(), np.float64).reshape(hi - lo, int(self.k[g]))
 
     def save(self, fs, job: int, name: str, g: int, fb: int, block: np.ndarray) -> None:
+        """Write a block whole or not at all: on a file system, a temporary file renamed into
+        place (a speculative or retried attempt never leaves a half-written block to a reader);
+        an object store makes an object visible only when it is complete."""
         fs.create_dir(version_dir(self.base, name, g, job), recursive=True)
-        with fs.open_output_stream(self.path(job, name, g, fb)) as f:
+        path = self.path(job, name, g, fb)
+        local = fs.type_name == "local"
+        target = f"{path}.tmp-{uuid.uuid4().hex}" if local else path
+        with fs.open_output_stream(target) as f:
             f.write(np.ascontiguousarray(block, np.float64).tobytes())
+        if local:
+            fs.move(target, path)
 
     def stored(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
         """sum coef x block of the node's classifiers ``sub`` (coefficients per global
@@ -139,6 +148,16 @@ class _Files:
             full[:, sub] = block
             block = full
         self.save(fs, job, name, g, fb, block)
+
+
+def _sum_per_node(t: pa.Table) -> pa.Table:
+    """One node's per-block scalar rows summed (the loss sits on block 0 only; a block the
+    job only wrote for a deferred combination has none)."""
+    def total(col):
+        off, v = list_offsets_values(t, col)
+        rows = [v[off[i]:off[i + 1]] for i in range(t.num_rows) if off[i + 1] > off[i]]
+        return np.sum(rows, axis=0) if rows else np.zeros(0)
+    return pa.Table.from_batches([_scalars(int(t.column("g")[0].as_py()), 0, total("loss"), total("dots"))])
 
 
 def version_dir(base: str, name: str, g: int, job: int) -> str:
@@ -362,19 +381,21 @@ class SharedSpace:
         return self._finish(scalars, job, writes, cols, dots)
 
     def _finish(self, scalars: DataFrame, job: int, writes: Dict[int, list], cols, dots):
-        """Collect the per-block scalars (summed per classifier, in ``cols``' order), record the
+        """Collect the scalars, summed over a node's blocks by the tasks (one row per node
+        reaches the driver, whatever the number of features), in ``cols``' order; record the
         job's vectors (``writes``: node -> the vectors it wrote), delete the versions they replace."""
-        t = to_arrow(scalars)
+        t = to_arrow(grouped_apply(scalars, ["g"], _sum_per_node, SCALAR_SCHEMA))
         self.driver_bytes += t.nbytes
         subs = self._subs(cols)
-        pos = {int(c): i for i, c in enumerate(np.asarray(cols, np.int64))}
+        pos = np.full(self.K, -1, np.int64)
+        pos[np.asarray(cols, np.int64)] = np.arange(len(cols))
         loss, D = np.zeros(len(cols)), np.zeros((len(dots), len(cols)))
         loff, lv = list_offsets_values(t, "loss")
         doff, dv = list_offsets_values(t, "dots")
         for r, g in enumerate(t.column("g").to_numpy()):
             if int(g) not in subs:
                 continue
-            at = np.array([pos[int(self.node_ptr[g] + s)] for s in subs[int(g)]], np.int64)
+            at = pos[self.node_ptr[g] + subs[int(g)]]
             if loff[r + 1] > loff[r]:
                 loss[at] += lv[loff[r]:loff[r + 1]]
             if len(dots):
