@@ -549,8 +549,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
                  "in shared files (only scalars to the driver)" if shared else "on the driver")
         eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
         if shared:
-            n_cls = K
-            space = SharedSpace(rows, lambda b: _unpack(b, d, n_cls), node_ptr, d, root)
+            space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root)
             info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info)
         else:
             W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, d, K, eps=eps,

@@ -120,7 +120,8 @@ class _Files:
             return self.stored(fs, terms, g, fb, sub)
         upd, mask = self.pending
         cols = self.node_ptr[g] + sub
-        out = np.zeros((self.span(g, fb)[1] - self.span(g, fb)[0], len(sub)))
+        lo, hi = self.span(g, fb)
+        out = np.zeros((hi - lo, len(sub)))
         for coef, name in terms:
             value = self.stored(fs, [(np.ones(len(mask)), name)], g, fb, sub)
             if name in upd and mask[cols].any():
@@ -198,8 +199,7 @@ class SharedSpace:
     # ---- the four methods tron_space calls -------------------------------------------------------
 
     def fun_grad(self, w, out: str, cols, dots=()):
-        loss, d = self._oracle("fg", self._coefs(w, cols), None, out, cols, dots)
-        return loss, d
+        return self._oracle("fg", self._coefs(w, cols), None, out, cols, dots)
 
     def hess_vec(self, w: str, v: str, out: str, cols, dots=()):
         return self._oracle("hv", [(self._full(1.0, cols), w)], v, out, cols, dots)[1]
