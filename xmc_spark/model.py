@@ -36,6 +36,7 @@ from .kernels.tree import (
     keyed_pairs,
     node_depth,
     tree_from_params,
+    unique_pairs,
 )
 from .params import ClustersParams, PipelineParams, PredictParams, TrainParams, TreeParams
 
@@ -396,8 +397,7 @@ class XMCModel:
         r, g = np.concatenate(rows), np.concatenate(nodes)
         if not len(r):
             return r, g
-        u = np.unique(np.stack([r, g]), axis=1)
-        return u[0], u[1]
+        return unique_pairs(r, g)
 
     def label_depth(self) -> np.ndarray:
         """Depth of each label's deepest leaf (for expected depth@k)."""
@@ -701,8 +701,7 @@ def add_pairs(rows: np.ndarray, groups: np.ndarray, extra=None):
     """(row, group) pairs with ``extra`` = (rows, groups) added; unique, sorted by row."""
     if extra is None or not len(extra[0]):
         return rows, groups
-    u = np.unique(np.stack([np.concatenate([rows, extra[0]]), np.concatenate([groups, extra[1]])]), axis=1)
-    return u[0], u[1]
+    return unique_pairs(np.concatenate([rows, extra[0]]), np.concatenate([groups, extra[1]]))
 
 
 def train_group(index: TreeIndex, group: int, Xb: sp.csr_matrix, offsets, labels, train: TrainParams,

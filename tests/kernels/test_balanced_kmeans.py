@@ -36,3 +36,21 @@ def test_build_tree_leaf_sizes_and_depth():
     assert counts.max() <= 100
     assert set(node_depth(leaf, 2)) == {4}  # 983 -> 492 -> 246 -> 123 -> 62: 16 leaves at depth 4
     assert len(counts) == 16
+
+
+def test_centroids_and_similarities_equal_the_sparse_products():
+    """The compiled cluster sums and similarities give exactly (bit for bit) the scipy products
+    they replace: membership matrix x Z in float32, Z x C^T in float64."""
+    from xmc_spark.kernels.balanced_kmeans import _centroids, _similarities
+    rng = np.random.default_rng(1)
+    for seed in range(5):
+        m, d, k = 200 + seed, 90, (2, 3, 16, 2, 8)[seed]
+        Z = sp.random(m, d, density=0.2, format="csr", random_state=seed, dtype=np.float32)
+        a = rng.integers(0, k, m)
+        A = sp.csr_matrix((np.ones(m, np.float32), (a, np.arange(m))), shape=(k, m))
+        C = np.asarray((A @ Z).todense(), dtype=np.float64)
+        n = np.linalg.norm(C, axis=1, keepdims=True)
+        n[n == 0] = 1.0
+        np.testing.assert_array_equal(_centroids(Z, a, k), C / n)
+        np.testing.assert_array_equal(_similarities(Z.indptr, Z.indices, Z.data, C / n),
+                                      np.asarray(Z @ (C / n).T, dtype=np.float64))

@@ -3,7 +3,7 @@ import pytest
 import scipy.sparse as sp
 
 from xmc_spark.kernels.label_embedding import pifa
-from xmc_spark.kernels.tree import TreeIndex, ancestor_at, build_tree, node_depth
+from xmc_spark.kernels.tree import TreeIndex, ancestor_at, build_tree, node_depth, unique_pairs
 
 
 def test_pifa_matches_dense_formula():
@@ -69,3 +69,17 @@ def test_forest_keys_and_groups_are_each_trees_own():
     np.testing.assert_allclose(f.label_depth(), (a.label_depth() + b.label_depth()) / 2)
     with pytest.raises(ValueError, match="too deep"):
         encode_keys(1, [1 << 60])
+
+
+def test_unique_pairs_equal_numpy_unique_of_columns():
+    """Distinct (row, group) pairs sorted by row then group, as np.unique over stacked columns,
+    with ensemble-sized keys (tree << 52) too."""
+    rng = np.random.default_rng(0)
+    for hi in (5, 2 ** 60):
+        r, g = rng.integers(0, 20, 300), rng.integers(0, hi, 300)
+        g[::7] = g[0]
+        r[::7] = r[0]
+        ref = np.unique(np.stack([r, g]), axis=1)
+        got = unique_pairs(r, g)
+        np.testing.assert_array_equal(got[0], ref[0])
+        np.testing.assert_array_equal(got[1], ref[1])

@@ -110,6 +110,46 @@ def test_big_rows_are_packed_without_loss(problem, index, spark):
         np.testing.assert_array_equal(cost, np.full(len(cost), tp.C))
 
 
+@pytest.mark.parametrize("piece_nnz", [node_training.PIECE_NNZ, 5])
+def test_grouped_rows_pack_and_unpack_without_loss(monkeypatch, piece_nnz):
+    """The fan-out's packed records (one per batch and group, cut into record batches of at most
+    PIECE_NNZ features but whole groups) give back each group's rows exactly, in sample-id
+    order, whatever order the records arrive in: features (empty rows too), labels with their
+    weights, sample weights."""
+    import pyarrow as pa
+    from xmc_spark.arrow_utils import list_array
+    monkeypatch.setattr(node_training, "PIECE_NNZ", piece_nnz)
+    rng = np.random.default_rng(3)
+    n = 9
+    X = sp.random(n, 6, density=0.4, format="csr", random_state=4, dtype=np.float32)   # some rows empty
+    Y = sp.random(n, 5, density=0.5, format="csr", random_state=5, dtype=np.float32)
+    t = pa.table({"sample_id": pa.array(rng.permutation(100)[:n].astype(np.int64)),
+                  "feature_idx": list_array(X.indptr, X.indices, pa.int32()),
+                  "feature_val": list_array(X.indptr, X.data, pa.float32()),
+                  "label_idx": list_array(Y.indptr, Y.indices, pa.int32()),
+                  "label_weight": list_array(Y.indptr, Y.data, pa.float32()),
+                  "weight": pa.array(rng.random(n).astype(np.float32))})
+    rows = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 2, 4, 8, 1], np.int64)       # (row, group) pairs
+    groups = np.array([7, 7, 7, 7, 7, 7, 7, 7, 7, 3, 3, 3, 3, 11], np.int64)
+    batches = list(node_training._pack_groups(t, Y.indptr.astype(np.int64), Y.indices, rows, groups, True))
+    if piece_nnz == 5:
+        assert len(batches) > 1                      # cut by non-zeros, never inside a group
+    recs = pa.Table.from_batches(batches)
+    assert sorted(recs.column("group").to_pylist()) == [3, 7, 11]
+    sid = t.column("sample_id").to_numpy()
+    for g in (3, 7, 11):
+        mine = recs.filter(pa.compute.equal(recs.column("group"), g))
+        halves = [mine.slice(k, 1) for k in range(mine.num_rows)][::-1]          # arrival order: any
+        Xg, off, labels, w, lw = node_training._unpack_group(pa.concat_tables(halves), 6, True)
+        r = rows[groups == g]
+        r = r[np.argsort(sid[r])]
+        np.testing.assert_array_equal(Xg.toarray(), X[r].toarray())
+        np.testing.assert_array_equal(off, Y[r].indptr)
+        np.testing.assert_array_equal(labels, Y[r].indices)
+        np.testing.assert_array_equal(lw, Y[r].data)
+        np.testing.assert_array_equal(w, t.column("weight").to_numpy()[r].astype(np.float64))
+
+
 def test_big_row_partitions(spark):
     """As many partitions as tasks run at once, more only where one would exceed the bound."""
     from xmc_spark.compat import default_parallelism

@@ -14,12 +14,38 @@ from .jit import njit
 
 def _centroids(Z: sp.csr_matrix, assign: np.ndarray, k: int) -> np.ndarray:
     """Normalized centroid per cluster, dense (k x d): one node's d-vector per child."""
-    m = Z.shape[0]
-    A = sp.csr_matrix((np.ones(m, dtype=np.float32), (assign, np.arange(m))), shape=(k, m))
-    C = np.asarray((A @ Z).todense(), dtype=np.float64)
+    C = _cluster_sums(Z.indptr, Z.indices, Z.data, np.asarray(assign, np.int64), k, Z.shape[1]).astype(np.float64)
     n = np.linalg.norm(C, axis=1, keepdims=True)
     n[n == 0] = 1.0
     return C / n
+
+
+@njit()
+def _cluster_sums(ptr, idx, val, assign, k, d):
+    """Sum of each cluster's rows (float32, rows added in order: the same sums as the sparse
+    product of the membership matrix with Z, without building it or a sparse result)."""
+    C = np.zeros((k, d), np.float32)
+    for i in range(len(ptr) - 1):
+        c = assign[i]
+        for p in range(ptr[i], ptr[i + 1]):
+            C[c, idx[p]] += val[p]
+    return C
+
+
+@njit()
+def _similarities(ptr, idx, val, C):
+    """Z @ C.T for a float32 CSR Z and dense float64 C (k x d), each row's sum taken in the
+    order of its non-zeros (as scipy's CSR x dense product)."""
+    m, k = len(ptr) - 1, C.shape[0]
+    Ct = np.ascontiguousarray(C.T)          # d x k: a feature's k centroid values side by side
+    S = np.zeros((m, k))
+    for i in range(m):
+        for p in range(ptr[i], ptr[i + 1]):
+            a = np.float64(val[p])
+            j = idx[p]
+            for c in range(k):
+                S[i, c] += a * Ct[j, c]
+    return S
 
 
 @njit()
@@ -66,7 +92,7 @@ def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, see
     C /= n
     assign = None
     for _ in range(max_iter):
-        S = np.asarray(Z @ C.T, dtype=np.float64)                 # m x k similarities
+        S = _similarities(Z.indptr, Z.indices, Z.data, C)           # m x k similarities
         if k == 2:
             diff = S[:, 0] - S[:, 1]
             order = np.argsort(-diff, kind="mergesort")

@@ -90,6 +90,16 @@ def tree_from_params(Z: sp.csr_matrix, params, f=None, f_tilde=None, root: int =
                       params.effective_lambda, f, f_tilde, params.gamma, params.balanced_below_depth, root)
 
 
+def unique_pairs(r: np.ndarray, g: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The distinct (r, g) pairs sorted by r then g (``np.unique(np.stack([r, g]), axis=1)``,
+    by a two-key sort instead of a sort of row records, several times faster)."""
+    order = np.lexsort((g, r))
+    r, g = r[order], g[order]
+    keep = np.ones(len(r), bool)
+    keep[1:] = (r[1:] != r[:-1]) | (g[1:] != g[:-1])
+    return r[keep], g[keep]
+
+
 class TreeIndex:
     """Lookups over the slots (label, leaf) of a tree, small enough to broadcast (O(labels))."""
 
@@ -160,8 +170,7 @@ class TreeIndex:
         g = np.concatenate(pg)
         if not len(r):
             return r, g
-        uniq = np.unique(np.stack([r, g]), axis=1)
-        return uniq[0], uniq[1]
+        return unique_pairs(r, g)
 
     def node_problem(self, group: int, offsets: np.ndarray, labels: np.ndarray, label_weights=None):
         """(child ids or slot ids, Y n x K) for the classifiers trained at node ``group``.

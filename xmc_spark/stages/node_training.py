@@ -67,7 +67,7 @@ from pyspark.sql import functions as F
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
 from ..compat import default_parallelism, share
 from ..kernels import tron
-from ..kernels.sparse import append_bias
+from ..kernels.sparse import append_bias, csr_from_lists
 from ..kernels.tree import TreeIndex
 from ..model import add_pairs, train_group
 from ..params import TrainParams
@@ -76,8 +76,9 @@ from ..schemas import TABLES, WEIGHTS_SCHEMA, ddl
 from .shared_vectors import SharedSpace
 
 log = logging.getLogger("xmc_spark.train")
-GROUPED_SCHEMA = ("group long, sample_id long, feature_idx array<int>, feature_val array<float>, "
-                  "label_idx array<int>, weight float")
+GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len binary, x_idx binary, "
+                  "x_val binary, y_len binary, y_idx binary")
+PIECE_NNZ = 1 << 26             # most feature non-zeros in one packed record batch of the fan-out
 BIG_SCHEMA = ("node int, feature_idx array<int>, feature_val array<float>, weight float, "
               "pos array<int>, pos_w array<float>")
 PACK_SCHEMA = ("node int, rows int, x_ptr binary, x_idx binary, x_val binary, cost binary, "
@@ -104,31 +105,21 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     """
     bindex = share(samples, index, name="the tree index")
     weighted = "label_weight" in samples.columns
-    cols = ["group", "sample_id", "feature_idx", "feature_val", "label_idx", "weight"] + (
-        ["label_weight"] if weighted else [])
-    schema = GROUPED_SCHEMA + (", label_weight array<float>" if weighted else "")
 
     def expand(batches):
-        for t, _, _, rows, groups in _fan_out(bindex, batches):
-            out = t.take(pa.array(rows))
-            out = out.add_column(0, "group", pa.array(groups, pa.int64()))
-            yield from out.select(cols).to_batches()
+        for t, off, labels, rows, groups in _fan_out(bindex, batches):
+            yield from _pack_groups(t, off, labels, rows, groups, weighted)
 
     def train(t: pa.Table) -> pa.Table:
-        ix = bindex.value
-        order = np.argsort(t.column("sample_id").to_numpy(), kind="mergesort")
-        t = t.take(pa.array(order))
         group = int(t.column("group")[0].as_py())
-        X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), params.bias)
-        off, labels = list_offsets_values(t, "label_idx")
-        weights = t.column("weight").to_numpy().astype(np.float64)
-        lw = list_offsets_values(t, "label_weight")[1] if weighted else None
-        is_leaf, children, W = train_group(ix, group, X, off, labels, params, weights, lw)
+        X, off, labels, weights, lw = _unpack_group(t, n_features, weighted)
+        X = append_bias(X, params.bias)
+        is_leaf, children, W = train_group(bindex.value, group, X, off, labels, params, weights, lw)
         idx, val = csr_rows_to_arrays(W.T.tocsr())
         worker_progress("train", nodes=1, classifiers=len(children), node_samples=X.shape[0])
         return _weights_table(is_leaf, children, idx, val)
 
-    grouped = samples.mapInArrow(expand, schema)
+    grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else ""))
     bound = node_row_bound(samples.sparkSession, params)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples)
     if not len(big):
@@ -153,6 +144,76 @@ def _fan_out(bindex, batches):
             rows, groups = add_pairs(rows, groups, (np.repeat(np.arange(t.num_rows), np.diff(moff)),
                                                     np.asarray(man, np.int64)))
         yield t, off, labels, rows, groups
+
+
+def _segments(values: np.ndarray, starts: np.ndarray, dtype) -> pa.BinaryArray:
+    """One binary value per segment ``values[starts[k]:starts[k + 1]]`` (as ``dtype``)."""
+    data = np.ascontiguousarray(values, dtype=dtype)
+    offs = np.asarray(starts, np.int64) * data.itemsize
+    return pa.BinaryArray.from_buffers(pa.binary(), len(starts) - 1,
+                                       [None, pa.py_buffer(offs.astype(np.int32)), pa.py_buffer(data)])
+
+
+def _pack_groups(t: pa.Table, off: np.ndarray, labels: np.ndarray, rows: np.ndarray, groups: np.ndarray,
+                 weighted: bool):
+    """The (row, group) pairs of one batch of samples as :data:`GROUPED_SCHEMA` record batches:
+    one record per group, its rows' sample ids, weights, features and labels as flat arrays in
+    binary columns (lengths per row, then the concatenated indices and values). The shuffle to
+    the grouped trainer then moves one record per (input batch, node) with a few large binary
+    values, not one row of lists per (sample, node) that Spark converts element by element
+    (a sample reaches about one node per level). Records of at most :data:`PIECE_NNZ` feature
+    non-zeros per batch keep the binary offsets within Arrow's 32 bits."""
+    order = np.lexsort((rows, groups))
+    rows, groups = rows[order], groups[order]
+    foff, fidx = list_offsets_values(t, "feature_idx")
+    fval = list_offsets_values(t, "feature_val")[1]
+    xsub, xat = _gather(foff, rows)
+    ysub, yat = _gather(off, rows)
+    lw = list_offsets_values(t, "label_weight")[1][yat] if weighted else None
+    sid = t.column("sample_id").to_numpy()[rows]
+    weight = t.column("weight").to_numpy()[rows]
+    cuts = np.flatnonzero(np.diff(groups)) + 1
+    starts = np.concatenate([[0], cuts, [len(rows)]]).astype(np.int64)      # one record per group
+    lo = 0
+    while lo < len(starts) - 1:          # batches of whole groups under PIECE_NNZ (at least one)
+        hi = max(lo + 1, int(np.searchsorted(xsub[starts], xsub[starts[lo]] + PIECE_NNZ, side="right")) - 1)
+        hi = min(hi, len(starts) - 1)
+        r0, r1 = starts[lo], starts[hi]
+        rs = starts[lo:hi + 1] - r0                                          # record starts, in rows
+        x0, y0 = xsub[r0], ysub[r0]
+        cols = {"group": pa.array(groups[starts[lo:hi]], pa.int64()), "rows": pa.array(np.diff(rs), pa.int32()),
+                "sample_id": _segments(sid[r0:r1], rs, np.int64), "weight": _segments(weight[r0:r1], rs, np.float32),
+                "x_len": _segments(np.diff(xsub[r0:r1 + 1]), rs, np.int32),
+                "x_idx": _segments(fidx[xat[x0:xsub[r1]]], xsub[starts[lo:hi + 1]] - x0, np.int32),
+                "x_val": _segments(fval[xat[x0:xsub[r1]]], xsub[starts[lo:hi + 1]] - x0, np.float32),
+                "y_len": _segments(np.diff(ysub[r0:r1 + 1]), rs, np.int32),
+                "y_idx": _segments(labels[yat[y0:ysub[r1]]], ysub[starts[lo:hi + 1]] - y0, np.int32)}
+        if weighted:
+            cols["y_w"] = _segments(lw[y0:ysub[r1]], ysub[starts[lo:hi + 1]] - y0, np.float32)
+        yield pa.RecordBatch.from_pydict(cols)
+        lo = hi
+
+
+def _unpack_group(t: pa.Table, n_features: int, weighted: bool):
+    """One group's records of :func:`_pack_groups` -> (X, label offsets, labels, weights, label
+    weights or None), rows in sample-id order (so the result does not depend on the shuffle)."""
+    def flat(name, dtype):             # a binary column's values end to end, as one array
+        col = t.column(name).combine_chunks()
+        offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
+        data = col.buffers()[2]
+        if data is None or offs[-1] == offs[0]:
+            return np.zeros(0, dtype)
+        return np.frombuffer(data, np.uint8)[offs[0]:offs[-1]].view(dtype)
+
+    sid = flat("sample_id", np.int64)
+    order = np.argsort(sid, kind="mergesort")
+    xptr = np.concatenate([[0], np.cumsum(flat("x_len", np.int32), dtype=np.int64)])
+    yptr = np.concatenate([[0], np.cumsum(flat("y_len", np.int32), dtype=np.int64)])
+    xsub, xat = _gather(xptr, order)
+    ysub, yat = _gather(yptr, order)
+    X = csr_from_lists(xsub, flat("x_idx", np.int32)[xat], flat("x_val", np.float32)[xat], n_features)
+    lw = flat("y_w", np.float32)[yat] if weighted else None
+    return X, ysub, flat("y_idx", np.int32)[yat], flat("weight", np.float32)[order].astype(np.float64), lw
 
 
 def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
