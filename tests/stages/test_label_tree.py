@@ -68,3 +68,12 @@ def test_ensemble_trees_grow_in_the_same_jobs(problem, emb, spark):
         part = got[got["tree"] == t].sort_values("label_idx")
         np.testing.assert_array_equal(part["label_idx"], np.arange(L))
         np.testing.assert_array_equal(part["node"], build_tree(pifa(Xl, Yl), 3, B, params.max_iter, 4 + t))
+
+
+def test_local_subtree_bound_follows_the_task_slots():
+    """A node grows its subtree in its task from max(local_subtree_size, labels / slots) labels
+    down; 0 keeps every level a Spark job."""
+    assert label_tree.local_size(TreeParams(local_subtree_size=4096), 20000, 2) == 10000
+    assert label_tree.local_size(TreeParams(local_subtree_size=4096), 20001, 2) == 10001
+    assert label_tree.local_size(TreeParams(local_subtree_size=4096), 20000, 64) == 4096
+    assert label_tree.local_size(TreeParams(local_subtree_size=0), 20000, 2) == 0

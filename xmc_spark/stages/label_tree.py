@@ -1,14 +1,19 @@
 """Label tree on Spark, level by level: one job splits every oversized node of a level.
 
-A node with at most ``tree.local_subtree_size`` labels grows its whole subtree inside its
-task (same node ids and per-node seeds as level by level, so the tree is identical); the
-levels above stay one Spark job each. An ensemble (``tree.ensemble`` > 1 or
+A node with at most max(``tree.local_subtree_size``, labels / default parallelism) labels
+grows its whole subtree inside its task (same node ids and per-node seeds as level by level, so
+the tree is identical); the levels above stay one Spark job each. The second term stops the
+levels as soon as there are about as many nodes as task slots: a level job costs about a second
+of Spark's scheduling and checkpointing, while a subtree grown in its task costs only its
+splits, and the task already holds no more than its share of the embeddings (the root's split
+holds them all; ``local_subtree_size`` = 0 keeps every level a Spark job). An ensemble (``tree.ensemble`` > 1 or
 ``tree.ensemble_splits``) grows all its trees in the same jobs: groups are (tree, node), tree
 t splitting with :meth:`~xmc_spark.params.TreeParams.for_tree` (its own seed and branching).
 """
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +21,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, grouped_apply
-from ..compat import share
+from ..compat import default_parallelism, share
 from ..kernels.tree import TREE_SHIFT, split_node, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
@@ -25,11 +30,13 @@ log = logging.getLogger("xmc_spark.tree")
 
 
 def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features: int, params: TreeParams,
-                freqs=None) -> DataFrame:
+                freqs=None, local: Optional[int] = None) -> DataFrame:
     """New (label_idx, node) for the labels of ``big_nodes``, one kernel call per node.
 
     ``freqs`` is a broadcast of (f, f_tilde) when the split is interpolated (lambda > 0).
+    A node of at most ``local`` labels (default ``tree.local_subtree_size``) grows its subtree.
     """
+    local = params.local_subtree_size if local is None else int(local)
     def split(t: pa.Table) -> pa.Table:
         order = np.argsort(t.column("label_idx").to_numpy(), kind="mergesort")
         t = t.take(pa.array(order))
@@ -41,7 +48,7 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
         if freqs is not None:
             lab = t.column("label_idx").to_numpy().astype(np.int64)
             f, ft = freqs.value[0][lab], freqs.value[1][lab]
-        if t.num_rows <= tp.local_subtree_size:   # small enough: the whole subtree here
+        if t.num_rows <= local:                   # small enough: the whole subtree here
             child = tree_from_params(Z, tp, f, ft, root=node)
         else:
             child = split_node(Z, node, tp.nr_splits, tp.max_iter, tp.seed, tp.effective_lambda, f, ft, tp.gamma,
@@ -51,6 +58,14 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
 
     todo = assign.filter(_key().isin([int(k) for k in big_nodes])).join(embeddings, "label_idx")
     return grouped_apply(todo, ["tree", "node"], split, TREE_SCHEMA)
+
+
+def local_size(params: TreeParams, n_labels: int, slots: int) -> int:
+    """Labels up to which a node grows its whole subtree in its task: max(local_subtree_size,
+    ceil(labels / task slots)), or 0 (every level a job) when local_subtree_size is 0."""
+    if params.local_subtree_size <= 0:
+        return 0
+    return max(int(params.local_subtree_size), -(-int(n_labels) // max(1, int(slots))))
 
 
 def _fits(node: int, params: TreeParams) -> bool:
@@ -97,11 +112,12 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     sizes = {t << TREE_SHIFT: n_labels for t in range(params.n_trees())}
     finished = []
     depth = 0
+    local = local_size(params, n_labels, default_parallelism(spark))
     while True:
         big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
         if not big:
             break
-        new = split_level(emb, active, big, n_features, params, freqs).localCheckpoint()
+        new = split_level(emb, active, big, n_features, params, freqs, local).localCheckpoint()
         # the children's sizes come back in a second, small job over the checkpointed level
         grown = {int(r["key"]): int(r["count"]) for r in new.groupBy(_key().alias("key"), "node").count()
                  .select("key", "node", "count").collect() if _fits(r["node"], params)}
