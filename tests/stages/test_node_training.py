@@ -111,12 +111,13 @@ def test_big_rows_are_packed_without_loss(problem, index, spark):
 
 
 @pytest.mark.parametrize("piece_nnz", [node_training.PIECE_NNZ, 5])
-def test_grouped_rows_pack_and_unpack_without_loss(monkeypatch, piece_nnz):
-    """The fan-out's packed records (one per batch and group, cut into record batches of at most
-    PIECE_NNZ features but whole groups) give back each group's rows exactly, in sample-id
-    order, whatever order the records arrive in: features (empty rows too), labels with their
-    weights, sample weights."""
+def test_training_units_pack_and_unpack_without_loss(monkeypatch, piece_nnz):
+    """The fan-out's packed records (one per batch and training unit, cut into record batches of
+    at most PIECE_NNZ features but whole units) hold each unit's rows once, and give back every
+    group's rows exactly, in sample-id order, whatever order the records arrive in: features
+    (empty rows too), labels with their weights, sample weights."""
     import pyarrow as pa
+
     from xmc_spark.arrow_utils import list_array
     monkeypatch.setattr(node_training, "PIECE_NNZ", piece_nnz)
     rng = np.random.default_rng(3)
@@ -131,23 +132,41 @@ def test_grouped_rows_pack_and_unpack_without_loss(monkeypatch, piece_nnz):
                   "weight": pa.array(rng.random(n).astype(np.float32))})
     rows = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 2, 4, 8, 1], np.int64)       # (row, group) pairs
     groups = np.array([7, 7, 7, 7, 7, 7, 7, 7, 7, 3, 3, 3, 3, 11], np.int64)
-    batches = list(node_training._pack_groups(t, Y.indptr.astype(np.int64), Y.indices, rows, groups, True))
+    units = np.where(groups == 11, 11, 3)                # groups 3 and 7 share a unit
+    batches = list(node_training._pack_units(t, Y.indptr.astype(np.int64), Y.indices, rows, groups, units, True))
     if piece_nnz == 5:
-        assert len(batches) > 1                      # cut by non-zeros, never inside a group
+        assert len(batches) > 1                      # cut by non-zeros, never inside a unit
     recs = pa.Table.from_batches(batches)
-    assert sorted(recs.column("group").to_pylist()) == [3, 7, 11]
+    assert sorted(recs.column("group").to_pylist()) == [3, 11]
+    assert sorted(recs.column("rows").to_pylist()) == [1, 9]    # a unit's rows once
     sid = t.column("sample_id").to_numpy()
-    for g in (3, 7, 11):
-        mine = recs.filter(pa.compute.equal(recs.column("group"), g))
-        halves = [mine.slice(k, 1) for k in range(mine.num_rows)][::-1]          # arrival order: any
-        Xg, off, labels, w, lw = node_training._unpack_group(pa.concat_tables(halves), 6, True)
-        r = rows[groups == g]
-        r = r[np.argsort(sid[r])]
-        np.testing.assert_array_equal(Xg.toarray(), X[r].toarray())
-        np.testing.assert_array_equal(off, Y[r].indptr)
-        np.testing.assert_array_equal(labels, Y[r].indices)
-        np.testing.assert_array_equal(lw, Y[r].data)
-        np.testing.assert_array_equal(w, t.column("weight").to_numpy()[r].astype(np.float64))
+    for unit, members in ((3, (3, 7)), (11, (11,))):
+        mine = recs.filter(pa.compute.equal(recs.column("group"), unit))
+        parts = [mine.slice(k, 1) for k in range(mine.num_rows)][::-1]          # arrival order: any
+        Xu, off, labels, w, lw, prow, pgroup = node_training._unpack_unit(pa.concat_tables(parts), 6, True)
+        ur = np.unique(rows[units == unit])
+        ur = ur[np.argsort(sid[ur])]
+        np.testing.assert_array_equal(Xu.toarray(), X[ur].toarray())
+        np.testing.assert_array_equal(off, Y[ur].indptr)
+        np.testing.assert_array_equal(labels, Y[ur].indices)
+        np.testing.assert_array_equal(lw, Y[ur].data)
+        np.testing.assert_array_equal(w, t.column("weight").to_numpy()[ur].astype(np.float64))
+        assert list(np.unique(pgroup)) == list(members) and np.all(np.diff(pgroup) >= 0)
+        for g in members:
+            got = ur[prow[pgroup == g]]
+            ref = rows[groups == g]
+            np.testing.assert_array_equal(got, ref[np.argsort(sid[ref])])      # sample-id order
+
+
+def test_training_units_cut_below_the_big_nodes():
+    """Units start at the shallowest depth with 4 nodes per task slot, below every big node; a
+    group above the cut is its own unit, one below it joins its ancestor at the cut."""
+    assert node_training.unit_depth(2, 2) == 3 and node_training.unit_depth(8, 2) == 1
+    assert node_training.unit_depth(2, 2, big_depth=4) == 5
+    ix = TreeIndex(np.arange(16), np.arange(15, 31), 16, 2)      # a full binary tree of depth 4
+    assert node_training.unit_cuts(ix, 2, np.array([0, 1, 2, 3])) == 3
+    units = node_training.training_units(ix, np.array([0, 2, 6, 7, 15, 16, 30]), 3)
+    np.testing.assert_array_equal(units, [0, 2, 6, 7, 7, 7, 14])
 
 
 def test_big_row_partitions(spark):

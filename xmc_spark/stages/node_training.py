@@ -59,6 +59,7 @@ from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import scipy.sparse as sp
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
@@ -68,7 +69,7 @@ from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, lis
 from ..compat import default_parallelism, share
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
-from ..kernels.tree import TreeIndex
+from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth
 from ..model import add_pairs, train_group
 from ..params import TrainParams
 from ..progress import worker_progress
@@ -77,7 +78,8 @@ from .shared_vectors import SharedSpace
 
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len binary, x_idx binary, "
-                  "x_val binary, y_len binary, y_idx binary")
+                  "x_val binary, y_len binary, y_idx binary, pair_row binary, pair_group binary")
+UNITS_PER_SLOT = 4              # training units (subtrees) per task slot at the cut depth
 PIECE_NNZ = 1 << 26             # most feature non-zeros in one packed record batch of the fan-out
 BIG_SCHEMA = ("node int, feature_idx array<int>, feature_val array<float>, weight float, "
               "pos array<int>, pos_w array<float>")
@@ -108,20 +110,28 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
 
     def expand(batches):
         for t, off, labels, rows, groups in _fan_out(bindex, batches):
-            yield from _pack_groups(t, off, labels, rows, groups, weighted)
+            yield from _pack_units(t, off, labels, rows, groups, training_units(bindex.value, groups, cuts), weighted)
 
     def train(t: pa.Table) -> pa.Table:
-        group = int(t.column("group")[0].as_py())
-        X, off, labels, weights, lw = _unpack_group(t, n_features, weighted)
+        ix = bindex.value
+        X, yoff, labels, weights, lw, prow, pgroup = _unpack_unit(t, n_features, weighted)
         X = append_bias(X, params.bias)
-        is_leaf, children, W = train_group(bindex.value, group, X, off, labels, params, weights, lw)
-        idx, val = csr_rows_to_arrays(W.T.tocsr())
-        worker_progress("train", nodes=1, classifiers=len(children), node_samples=X.shape[0])
-        return _weights_table(is_leaf, children, idx, val)
+        out = []
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(pgroup)) + 1, [len(pgroup)]])
+        for lo, hi in zip(bounds[:-1], bounds[1:]):            # each node of the unit, in turn
+            r = prow[lo:hi]
+            sub, at = _gather(yoff, r)
+            is_leaf, children, W = train_group(ix, int(pgroup[lo]), X[r], sub, labels[at], params, weights[r],
+                                               None if lw is None else lw[at])
+            idx, val = csr_rows_to_arrays(W.T.tocsr())
+            worker_progress("train", nodes=1, classifiers=len(children), node_samples=hi - lo)
+            out.append(_weights_table(is_leaf, children, idx, val))
+        return pa.concat_tables(out)
 
-    grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else ""))
     bound = node_row_bound(samples.sparkSession, params)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples)
+    cuts = unit_cuts(index, default_parallelism(samples.sparkSession), big)
+    grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else ""))
     if not len(big):
         return grouped_apply(grouped, ["group"], train, WEIGHTS_SCHEMA)
     small = grouped.where(~F.col("group").isin([int(g) for g in big]))
@@ -154,49 +164,97 @@ def _segments(values: np.ndarray, starts: np.ndarray, dtype) -> pa.BinaryArray:
                                        [None, pa.py_buffer(offs.astype(np.int32)), pa.py_buffer(data)])
 
 
-def _pack_groups(t: pa.Table, off: np.ndarray, labels: np.ndarray, rows: np.ndarray, groups: np.ndarray,
-                 weighted: bool):
-    """The (row, group) pairs of one batch of samples as :data:`GROUPED_SCHEMA` record batches:
-    one record per group, its rows' sample ids, weights, features and labels as flat arrays in
-    binary columns (lengths per row, then the concatenated indices and values). The shuffle to
-    the grouped trainer then moves one record per (input batch, node) with a few large binary
-    values, not one row of lists per (sample, node) that Spark converts element by element
-    (a sample reaches about one node per level). Records of at most :data:`PIECE_NNZ` feature
-    non-zeros per batch keep the binary offsets within Arrow's 32 bits."""
-    order = np.lexsort((rows, groups))
-    rows, groups = rows[order], groups[order]
+def unit_depth(B: int, slots: int, big_depth: int = -1) -> int:
+    """Depth from which a subtree is one training unit: the shallowest with at least
+    :data:`UNITS_PER_SLOT` x ``slots`` nodes in a full B-ary tree, and below every big node."""
+    c = 0
+    while B ** c < UNITS_PER_SLOT * max(1, slots):
+        c += 1
+    return max(c, int(big_depth) + 1)
+
+
+def unit_cuts(index, slots: int, big: np.ndarray):
+    """The cut depth of each tree (one for a single tree) for :func:`training_units`."""
+    trees = index.trees if isinstance(index, Forest) else [index]
+    tree, ids = decode_keys(big) if isinstance(index, Forest) else (np.zeros(len(big), np.int64), np.asarray(big))
+    cuts = [unit_depth(ix.B, slots, int(node_depth(ids[tree == t], ix.B).max(initial=-1)))
+            for t, ix in enumerate(trees)]
+    return cuts if isinstance(index, Forest) else cuts[0]
+
+
+def training_units(index, groups: np.ndarray, cuts) -> np.ndarray:
+    """The training unit of each group (node id, or ensemble key): the group itself above its
+    tree's cut depth (``cuts``: one depth, or one per tree of a forest), else its ancestor at
+    that depth, whose subtree's nodes are all trained in one task."""
+    def cut(ids, B, c):
+        return ancestor_at(ids, node_depth(ids, B), int(c), B)
+
+    groups = np.asarray(groups, np.int64)
+    if not isinstance(index, Forest):
+        return cut(groups, index.B, cuts)
+    tree, ids = decode_keys(groups)
+    out = np.empty_like(groups)
+    for t, ix in enumerate(index.trees):
+        m = tree == t
+        if m.any():
+            out[m] = encode_keys(t, cut(ids[m], ix.B, cuts[t]))
+    return out
+
+
+def _pack_units(t: pa.Table, off: np.ndarray, labels: np.ndarray, rows: np.ndarray, groups: np.ndarray,
+                units: np.ndarray, weighted: bool):
+    """The (row, group) pairs of one batch of samples as :data:`GROUPED_SCHEMA` record batches,
+    one record per training unit (``units``: each pair's, :func:`training_units`): the unit's
+    distinct rows (sample ids, weights, features and labels as flat arrays in binary columns:
+    lengths per row, then the concatenated indices and values) and its pairs (row within the
+    record, group). The shuffle to the trainer then moves each sample once per unit it reaches,
+    not once per node (a subtree of depth k holds k or more of a sample's nodes), in a few large
+    binary values, not as rows of lists that Spark converts element by element. Records of at
+    most :data:`PIECE_NNZ` feature non-zeros per batch keep the binary offsets within 32 bits."""
+    order = np.lexsort((groups, rows, units))
+    u, r, g = units[order], rows[order], groups[order]
+    new_unit = np.ones(len(u), bool)
+    new_unit[1:] = u[1:] != u[:-1]
+    new_row = new_unit.copy()
+    new_row[1:] |= r[1:] != r[:-1]
+    first = np.flatnonzero(new_row)                       # distinct (unit, row), in unit order
+    urow = r[first]
+    starts = np.concatenate([np.flatnonzero(new_unit[first]), [len(first)]])    # records, in distinct rows
+    pstarts = np.concatenate([np.flatnonzero(new_unit), [len(u)]])             # records, in pairs
+    local = np.cumsum(new_row) - 1                        # each pair's distinct row ...
+    local = local - np.repeat(starts[:-1], np.diff(pstarts))                  # ... within its record
     foff, fidx = list_offsets_values(t, "feature_idx")
     fval = list_offsets_values(t, "feature_val")[1]
-    xsub, xat = _gather(foff, rows)
-    ysub, yat = _gather(off, rows)
+    xsub, xat = _gather(foff, urow)
+    ysub, yat = _gather(off, urow)
     lw = list_offsets_values(t, "label_weight")[1][yat] if weighted else None
-    sid = t.column("sample_id").to_numpy()[rows]
-    weight = t.column("weight").to_numpy()[rows]
-    cuts = np.flatnonzero(np.diff(groups)) + 1
-    starts = np.concatenate([[0], cuts, [len(rows)]]).astype(np.int64)      # one record per group
+    sid = t.column("sample_id").to_numpy()[urow]
+    weight = t.column("weight").to_numpy()[urow]
     lo = 0
-    while lo < len(starts) - 1:          # batches of whole groups under PIECE_NNZ (at least one)
+    while lo < len(starts) - 1:          # batches of whole records under PIECE_NNZ (at least one)
         hi = max(lo + 1, int(np.searchsorted(xsub[starts], xsub[starts[lo]] + PIECE_NNZ, side="right")) - 1)
         hi = min(hi, len(starts) - 1)
-        r0, r1 = starts[lo], starts[hi]
-        rs = starts[lo:hi + 1] - r0                                          # record starts, in rows
-        x0, y0 = xsub[r0], ysub[r0]
-        cols = {"group": pa.array(groups[starts[lo:hi]], pa.int64()), "rows": pa.array(np.diff(rs), pa.int32()),
+        r0, r1, p0, p1 = starts[lo], starts[hi], pstarts[lo], pstarts[hi]
+        rs, ps = starts[lo:hi + 1] - r0, pstarts[lo:hi + 1] - p0
+        xs, ys = xsub[starts[lo:hi + 1]] - xsub[r0], ysub[starts[lo:hi + 1]] - ysub[r0]
+        cols = {"group": pa.array(u[pstarts[lo:hi]], pa.int64()), "rows": pa.array(np.diff(rs), pa.int32()),
                 "sample_id": _segments(sid[r0:r1], rs, np.int64), "weight": _segments(weight[r0:r1], rs, np.float32),
                 "x_len": _segments(np.diff(xsub[r0:r1 + 1]), rs, np.int32),
-                "x_idx": _segments(fidx[xat[x0:xsub[r1]]], xsub[starts[lo:hi + 1]] - x0, np.int32),
-                "x_val": _segments(fval[xat[x0:xsub[r1]]], xsub[starts[lo:hi + 1]] - x0, np.float32),
+                "x_idx": _segments(fidx[xat[xsub[r0]:xsub[r1]]], xs, np.int32),
+                "x_val": _segments(fval[xat[xsub[r0]:xsub[r1]]], xs, np.float32),
                 "y_len": _segments(np.diff(ysub[r0:r1 + 1]), rs, np.int32),
-                "y_idx": _segments(labels[yat[y0:ysub[r1]]], ysub[starts[lo:hi + 1]] - y0, np.int32)}
+                "y_idx": _segments(labels[yat[ysub[r0]:ysub[r1]]], ys, np.int32),
+                "pair_row": _segments(local[p0:p1], ps, np.int32), "pair_group": _segments(g[p0:p1], ps, np.int64)}
         if weighted:
-            cols["y_w"] = _segments(lw[y0:ysub[r1]], ysub[starts[lo:hi + 1]] - y0, np.float32)
+            cols["y_w"] = _segments(lw[ysub[r0]:ysub[r1]], ys, np.float32)
         yield pa.RecordBatch.from_pydict(cols)
         lo = hi
 
 
-def _unpack_group(t: pa.Table, n_features: int, weighted: bool):
-    """One group's records of :func:`_pack_groups` -> (X, label offsets, labels, weights, label
-    weights or None), rows in sample-id order (so the result does not depend on the shuffle)."""
+def _unpack_unit(t: pa.Table, n_features: int, weighted: bool):
+    """One unit's records of :func:`_pack_units` -> (X, label offsets, labels, weights, label
+    weights or None, pair rows, pair groups): rows in sample-id order (so the result does not
+    depend on the shuffle), pairs sorted by group then row."""
     def flat(name, dtype):             # a binary column's values end to end, as one array
         col = t.column(name).combine_chunks()
         offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
@@ -207,13 +265,22 @@ def _unpack_group(t: pa.Table, n_features: int, weighted: bool):
 
     sid = flat("sample_id", np.int64)
     order = np.argsort(sid, kind="mergesort")
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    n_rec = t.column("rows").to_numpy()
+    rec_rows = np.concatenate([[0], np.cumsum(n_rec)])[:-1]
+    pcount = pc.binary_length(t.column("pair_row")).to_numpy() // 4
+    prow = rank[flat("pair_row", np.int32) + np.repeat(rec_rows, pcount)]
+    pgroup = flat("pair_group", np.int64)
+    by = np.lexsort((prow, pgroup))
     xptr = np.concatenate([[0], np.cumsum(flat("x_len", np.int32), dtype=np.int64)])
     yptr = np.concatenate([[0], np.cumsum(flat("y_len", np.int32), dtype=np.int64)])
     xsub, xat = _gather(xptr, order)
     ysub, yat = _gather(yptr, order)
     X = csr_from_lists(xsub, flat("x_idx", np.int32)[xat], flat("x_val", np.float32)[xat], n_features)
     lw = flat("y_w", np.float32)[yat] if weighted else None
-    return X, ysub, flat("y_idx", np.int32)[yat], flat("weight", np.float32)[order].astype(np.float64), lw
+    return (X, ysub, flat("y_idx", np.int32)[yat], flat("weight", np.float32)[order].astype(np.float64), lw,
+            prow[by], pgroup[by])
 
 
 def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
