@@ -55,9 +55,9 @@ def run_pecos(train: str, test: str, cores: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_xmc(train: str, test: str, out: Path, cores: int, extra) -> dict:
+def run_xmc(train: str, test: str, out: Path, cores: int, extra, python: str = sys.executable) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "xmc_spark.cli", "run", "--train", train, "--test", test, "--out", str(out / "run"),
+    cmd = [python, "-m", "xmc_spark.cli", "run", "--train", train, "--test", test, "--out", str(out / "run"),
            "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false", *extra]
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -87,6 +87,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--work", default="/tmp/xmc-bench")
     ap.add_argument("--set", action="append", default=[], help="extra xmc-spark --set overrides")
+    ap.add_argument("--xmc-python", default=sys.executable,
+                    help="the Python that runs xmc-spark (default: this one); e.g. the project's .venv/bin/python "
+                         "when this one is a PECOS venv (numpy < 2), so that xmc-spark runs as installed, with its "
+                         "numba cache")
     args = ap.parse_args(argv)
     work = Path(args.work)
     if args.synth:
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
         train, test, name = str(Path(args.data) / "train.txt"), str(Path(args.data) / "test.txt"), Path(args.data).name
     extra = [x for s in args.set for x in ("--set", s)]
     pe = run_pecos(train, test, args.cores)
-    xm = run_xmc(train, test, work / name, args.cores, extra)
+    xm = run_xmc(train, test, work / name, args.cores, extra, args.xmc_python)
     print(f"data: {name}  cores: {args.cores}  n_train={xm['n_train']} n_test={xm['n_test']} labels={xm['n_labels']}")
     print(f"{'':>14} {'xmc-spark':>10} {'PECOS':>10} {'diff/ratio':>10}")
     for k in ["p@1", "p@3", "p@5"]:
