@@ -228,13 +228,15 @@ def ingest_stage(ctx: StageContext) -> StageResult:
     if agg is not None:
         ctx.memo["aggregated"] = agg
     elif test_df is not None:
-        facts.update(_unseen(tables))
+        counts = evaluation.label_counts(tables.read("train"), info.n_labels)
+        ctx.memo["label_counts"] = counts        # the tree stage's too (O(labels))
+        facts.update(_unseen(counts, tables))
     return StageResult(facts)
 
 
-def _unseen(tables: Tables) -> Dict[str, int]:
+def _unseen(train_counts: np.ndarray, tables: Tables) -> Dict[str, int]:
     """Counts of test labels that never occur in the training table (reported, never fatal)."""
-    unseen = evaluation.unseen_labels(tables.read("train"), tables.read("test"))
+    unseen = evaluation.unseen_labels(train_counts, tables.read("test"))
     if unseen["test_unseen_labels"]:
         log.warning("%d test labels never occur in training (%d positives in %d test rows): they count as "
                     "misses in every metric", unseen["test_unseen_labels"], unseen["test_unseen_positives"],
@@ -293,7 +295,9 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
 def tree_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
     samples = ctx.tables.read("train")
-    counts = evaluation.label_counts(samples, ing.n_labels)
+    counts = ctx.memo.get("label_counts")       # ingest's, in the same process (same train table)
+    if counts is None or len(counts) != ing.n_labels:
+        counts = evaluation.label_counts(samples, ing.n_labels)
     index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)
     ctx.memo["label_counts"] = counts
     return StageResult({"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)), **facts})

@@ -31,8 +31,13 @@ def test_unseen_test_labels_are_misses(spark):
 @pytest.mark.connect
 def test_unseen_labels_counts(spark):
     train = spark.createDataFrame([(0, [0, 1]), (1, [2]), (2, [])], TEST)
-    test = spark.createDataFrame([(10, [0, 5]), (11, [5, 7]), (12, [1]), (13, [])], TEST)
-    assert evaluation.unseen_labels(train, test) == {
+    test = spark.createDataFrame([(10, [0, 5]), (11, [5, 7]), (12, [1]), (13, [])], TEST)   # an empty row last
+    counts = evaluation.label_counts(train, 8)
+    assert evaluation.unseen_labels(counts, test) == {
         "test_unseen_labels": 2, "test_unseen_positives": 3, "test_rows_with_unseen": 2}
-    assert evaluation.unseen_labels(train, train) == {
+    assert evaluation.unseen_labels(np.array([1, 1]), test) == {     # labels past the counts
+        "test_unseen_labels": 2, "test_unseen_positives": 3, "test_rows_with_unseen": 2}
+    assert evaluation.unseen_labels(np.array([1, 0, 1]), test) == {
+        "test_unseen_labels": 3, "test_unseen_positives": 4, "test_rows_with_unseen": 3}
+    assert evaluation.unseen_labels(counts, train) == {
         "test_unseen_labels": 0, "test_unseen_positives": 0, "test_rows_with_unseen": 0}

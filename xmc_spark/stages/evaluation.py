@@ -24,18 +24,33 @@ def label_counts(samples: DataFrame, n_labels: int) -> np.ndarray:
     return counts
 
 
-def unseen_labels(train: DataFrame, test: DataFrame) -> Dict[str, int]:
-    """Test labels never seen in training (they can only be misses), as three counts:
-    ``test_unseen_labels`` (distinct labels), ``test_unseen_positives`` (their occurrences) and
-    ``test_rows_with_unseen`` (test rows having one). One Spark job: a left-anti join of the
-    test's (row, label) pairs against the training labels, then an aggregation."""
-    seen = train.select(F.explode("label_idx").alias("_l")).distinct()
-    pairs = test.select("sample_id", F.explode("label_idx").alias("_l"))
-    r = pairs.join(seen, "_l", "left_anti").agg(
-        F.countDistinct("_l").alias("labels"), F.count(F.lit(1)).alias("positives"),
-        F.countDistinct("sample_id").alias("rows")).first()
-    return {"test_unseen_labels": int(r["labels"]), "test_unseen_positives": int(r["positives"]),
-            "test_rows_with_unseen": int(r["rows"])}
+def unseen_labels(train_counts: np.ndarray, test: DataFrame) -> Dict[str, int]:
+    """Test labels never seen in training (``train_counts``: :func:`label_counts` of the training
+    table; they can only be misses), as three counts: ``test_unseen_labels`` (distinct labels),
+    ``test_unseen_positives`` (their occurrences) and ``test_rows_with_unseen`` (test rows having
+    one). One pass over the test table with the counts shared: each batch reports its unseen
+    labels with their occurrences and its rows having one, summed per label (O(labels) rows)."""
+    seen = share(test, np.asarray(train_counts) > 0, name="the training labels seen")
+
+    def unseen(batches):
+        known = seen.value
+        for b in batches:
+            off, labels = list_offsets_values(pa.Table.from_batches([b]), "label_idx")
+            labels = np.asarray(labels, np.int64)
+            miss = labels >= len(known)
+            miss[~miss] = ~known[labels[~miss]]
+            u, c = np.unique(labels[miss], return_counts=True)
+            cum = np.concatenate([[0], np.cumsum(miss)])
+            rows = np.count_nonzero(cum[off[1:]] - cum[off[:-1]])
+            yield pa.RecordBatch.from_pydict({"label": pa.array(np.concatenate([u, [-1]]), pa.int64()),
+                                              "n": pa.array(np.concatenate([c, [rows]]), pa.int64())})
+
+    per = test.select("label_idx").mapInArrow(unseen, "label long, n long").groupBy("label").agg(
+        F.sum("n").alias("n")).collect()
+    found = {int(r["label"]): int(r["n"]) for r in per}
+    rows = found.pop(-1, 0)
+    return {"test_unseen_labels": len(found), "test_unseen_positives": sum(found.values()),
+            "test_rows_with_unseen": rows}
 
 
 def run(predictions: DataFrame, test: DataFrame, train_label_counts: np.ndarray, n_train: int,
