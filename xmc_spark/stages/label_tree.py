@@ -1,6 +1,6 @@
 """Label tree on Spark, level by level: one job splits every oversized node of a level.
 
-A node with at most max(``tree.local_subtree_size``, labels / default parallelism) labels
+A node with at most max(``tree.local_subtree_size``, labels / Spark's default parallelism) labels
 grows its whole subtree inside its task (same node ids and per-node seeds as level by level, so
 the tree is identical); the levels above stay one Spark job each. The second term stops the
 levels as soon as there are about as many nodes as task slots: a level job costs about a second

@@ -2,8 +2,14 @@
 one-vs-rest classifiers are trained either in one task (small nodes) or across the partitions
 holding its rows (big nodes).
 
-**Small nodes** (at most ``train.max_node_rows`` training rows): one ``applyInArrow`` group per
-node, the dual coordinate descent kernel (:func:`..model.train_group`).
+**Small nodes** (at most ``train.max_node_rows`` training rows): the dual coordinate descent
+kernel (:func:`..model.train_group`) in ``applyInArrow`` groups of *training units*: a node above
+the cut depth (:func:`unit_depth`: the shallowest with :data:`UNITS_PER_SLOT` nodes per unit of
+Spark's default parallelism in a full tree, and below every big node) is a unit of its own; below
+it, a unit is the subtree of a node at the cut, whose nodes the task trains in turn. Each sample
+travels to a unit once (:func:`_pack_units`: one packed record per input batch and unit), not once
+per node it reaches, so the shuffle no longer grows with the tree's depth. A unit's rows are its
+top node's rows, within the bound since that node is not big.
 
 **Big nodes** (more rows than the bound; the root has every sample): the same problem,
 min_w 0.5 ||w||^2 + sum_i C_i max(0, 1 - y_i w^T x_i)^2 per classifier, solved in the primal
