@@ -308,7 +308,7 @@ def test_big_nodes_reach_the_kernels_optimum_with_weights(problem, index, spark)
         np.testing.assert_array_equal(np.sign(W[sure]), np.sign(opt[sure]))
 
 
-def test_row_bound(spark):
+def test_row_bound(spark, problem):
     assert node_training.memory_bytes("6g") == 6 * 2**30
     assert node_training.memory_bytes("512m") == node_training.memory_bytes("512") == 512 * 2**20
     with pytest.raises(ValueError, match="memory size"):
@@ -316,8 +316,16 @@ def test_row_bound(spark):
     # the test session: local[2, 2] -> 0.5 * this machine's RAM / (2 tasks * 16 KiB)
     ram = node_training.memory_bytes(node_training.physical_memory())
     assert ram > 2 ** 30
-    assert node_training.auto_row_bound(spark) == int(0.5 * ram / (2 * 16 * 1024))
-    assert node_training.node_row_bound(spark, TrainParams()) == node_training.auto_row_bound(spark)
+    assert node_training.auto_row_bound(spark, 16 * 1024) == int(0.5 * ram / (2 * 16 * 1024))
+    assert node_training.node_row_bound(spark, TrainParams()) == int(0.5 * ram / (2 * 16 * 1024))
+    # from the data: rows of mean m non-zeros weigh 1 KiB + 80 (m + 1) bytes; below the bound
+    # for rows without features nothing can be big, and the mean is not computed
+    samples, Xl, _ = problem
+    most = int(0.5 * ram / (2 * (1024 + 80)))
+    assert node_training.node_row_bound(spark, TrainParams(), samples, 10) == most
+    mean = Xl.nnz / Xl.shape[0]
+    assert node_training.node_row_bound(spark, TrainParams(), samples, most + 1) == int(
+        0.5 * ram / (2 * int(1024 + 80 * (mean + 1))))
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="off")) == 0
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="1000")) == 1000
 

@@ -45,16 +45,20 @@ pruned and emitted by tasks reading W's files.
 **The bound.** ``train.max_node_rows``: an integer, ``off`` (never distribute) or ``auto``
 (default)::
 
-    auto = floor(MEMORY_FRACTION * memory / (concurrent tasks * BYTES_PER_ROW))
+    auto = floor(MEMORY_FRACTION * memory / (concurrent tasks * bytes per row))
+    bytes per row = ROW_BYTES + BYTES_PER_NNZ * (mean non-zeros of a training row + 1)
 
 with ``memory`` = ``spark.executor.pyspark.memory`` if set, else ``spark.executor.memory``
 (in local mode the machine's RAM: the Python workers are processes of their own), concurrent
 tasks = ``spark.executor.cores`` / ``spark.task.cpus`` (local[N]: N), :data:`MEMORY_FRACTION`
-= 0.5 and :data:`BYTES_PER_ROW` = 16 KiB: the grouped kernel holds a node's rows about five
-times (Arrow input, sorted copy, CSR with the bias, float64/int64 local copy, solver state), ~80
-bytes per non-zero, so 16 KiB is a row of ~200 non-zeros. On this 24 GiB machine with local[2]
-that is about 380,000 rows: bibtex, delicious and a 250K-sample set never distribute, the roots
-of 500K-sample sets and up do.
+= 0.5, :data:`BYTES_PER_NNZ` = 80 (the grouped kernel holds a node's rows about five times:
+Arrow input, sorted copy, CSR with the bias, float64/int64 local copy, solver state) and
+:data:`ROW_BYTES` = 1 KiB (sample id, weight, label list, the dual variables of up to ~100
+classifiers). The mean is one aggregation over the training rows, run only when there are more
+rows than the bound could be for rows without features (nothing can be big below that). The
+synthetic sets (~20 non-zeros a row) get ~2.7 KiB a row: on this 24 GiB machine with local[2]
+about 2.3M rows, so every set up to 2M samples trains grouped; rows of ~200 non-zeros (16 KiB)
+give ~380,000 rows.
 """
 from __future__ import annotations
 
@@ -97,7 +101,8 @@ BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
 PACK_ROWS = 1 << 15             # rows per packed block of one node
 MEMORY_FRACTION = 0.5
 RANGE_FILL = 0.9                # big-node partitions hold this share of the bound on average
-BYTES_PER_ROW = 16 * 1024
+BYTES_PER_NNZ = 80
+ROW_BYTES = 1024
 
 
 def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainParams,
@@ -134,7 +139,9 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
             out.append(_weights_table(is_leaf, children, idx, val))
         return pa.concat_tables(out)
 
-    bound = node_row_bound(samples.sparkSession, params)
+    if n_samples is None and params.node_row_bound() != 0:
+        n_samples = samples.count()
+    bound = node_row_bound(samples.sparkSession, params, samples, n_samples)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples)
     cuts = unit_cuts(index, default_parallelism(samples.sparkSession), big)
     grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else ""))
@@ -262,12 +269,14 @@ def _unpack_unit(t: pa.Table, n_features: int, weighted: bool):
     weights or None, pair rows, pair groups): rows in sample-id order (so the result does not
     depend on the shuffle), pairs sorted by group then row."""
     def flat(name, dtype):             # a binary column's values end to end, as one array
-        col = t.column(name).combine_chunks()
-        offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
-        data = col.buffers()[2]
-        if data is None or offs[-1] == offs[0]:
-            return np.zeros(0, dtype)
-        return np.frombuffer(data, np.uint8)[offs[0]:offs[-1]].view(dtype)
+        parts = []
+        for col in t.column(name).chunks:             # chunk by chunk: no 2 GiB concatenation
+            wide = pa.types.is_large_binary(col.type)
+            offs = np.frombuffer(col.buffers()[1], np.int64 if wide else np.int32)[col.offset:col.offset + len(col) + 1]
+            data = col.buffers()[2]
+            if data is not None and len(offs) and offs[-1] > offs[0]:
+                parts.append(np.frombuffer(data, np.uint8)[offs[0]:offs[-1]].view(dtype))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
     sid = flat("sample_id", np.int64)
     order = np.argsort(sid, kind="mergesort")
@@ -352,8 +361,13 @@ def physical_memory() -> str:
         return "6g"
 
 
-def auto_row_bound(spark) -> int:
-    """``auto`` value of ``train.max_node_rows`` for this session (formula: module docstring)."""
+def row_bytes(mean_nnz: float) -> int:
+    """Memory of one training row in the grouped kernel (module docstring)."""
+    return int(ROW_BYTES + BYTES_PER_NNZ * (float(mean_nnz) + 1))
+
+
+def auto_row_bound(spark, bytes_per_row: int) -> int:
+    """``auto`` value of ``train.max_node_rows`` for this session and rows of ``bytes_per_row``."""
     master = str(_conf(spark, "spark.master", "") or "")
     local = master.startswith("local")
     mem = _conf(spark, "spark.executor.pyspark.memory") or (
@@ -363,13 +377,27 @@ def auto_row_bound(spark) -> int:
         tasks = 1 if not m else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
     else:
         tasks = int(_conf(spark, "spark.executor.cores", "1") or 1) // max(1, int(_conf(spark, "spark.task.cpus", "1")))
-    return max(1, int(MEMORY_FRACTION * memory_bytes(mem) / (max(tasks, 1) * BYTES_PER_ROW)))
+    return max(1, int(MEMORY_FRACTION * memory_bytes(mem) / (max(tasks, 1) * max(1, int(bytes_per_row)))))
 
 
-def node_row_bound(spark, params: TrainParams) -> int:
-    """Rows above which a node is trained across tasks; 0 = never."""
+def node_row_bound(spark, params: TrainParams, samples: Optional[DataFrame] = None,
+                   n_samples: Optional[int] = None) -> int:
+    """Rows above which a node is trained across tasks; 0 = never. ``auto`` sizes a row from the
+    mean non-zeros of ``samples`` (one aggregation, only when ``n_samples`` exceeds the bound for
+    rows without features); without ``samples``, rows of 16 KiB (~200 non-zeros)."""
     b = params.node_row_bound()
-    return auto_row_bound(spark) if b is None else b
+    if b is not None:
+        return b
+    if samples is None:
+        return auto_row_bound(spark, 16 * 1024)
+    most = auto_row_bound(spark, row_bytes(0))
+    n = samples.count() if n_samples is None else int(n_samples)
+    if n <= most:
+        return most
+    mean = samples.select(F.avg(F.size("feature_idx"))).first()[0] or 0.0
+    bound = auto_row_bound(spark, row_bytes(mean))
+    log.info("train: auto node bound %d rows (%.1f features a row)", bound, mean)
+    return bound
 
 
 def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] = None):
