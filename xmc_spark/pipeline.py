@@ -228,15 +228,16 @@ def ingest_stage(ctx: StageContext) -> StageResult:
     if agg is not None:
         ctx.memo["aggregated"] = agg
     elif test_df is not None:
-        counts = evaluation.label_counts(tables.read("train"), info.n_labels)
-        ctx.memo["label_counts"] = counts        # the tree stage's too (O(labels))
-        facts.update(_unseen(counts, tables))
+        facts.update(_unseen(ctx, info.n_labels))
     return StageResult(facts)
 
 
-def _unseen(train_counts: np.ndarray, tables: Tables) -> Dict[str, int]:
-    """Counts of test labels that never occur in the training table (reported, never fatal)."""
-    unseen = evaluation.unseen_labels(train_counts, tables.read("test"))
+def _unseen(ctx: StageContext, n_labels: int) -> Dict[str, int]:
+    """Counts of test labels that never occur in the training table (reported, never fatal),
+    from the training label counts, which the tree stage then reuses (``ctx.memo``, O(labels))."""
+    counts = evaluation.label_counts(ctx.tables.read("train"), n_labels)
+    ctx.memo["label_counts"] = counts
+    unseen = evaluation.unseen_labels(counts, ctx.tables.read("test"))
     if unseen["test_unseen_labels"]:
         log.warning("%d test labels never occur in training (%d positives in %d test rows): they count as "
                     "misses in every metric", unseen["test_unseen_labels"], unseen["test_unseen_positives"],
@@ -264,7 +265,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
             facts.update(eagle.diagnostics(assigned, agg.truth))
     agg.samples.unpersist()
     if ing.test:
-        facts.update(_unseen(tables))
+        facts.update(_unseen(ctx, ing.n_labels))
     series = {k: v for k, v in facts.items()
               if k == "eagle.objective" or (k.startswith("eagle.refine.") and isinstance(v, list))}
     return StageResult(facts, series=series)

@@ -47,6 +47,7 @@ def unseen_labels(train_counts: np.ndarray, test: DataFrame) -> Dict[str, int]:
 
     per = test.select("label_idx").mapInArrow(unseen, "label long, n long").groupBy("label").agg(
         F.sum("n").alias("n")).collect()
+    seen.unpersist()
     found = {int(r["label"]): int(r["n"]) for r in per}
     rows = found.pop(-1, 0)
     return {"test_unseen_labels": len(found), "test_unseen_positives": sum(found.values()),
