@@ -394,10 +394,7 @@ class XMCModel:
             real = ~through[p]                  # pads stand for a shallower leaf, already counted
             rows.append(r[real])
             nodes.append(ids[p[real]])
-        r, g = np.concatenate(rows), np.concatenate(nodes)
-        if not len(r):
-            return r, g
-        return unique_pairs(r, g)
+        return unique_pairs(np.concatenate(rows), np.concatenate(nodes))
 
     def label_depth(self) -> np.ndarray:
         """Depth of each label's deepest leaf (for expected depth@k)."""

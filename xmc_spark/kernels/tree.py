@@ -168,8 +168,6 @@ class TreeIndex:
             pg.append(ancestor_at(leaf[m], dep[m], t, self.B))
         r = np.concatenate(pr)
         g = np.concatenate(pg)
-        if not len(r):
-            return r, g
         return unique_pairs(r, g)
 
     def node_problem(self, group: int, offsets: np.ndarray, labels: np.ndarray, label_weights=None):

@@ -13,7 +13,6 @@ t splitting with :meth:`~xmc_spark.params.TreeParams.for_tree` (its own seed and
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -30,13 +29,12 @@ log = logging.getLogger("xmc_spark.tree")
 
 
 def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features: int, params: TreeParams,
-                freqs=None, local: Optional[int] = None) -> DataFrame:
+                freqs, local: int) -> DataFrame:
     """New (label_idx, node) for the labels of ``big_nodes``, one kernel call per node.
 
     ``freqs`` is a broadcast of (f, f_tilde) when the split is interpolated (lambda > 0).
-    A node of at most ``local`` labels (default ``tree.local_subtree_size``) grows its subtree.
+    A node of at most ``local`` labels (:func:`local_size`) grows its subtree.
     """
-    local = params.local_subtree_size if local is None else int(local)
     def split(t: pa.Table) -> pa.Table:
         order = np.argsort(t.column("label_idx").to_numpy(), kind="mergesort")
         t = t.take(pa.array(order))
