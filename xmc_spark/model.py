@@ -113,6 +113,15 @@ def write_header(folder: Path, model, version: int, **extra_param) -> None:
     np.savez(folder / "tree.npz", **model.index.to_arrays(), **extra)
 
 
+def write_ensemble_header(folder: Path, model, members) -> None:
+    """``param.json`` of an ensemble folder (format 3) naming its member folders (an
+    :class:`EnsembleModel` or a sharded ensemble: sizes, bias, normalize, pred_params, meta)."""
+    param = {"model": "XMCModel", "format_version": ENSEMBLE_VERSION, "n_features": model.n_features,
+             "n_labels": model.n_labels, "bias": model.bias, "normalize": model.normalize,
+             "pred_params": model.pred_params.to_dict(), "meta": model.meta, "members": list(members)}
+    (folder / "param.json").write_text(json.dumps(param, indent=2))
+
+
 def atomic_folder(folder, write) -> None:
     """``write(tmp)`` into a fresh sibling folder, then rename it to ``folder`` (replacing it);
     on failure nothing is left behind. The folder's mode follows the umask."""
@@ -131,10 +140,14 @@ def atomic_folder(folder, write) -> None:
 
 
 def is_chunked(folder) -> bool:
-    """Whether ``folder`` holds a chunked (format 2) model."""
+    """Whether ``folder`` holds a chunked (format 2) model, or an ensemble (format 3) of them."""
     try:
-        return json.loads((Path(folder) / "param.json").read_text()).get("format_version") == CHUNKED_VERSION
-    except (OSError, ValueError, AttributeError):
+        param = json.loads((Path(folder) / "param.json").read_text())
+        if param.get("format_version") == ENSEMBLE_VERSION:
+            members = param.get("members")
+            return bool(members) and all(is_chunked(Path(folder) / str(m)) for m in members)
+        return param.get("format_version") == CHUNKED_VERSION
+    except (OSError, ValueError, AttributeError, TypeError):
         return False
 
 
@@ -626,10 +639,7 @@ class EnsembleModel:
                 (tmp / names[-1]).mkdir()
                 m.label_counts, m.meta = self.label_counts, dict(self.meta)
                 m._write(tmp / names[-1], parts)
-            param = {"model": "XMCModel", "format_version": ENSEMBLE_VERSION, "n_features": self.n_features,
-                     "n_labels": self.n_labels, "bias": self.bias, "normalize": self.normalize,
-                     "pred_params": self.pred_params.to_dict(), "meta": self.meta, "members": names}
-            (tmp / "param.json").write_text(json.dumps(param, indent=2))
+            write_ensemble_header(tmp, self, names)
         atomic_folder(folder, write)
 
     @classmethod

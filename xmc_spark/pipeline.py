@@ -172,17 +172,13 @@ def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrai
                        pred: PredictParams):
     """The model of a weights table: an :class:`XMCModel` (collected to the driver, broadcast
     to predict) when its weights fit ``predict.max_broadcast_mb``, else a
-    :class:`~.stages.sharded.ShardedModel` whose weights never leave the executors."""
+    :class:`~.stages.sharded.ShardedModel` (of an ensemble, a :class:`~.stages.sharded.ShardedEnsemble`)
+    whose weights never leave the executors."""
     nbytes = sharded.weights_nbytes(weights)
-    if nbytes > broadcast_bound(weights, pred) and isinstance(index, Forest):
-        from .params import ConfigError
-        raise ConfigError(f"the ensemble's weights ({nbytes / 2 ** 20:.1f} MB) exceed predict.max_broadcast_mb "
-                          f"({pred.max_broadcast_mb} MB): a sharded ensemble is not supported yet; raise the "
-                          "bound or train one tree")
     if nbytes > broadcast_bound(weights, pred):
         log.info("model weights %.1f MB > the broadcast bound %.1f MB: kept sharded on the executors",
                  nbytes / 2 ** 20, broadcast_bound(weights, pred) / 2 ** 20)
-        return sharded.ShardedModel(index, weights, n_features, tp.train.bias, tp.normalize, pred, nbytes=nbytes)
+        return sharded.sharded_model(index, weights, n_features, tp.train.bias, tp.normalize, pred, nbytes)
     n_cols = n_features + (1 if tp.train.bias > 0 else 0)
     node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
     if isinstance(index, Forest):
@@ -318,7 +314,7 @@ def train_stage(ctx: StageContext) -> StageResult:
     model.label_counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     index = model.index
     facts = {"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)),
-             "model_layout": "sharded" if isinstance(model, sharded.ShardedModel) else "whole",
+             "model_layout": "sharded" if isinstance(model, sharded.SHARDED) else "whole",
              **({"n_trees": len(index)} if isinstance(index, Forest) else
                 label_clusters.cluster_stats(index.slot_label, index.slot_leaf))}
     keep_model_folder(ctx, model.save)

@@ -188,13 +188,16 @@ def test_run_with_prime_rerank_then_predict_from_the_folder(tmp_path, spark):
     assert tm["p@1"] == pytest.approx(m["tree_p@1"]) and "tree_p@1" not in tm
 
 
-def test_run_ensemble_with_matcher_negatives_equals_the_reference_then_predicts(tmp_path, spark):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_run_ensemble_with_matcher_negatives_equals_the_reference_then_predicts(tmp_path, spark, sharded):
     """tree.ensemble_splits + overlapping clusters + train.negatives = tfn+man through `run` (one
     set of Spark jobs for both trees), the model folder equal to the numpy reference, and
-    `predict` from the folder."""
+    `predict` from the folder. ``sharded``: predict.max_broadcast_mb below the model's weights,
+    so the matcher, the routed negatives, prediction, the saved folder (an ensemble of chunked
+    members) and `predict` all take the sharded ensemble's layered path."""
     from tests.conftest import random_problem, write_xc
     from xmc_spark.local_io import read_xc
-    from xmc_spark.model import EnsembleModel, ModelTrainParams, XMCModel
+    from xmc_spark.model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked
     from xmc_spark.params import ClustersParams, TrainParams, TreeParams
 
     X, Y = random_problem(n=300, d=60, L=30, seed=12)
@@ -203,11 +206,13 @@ def test_run_ensemble_with_matcher_negatives_equals_the_reference_then_predicts(
     out = tmp_path / "run"
     conf = ["--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4", "--set", "tree.ensemble_splits=2,3",
             "--set", "train.negatives=tfn+man", "--set", "predict.beam_size=3", "--set", "clusters.copies=2",
-            "--set", "clusters.beam_size=2"]
+            "--set", "clusters.beam_size=2"] + (["--set", "predict.max_broadcast_mb=0.001"] if sharded else [])
     assert main_in_process("run", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"),
                            "--out", str(out), *conf) == 0
     m = json.loads((out / "metrics.json").read_text())
     assert m["n_trees"] == 2 and {"train", "clusters", "retrain", "negatives", "retrain_man"} <= set(m["seconds"])
+    assert m["model_layout"] == ("sharded" if sharded else "whole")
+    assert is_chunked(str(out / "model")) == sharded
     model = XMCModel.load(str(out / "model"))
     assert isinstance(model, EnsembleModel) and [t.index.B for t in model.models] == [2, 3]
     Xtr, Ytr = read_xc(str(tmp_path / "train.txt"))

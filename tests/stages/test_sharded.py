@@ -161,6 +161,113 @@ def test_pipeline_goes_sharded_above_the_bound_and_never_broadcasts_weights(spar
     assert out["p@1"] > 0
 
 
+# ---- ensembles ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ensemble(problem):
+    """Two trees of different branching (2 and 3), overlapping clusters: what tree.ensemble_splits
+    with clusters.copies trains."""
+    from xmc_spark.model import EnsembleModel
+    _, Xl, Yl = problem
+    e = EnsembleModel.train_local(Xl, Yl, ModelTrainParams(tree=TreeParams(max_leaf_size=3, ensemble_splits=[2, 3]),
+                                                           clusters=ClustersParams(copies=2, beam_size=3)))
+    assert [m.index.B for m in e.models] == [2, 3] and all(m.index.depth >= 1 for m in e.models)
+    return e
+
+
+def ensemble_frame(spark, e):
+    """The weights table the trainer writes for an ensemble: keys tree << 52 | id."""
+    from xmc_spark.kernels.tree import encode_keys
+    parts = []
+    for t, m in enumerate(e.models):
+        for is_leaf, kc in ((False, m.node_w), (True, m.slot_w)):
+            idx, val = csr_rows_to_arrays(kc.W.T.tocsr())
+            parts.append(pa.table({"is_leaf": pa.array(np.full(len(kc.keys), is_leaf)),
+                                   "key": pa.array(encode_keys(t, kc.keys)), "w_idx": idx, "w_val": val}))
+    return spark.createDataFrame(pa.concat_tables(parts).to_pandas(), TABLES["weights"]).repartition(3)
+
+
+def as_sharded_ensemble(spark, e) -> sharded.ShardedEnsemble:
+    frame = ensemble_frame(spark, e)
+    got = sharded.sharded_model(e.index, frame, e.n_features, e.bias, e.normalize, e.pred_params,
+                                sharded.weights_nbytes(frame))
+    assert isinstance(got, sharded.ShardedEnsemble)
+    assert [m.nbytes for m in got.members] == [8 * (m.node_w.W.nnz + m.slot_w.W.nnz) for m in e.models]
+    return got
+
+
+def test_sharded_ensemble_prediction_equals_broadcast(spark, problem, ensemble, group_rows=7):
+    """Every tree's layered beam, labels' scores averaged over the trees (0 where a tree does not
+    reach a label): the broadcast ensemble's top k, labels and scores."""
+    samples, Xl, _ = problem
+    labels, scores = ensemble.predict(Xl, beam_size=2, topk=6)
+    got = sharded.predict(samples, as_sharded_ensemble(spark, ensemble), beam_size=2, topk=6, group_rows=group_rows)
+    rows = _rows(check_table(got, "predictions"))
+    assert [r["sample_id"] for r in rows] == list(range(Xl.shape[0]))
+    single = ensemble.models[0].predict(Xl, beam_size=2, topk=6)[0]
+    assert (labels != single).any()                       # the second tree changes the answer
+    for r, lab, sc in zip(rows, labels, scores):
+        np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
+        assert r["pred_labels"] == [int(x) for x in lab if x >= 0]
+
+
+def test_sharded_ensemble_matcher_and_routing_equal_broadcast(spark, problem, ensemble):
+    """The overlapping-cluster matcher and tfn+man's routed nodes of a sharded ensemble: every
+    tree's leaves / nodes as ensemble keys, as EnsembleModel.match_leaves / beam_nodes."""
+    from xmc_spark.stages import label_clusters, node_training
+    samples, Xl, _ = problem
+    se = as_sharded_ensemble(spark, ensemble)
+    leaves, scores = ensemble.match_leaves(Xl, beam_size=3)
+    found = {}
+    for r in check_table(label_clusters.matcher(samples, se, beam_size=3), "matcher").collect():
+        found.setdefault(r["sample_id"], {})[r["leaf"]] = r["score"]
+    assert any(k >> 52 == 1 for f in found.values() for k in f)
+    for i in range(Xl.shape[0]):
+        ref = {int(leaf): s for leaf, s in zip(leaves[i], scores[i]) if leaf >= 0}
+        assert sorted(found[i]) == sorted(ref)
+        np.testing.assert_allclose([found[i][k] for k in sorted(ref)], [ref[k] for k in sorted(ref)], rtol=1e-5)
+    rows, nodes = ensemble.beam_nodes(Xl, beam_size=3)
+    got = check_table(node_training.routed_nodes(samples, se, beam_size=3), "negatives")
+    man = {r["sample_id"]: r["man"] for r in got.collect()}
+    for i in range(Xl.shape[0]):
+        assert man.get(i, []) == sorted(int(g) for g in nodes[rows == i]), i
+
+
+def test_sharded_ensemble_save_load_round_trip(spark, problem, ensemble, tmp_path, monkeypatch):
+    """An ensemble folder (format 3) of chunked members: read whole it is the EnsembleModel, read
+    lazily a ShardedEnsemble predicting the same."""
+    from xmc_spark.model import EnsembleModel
+    samples, Xl, _ = problem
+    se = as_sharded_ensemble(spark, ensemble)
+    monkeypatch.setattr(sharded, "PART_BYTES", max(1, se.members[0].nbytes // 2))
+    se.meta, se.label_counts = {"x": 2}, np.arange(ensemble.n_labels)
+    folder = tmp_path / "e"
+    se.save(str(folder))
+    assert is_chunked(str(folder)) and not is_chunked(str(tmp_path))
+    assert all(len(list((folder / f"tree-{t}" / "weights").iterdir())) >= 2 for t in range(2))
+    whole = XMCModel.load(str(folder))
+    assert isinstance(whole, EnsembleModel)
+    np.testing.assert_array_equal(whole.label_counts, np.arange(ensemble.n_labels))
+    labels, scores = ensemble.predict(Xl, beam_size=2, topk=4)
+    np.testing.assert_array_equal(whole.predict(Xl, beam_size=2, topk=4)[0], labels)
+    lazy = sharded.load(spark, str(folder))
+    assert isinstance(lazy, sharded.ShardedEnsemble) and lazy.meta == {"x": 2} and lazy.nbytes == se.nbytes
+    rows = _rows(sharded.predict(samples, lazy, beam_size=2, topk=4))
+    assert [r["pred_labels"] for r in rows] == [[int(x) for x in lab if x >= 0] for lab in labels]
+
+
+def test_pipeline_keeps_an_ensemble_sharded_above_the_bound(spark, ensemble):
+    import dataclasses
+
+    from xmc_spark import pipeline
+    from xmc_spark.params import PipelineParams
+    params = PipelineParams()
+    tight = dataclasses.replace(params.predict, max_broadcast_mb=1e-4)
+    tp = ModelTrainParams(tree=TreeParams(max_leaf_size=3, ensemble_splits=[2, 3]))
+    got = pipeline.model_from_weights(ensemble_frame(spark, ensemble), ensemble.index, ensemble.n_features, tp, tight)
+    assert isinstance(got, sharded.ShardedEnsemble) and len(got.members) == 2
+
+
 @pytest.mark.slow
 def test_sharded_equals_broadcast_on_bibtex(spark, bibtex):
     """A deep bibtex tree (leaves of 8 labels): the layer-by-layer search gives the broadcast

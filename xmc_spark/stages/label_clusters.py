@@ -24,7 +24,7 @@ def matcher(samples: DataFrame, model: XMCModel, beam_size: int) -> DataFrame:
     """M as a table: (sample_id, leaf, score), the b leaf clusters each sample is matched to
     (a sharded model's beam runs layer by layer, without a broadcast)."""
     from . import sharded
-    if isinstance(model, sharded.ShardedModel):
+    if isinstance(model, sharded.SHARDED):
         return sharded.matcher(samples, model, beam_size)
     def match(m, t, X):
         leaves, scores = m.match_leaves(X, beam_size)

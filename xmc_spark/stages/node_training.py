@@ -306,7 +306,7 @@ def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
     Joined to the samples, the trainer adds them as negatives."""
     from . import sharded
     from .prediction import map_with_model
-    if isinstance(model, sharded.ShardedModel):
+    if isinstance(model, sharded.SHARDED):
         return sharded.routed(samples, model, beam_size).to(TABLES["negatives"])
 
     def route(m, t, X):

@@ -34,7 +34,7 @@ def run(samples: DataFrame, model, beam_size: int, topk: int) -> DataFrame:
     """(sample_id, pred_labels, pred_scores), top-k per sample, best first; a
     :class:`~.sharded.ShardedModel` is scored layer by layer without a broadcast."""
     from . import sharded
-    if isinstance(model, sharded.ShardedModel):
+    if isinstance(model, sharded.SHARDED):
         return sharded.predict(samples, model, beam_size, topk)
     def score(m, t, X):
         labels, scores = m.predict(X, beam_size=beam_size, topk=topk)

@@ -209,8 +209,8 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
     :class:`~xmc_spark.runner.StageTimer`) times the steps ``prime_shortlist``, ``prime_val_tree``,
     ``prime_train`` (the epochs, with their held-out evaluations) and ``prime_weight``."""
     step = timer.stage if timer is not None else (lambda name: contextlib.nullcontext())
-    from .sharded import ShardedModel
-    if isinstance(tree, ShardedModel):
+    from .sharded import SHARDED
+    if isinstance(tree, SHARDED):
         raise ConfigError("prime.mode needs a tree model within predict.max_broadcast_mb (the model is sharded): "
                           "raise the bound or set prime.mode=off")
     frac = val_fraction(prm, n_rows)

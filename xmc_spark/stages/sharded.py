@@ -46,15 +46,17 @@ from pyspark.sql import functions as F
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_values
 from ..kernels.beam_search import score_children
 from ..kernels.sparse import append_bias
-from ..kernels.tree import TreeIndex
+from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys
 from ..model import (
     CHUNKED_VERSION,
+    ENSEMBLE_VERSION,
     ModelFormatError,
     atomic_folder,
     load_part,
     read_header,
     save_part,
     tree_layers,
+    write_ensemble_header,
     write_header,
 )
 from ..params import PredictParams
@@ -89,6 +91,84 @@ class ShardedModel:
 
     def save(self, folder: str) -> None:
         save(self, folder)
+
+
+@dataclass
+class ShardedEnsemble:
+    """An ensemble (``tree.ensemble``) too big to broadcast: one :class:`ShardedModel` per tree,
+    each over its tree's rows of the weights (keys back to the tree's own ids). Prediction runs
+    every tree's layered beam and combines the labels they reach as :class:`~..model.EnsembleModel`
+    does (the mean over the trees, a tree that does not reach a label adding 0)."""
+
+    members: list
+    meta: dict = field(default_factory=dict)
+    label_counts: Optional[np.ndarray] = None
+
+    @property
+    def n_features(self) -> int:
+        return self.members[0].n_features
+
+    @property
+    def n_labels(self) -> int:
+        return self.members[0].n_labels
+
+    @property
+    def bias(self) -> float:
+        return self.members[0].bias
+
+    @property
+    def normalize(self) -> bool:
+        return self.members[0].normalize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
+
+    @property
+    def pred_params(self) -> PredictParams:
+        return self.members[0].pred_params
+
+    @pred_params.setter
+    def pred_params(self, value: PredictParams) -> None:
+        for m in self.members:
+            m.pred_params = value
+
+    @property
+    def index(self) -> Forest:
+        return Forest([m.index for m in self.members])
+
+    def label_depth(self) -> np.ndarray:
+        return self.index.label_depth()
+
+    def save(self, folder: str) -> None:
+        save(self, folder)
+
+
+SHARDED = (ShardedModel, ShardedEnsemble)      # the model types whose weights stay on the executors
+
+
+def tree_weights(weights: DataFrame, t: int) -> DataFrame:
+    """Tree t's rows of an ensemble's weights (keys ``t << TREE_SHIFT | id``), keyed by the id."""
+    return (weights.where(F.shiftright("key", TREE_SHIFT) == t)
+            .withColumn("key", F.col("key").bitwiseAND(F.lit((1 << TREE_SHIFT) - 1))))
+
+
+def sharded_model(index, weights: DataFrame, n_features: int, bias: float, normalize: bool,
+                  pred_params: PredictParams, nbytes: int):
+    """A :class:`ShardedModel` of a tree, or a :class:`ShardedEnsemble` of a forest (its
+    weights split by tree with no job: each member filters the same DataFrame)."""
+    if not isinstance(index, Forest):
+        return ShardedModel(index, weights, n_features, bias, normalize, pred_params, nbytes=nbytes)
+    per_tree = {int(r["t"]): int(r["nnz"] or 0) * BYTES_PER_NNZ for r in    # O(trees) rows
+                weights.groupBy(F.shiftright("key", TREE_SHIFT).alias("t")).agg(F.sum(F.size("w_idx")).alias("nnz"))
+                .collect()}
+    return ShardedEnsemble([ShardedModel(ix, tree_weights(weights, t), n_features, bias, normalize, pred_params,
+                                         nbytes=per_tree.get(t, 0)) for t, ix in enumerate(index.trees)])
+
+
+def members(model) -> list:
+    """(tree, ShardedModel) of a sharded model or ensemble."""
+    return list(enumerate(model.members)) if isinstance(model, ShardedEnsemble) else [(0, model)]
 
 
 def weights_nbytes(weights: DataFrame) -> int:
@@ -151,11 +231,12 @@ def _placed(weights: DataFrame, index: TreeIndex) -> DataFrame:
 
 
 def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int,
-          final_topk: Optional[int], keep: Optional[list] = None):
+          labels: bool = False, keep: Optional[list] = None):
     """The beam over the first ``n_layers`` layers: rows (sample_id, pos, score) of the last
-    one's candidates, top ``beam_size`` per sample — or, with ``final_topk``, the label layer's
-    (sample_id, pred_labels, pred_scores). ``keep``: a list that receives every layer's beam as
-    (sample_id, pos) rows, each layer checkpointed (computed once)."""
+    one's candidates, top ``beam_size`` per sample — or, with ``labels``, the label layer's
+    (sample_id, pos = label, score) of every label the beam reaches (a label reached through
+    several leaves: the mean of its scores). ``keep``: a list that receives every layer's beam
+    as (sample_id, pos) rows, each layer checkpointed (computed once)."""
     shape = tree_layers(model.index)
     W = _placed(model.weights, model.index)      # not cached: nothing to release when the caller is done
     feats = samples.select("sample_id", "feature_idx", "feature_val")
@@ -167,7 +248,7 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     top = None
     for t in range(n_layers):
         keys, child_ptr, through = shape.layers[t]
-        last = final_topk is not None and t == n_layers - 1
+        last = labels and t == n_layers - 1
         m_prev = len(child_ptr) - 1
         salt = max(1, math.ceil(n * min(beam_size, m_prev) / m_prev / group_rows))
 
@@ -178,13 +259,8 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
                  .withColumn("salt", F.explode(F.sequence(F.lit(0).cast("long"), F.lit(salt - 1).cast("long")))))
         cand = (left.groupBy("ppos", "salt").cogroup(right.groupBy("ppos", "salt"))
                 .applyInArrow(score, "sample_id long, prank int, pos long, score double"))
-        if last:
-            per_label = cand.groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
-            best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1,
-                           final_topk)
-            return (per_label.groupBy("sample_id").agg(best.alias("top"))
-                    .select("sample_id", F.col("top.pos").cast("array<int>").alias("pred_labels"),
-                            F.transform("top.neg", lambda v: -v).cast("array<float>").alias("pred_scores")))
+        if last:           # (sample_id, label, mean score over the leaves that reach it)
+            return cand.groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
         best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "prank", "pos"))), 1,
                        beam_size)
         top = cand.groupBy("sample_id").agg(best.alias("beam"))
@@ -240,86 +316,123 @@ def _columns(off, idx, val, col, K: int, n_rows: int):
     return sp.csc_matrix((val[take].astype(np.float64), idx[take], ptr), shape=(n_rows, K))
 
 
-def predict(samples: DataFrame, model: ShardedModel, beam_size: int, topk: int,
-            group_rows: int = GROUP_ROWS) -> DataFrame:
-    """(sample_id, pred_labels, pred_scores), top-k per sample, best first: equal to the
-    broadcast beam search of the same model."""
-    n_layers = len(tree_layers(model.index).layers)
-    return _beam(samples, model, beam_size, n_layers, group_rows, topk).to(TABLES["predictions"])
+def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: int = GROUP_ROWS) -> DataFrame:
+    """(sample_id, pred_labels, pred_scores), top-k per sample, best first (ties: the smaller
+    label), equal to the broadcast beam search of the same model; of a :class:`ShardedEnsemble`,
+    the top k of the labels' mean scores over the trees, as :meth:`~..model.EnsembleModel.predict`."""
+    parts = members(model)
+    scores = None
+    for _, m in parts:
+        s = _beam(samples, m, beam_size, len(tree_layers(m.index).layers), group_rows, labels=True)
+        scores = s if scores is None else scores.unionByName(s)
+    if len(parts) > 1:
+        scores = scores.groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
+    best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1, topk)
+    return (scores.groupBy("sample_id").agg(best.alias("top"))
+            .select("sample_id", F.col("top.pos").cast("array<int>").alias("pred_labels"),
+                    F.transform("top.neg", lambda v: -v).cast("array<float>").alias("pred_scores"))
+            ).to(TABLES["predictions"])
 
 
-def routed(samples: DataFrame, model: ShardedModel, beam_size: int, group_rows: int = GROUP_ROWS) -> DataFrame:
+def routed(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_ROWS) -> DataFrame:
     """(sample_id, man): every node (depth >= 1, not a pad) the beam holds for a sample at every
-    depth, sorted, as :meth:`XMCModel.beam_nodes` (``train.negatives = tfn+man``); samples
-    whose beam holds none are left out (the trainer reads them as having none)."""
-    shape = tree_layers(model.index)
-    inner = len(shape.layers) - 1
+    depth, sorted, as :meth:`XMCModel.beam_nodes` (``train.negatives = tfn+man``; of an
+    ensemble, every tree's nodes as ensemble keys, as :meth:`~..model.EnsembleModel.beam_nodes`);
+    samples whose beam holds none are left out (the trainer reads them as having none)."""
     spark = samples.sparkSession
-    if inner == 0:
-        return spark.createDataFrame([], "sample_id long, man array<long>")
-    beams: list = []
-    _beam(samples, model, beam_size, inner, group_rows, None, keep=beams)
     found = None
-    for (ids, _, through), beam in zip(shape.layers, beams):
-        real = np.flatnonzero(~through)
-        nodes = spark.createDataFrame([(int(p), int(ids[p])) for p in real], "pos long, node long")
-        part = beam.join(F.broadcast(nodes), "pos").select("sample_id", "node")
-        found = part if found is None else found.unionByName(part)
+    for t, m in members(model):
+        shape = tree_layers(m.index)
+        inner = len(shape.layers) - 1
+        if inner == 0:
+            continue
+        beams: list = []
+        _beam(samples, m, beam_size, inner, group_rows, keep=beams)
+        for (ids, _, through), beam in zip(shape.layers, beams):
+            real = np.flatnonzero(~through)
+            keys = encode_keys(t, ids[real]) if isinstance(model, ShardedEnsemble) else ids[real]
+            nodes = spark.createDataFrame([(int(p), int(k)) for p, k in zip(real, keys)], "pos long, node long")
+            part = beam.join(F.broadcast(nodes), "pos").select("sample_id", "node")
+            found = part if found is None else found.unionByName(part)
+    if found is None:
+        return spark.createDataFrame([], "sample_id long, man array<long>")
     return found.groupBy("sample_id").agg(F.array_sort(F.collect_set("node")).alias("man"))
 
 
-def matcher(samples: DataFrame, model: ShardedModel, beam_size: int, group_rows: int = GROUP_ROWS) -> DataFrame:
+def matcher(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_ROWS) -> DataFrame:
     """M as a table (sample_id, leaf, score): the leaves each sample's beam reaches, as
-    :meth:`XMCModel.match_leaves` (the overlapping-cluster stage's matcher)."""
-    shape = tree_layers(model.index)
-    inner = len(shape.layers) - 1
-    if inner == 0:   # the root is the only leaf
-        return samples.select("sample_id", F.lit(0).cast("long").alias("leaf"),
-                              F.lit(1.0).cast("float").alias("score")).to(TABLES["matcher"])
-    beam = _beam(samples, model, beam_size, inner, group_rows, None)
-    leaves = samples.sparkSession.createDataFrame(
-        [(int(p), int(leaf)) for p, leaf in enumerate(shape.last_leaf)], "pos long, leaf long")
-    return (beam.join(F.broadcast(leaves), "pos")
-            .select("sample_id", "leaf", F.col("score").cast("float").alias("score"))).to(TABLES["matcher"])
+    :meth:`XMCModel.match_leaves` (the overlapping-cluster stage's matcher); of an ensemble,
+    every tree's leaves as ensemble keys, as :meth:`~..model.EnsembleModel.match_leaves`."""
+    out = None
+    for t, m in members(model):
+        shape = tree_layers(m.index)
+        inner = len(shape.layers) - 1
+        key = encode_keys(t, shape.last_leaf if inner else [0]) if isinstance(model, ShardedEnsemble) else \
+            (shape.last_leaf if inner else np.zeros(1, np.int64))
+        if inner == 0:   # the root is the only leaf
+            part = samples.select("sample_id", F.lit(int(key[0])).cast("long").alias("leaf"),
+                                  F.lit(1.0).cast("float").alias("score"))
+        else:
+            beam = _beam(samples, m, beam_size, inner, group_rows)
+            leaves = samples.sparkSession.createDataFrame([(int(p), int(k)) for p, k in enumerate(key)],
+                                                          "pos long, leaf long")
+            part = (beam.join(F.broadcast(leaves), "pos")
+                    .select("sample_id", "leaf", F.col("score").cast("float").alias("score")))
+        out = part if out is None else out.unionByName(part)
+    return out.to(TABLES["matcher"])
 
 
 # ---- chunked model folder ------------------------------------------------------------------
 
-def save(model: ShardedModel, folder: str) -> None:
+def save(model, folder: str) -> None:
     """Write ``folder`` as a chunked model (format 2): param.json and the tree from the driver,
     the weights' part files from the tasks; atomic like :meth:`XMCModel.save` (a temp folder
-    renamed into place)."""
-    def write_all(tmp: Path) -> None:
-        (tmp / "weights").mkdir()
-        n_parts = max(1, math.ceil(model.nbytes / PART_BYTES))
-        wdir = str(tmp / "weights")
-        n_cols = model.n_features + (1 if model.bias > 0 else 0)
+    renamed into place). A :class:`ShardedEnsemble`: an ensemble folder (format 3, as
+    :meth:`~..model.EnsembleModel.save`) whose members ``tree-<t>`` are chunked folders."""
+    if isinstance(model, ShardedEnsemble):
+        def write_members(tmp: Path) -> None:
+            names = []
+            for t, m in enumerate(model.members):
+                names.append(f"tree-{t}")
+                (tmp / names[-1]).mkdir()
+                m.label_counts, m.meta = model.label_counts, dict(model.meta)
+                _write_chunked(m, tmp / names[-1], f"{folder}/{names[-1]}")
+            write_ensemble_header(tmp, model, names)
+        atomic_folder(folder, write_members)
+        return
+    atomic_folder(folder, lambda tmp: _write_chunked(model, tmp, folder))
 
-        def write(batches):
-            batches = list(batches)
-            if not batches or sum(b.num_rows for b in batches) == 0:
-                return
-            t = pa.Table.from_batches(batches)
-            off, idx = list_offsets_values(t, "w_idx")
-            _, val = list_offsets_values(t, "w_val")
-            W = sp.csc_matrix((np.asarray(val, np.float32), np.asarray(idx, np.int32), off), shape=(n_cols, t.num_rows))
-            name = f"part-{uuid.uuid4().hex}.npz"
-            save_part(os.path.join(wdir, name), t.column("is_leaf").to_numpy(zero_copy_only=False),
-                      t.column("key").to_numpy(), W)
-            yield pa.RecordBatch.from_arrays([pa.array([f"weights/{name}"]), pa.array([t.num_rows])],
-                                             names=["part", "columns"])
 
-        parts = (model.weights.repartitionByRange(n_parts, "is_leaf", "key")
-                 .mapInArrow(write, "part string, columns long").collect())   # O(parts) rows
-        unseen = [r["part"] for r in parts if not (tmp / r["part"]).is_file()]
-        if unseen:
-            raise ModelFormatError(f"{folder}: the tasks wrote {len(unseen)} weight part(s) the driver cannot see "
-                                   f"(e.g. {unseen[0]}): a sharded model's folder must be on storage the driver and "
-                                   "the executors share (local mode, /Volumes, /dbfs)")
-        write_header(tmp, model, CHUNKED_VERSION, weights={"layout": "chunked", "nbytes": int(model.nbytes),
-                                                           "parts": sorted(r["part"] for r in parts)})
+def _write_chunked(model: ShardedModel, tmp: Path, folder: str) -> None:
+    """A chunked model's files into ``tmp`` (``folder``: its final name, for errors)."""
+    (tmp / "weights").mkdir()
+    n_parts = max(1, math.ceil(model.nbytes / PART_BYTES))
+    wdir = str(tmp / "weights")
+    n_cols = model.n_features + (1 if model.bias > 0 else 0)
 
-    atomic_folder(folder, write_all)
+    def write(batches):
+        batches = list(batches)
+        if not batches or sum(b.num_rows for b in batches) == 0:
+            return
+        t = pa.Table.from_batches(batches)
+        off, idx = list_offsets_values(t, "w_idx")
+        _, val = list_offsets_values(t, "w_val")
+        W = sp.csc_matrix((np.asarray(val, np.float32), np.asarray(idx, np.int32), off), shape=(n_cols, t.num_rows))
+        name = f"part-{uuid.uuid4().hex}.npz"
+        save_part(os.path.join(wdir, name), t.column("is_leaf").to_numpy(zero_copy_only=False),
+                  t.column("key").to_numpy(), W)
+        yield pa.RecordBatch.from_arrays([pa.array([f"weights/{name}"]), pa.array([t.num_rows])],
+                                         names=["part", "columns"])
+
+    parts = (model.weights.repartitionByRange(n_parts, "is_leaf", "key")
+             .mapInArrow(write, "part string, columns long").collect())   # O(parts) rows
+    unseen = [r["part"] for r in parts if not (tmp / r["part"]).is_file()]
+    if unseen:
+        raise ModelFormatError(f"{folder}: the tasks wrote {len(unseen)} weight part(s) the driver cannot see "
+                               f"(e.g. {unseen[0]}): a sharded model's folder must be on storage the driver and "
+                               "the executors share (local mode, /Volumes, /dbfs)")
+    write_header(tmp, model, CHUNKED_VERSION, weights={"layout": "chunked", "nbytes": int(model.nbytes),
+                                                       "parts": sorted(r["part"] for r in parts)})
 
 
 def chunked_nbytes(folder: Path, param: dict) -> int:
@@ -330,11 +443,17 @@ def chunked_nbytes(folder: Path, param: dict) -> int:
     return sum(os.path.getsize(folder / p) for p in param["weights"]["parts"])
 
 
-def load(spark, folder: str) -> ShardedModel:
+def load(spark, folder: str):
     """A chunked model folder as a :class:`ShardedModel`: the tree on the driver, the weights
-    read by tasks, one part file each (nothing of the weights passes through the driver)."""
+    read by tasks, one part file each (nothing of the weights passes through the driver); an
+    ensemble folder of chunked members as a :class:`ShardedEnsemble`."""
     folder = Path(folder)
     param, index, label_counts = read_header(folder)
+    if param["format_version"] == ENSEMBLE_VERSION:     # every member chunked (each checked below)
+        model = ShardedEnsemble([load(spark, folder / name) for name in param["members"]],
+                                param.get("meta") or {}, label_counts)
+        model.pred_params = PredictParams.from_dict(param["pred_params"])
+        return model
     if param["format_version"] != CHUNKED_VERSION:
         raise ModelFormatError(f"{folder}: not a chunked model (format version {param['format_version']!r})")
     parts = [str(folder / p) for p in param["weights"]["parts"]]
