@@ -188,13 +188,14 @@ def test_run_with_prime_rerank_then_predict_from_the_folder(tmp_path, spark):
     assert tm["p@1"] == pytest.approx(m["tree_p@1"]) and "tree_p@1" not in tm
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.on_demand)])
 def test_run_ensemble_with_matcher_negatives_equals_the_reference_then_predicts(tmp_path, spark, sharded):
     """tree.ensemble_splits + overlapping clusters + train.negatives = tfn+man through `run` (one
     set of Spark jobs for both trees), the model folder equal to the numpy reference, and
     `predict` from the folder. ``sharded``: predict.max_broadcast_mb below the model's weights,
     so the matcher, the routed negatives, prediction, the saved folder (an ensemble of chunked
-    members) and `predict` all take the sharded ensemble's layered path."""
+    members) and `predict` all take the sharded ensemble's layered path (on demand, ~65 s: its
+    parts are tested in tests/stages/test_sharded.py)."""
     from tests.conftest import random_problem, write_xc
     from xmc_spark.local_io import read_xc
     from xmc_spark.model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked
