@@ -61,14 +61,19 @@ def open_log(path: str):
 
 def read_event_log(folder: Path) -> dict:
     """Per pipeline stage and overall: max shuffle-read rows of one task, summed result bytes;
-    peak Python RSS."""
+    peak Python RSS.
+
+    A job is attributed to the pipeline stage of its ``xmc-stage-<name>`` tag. Jobs that Spark
+    runs outside the tagging thread (an Arrow collection, ``toPandas``/``to_arrow``, runs its job
+    from a JVM server thread, which does not carry the session's tags) are attributed by time: to
+    the stage whose tagged jobs' span (first submission to last completion) holds their
+    submission; "untagged" is what neither places."""
     files = [f for f in glob.glob(str(folder / "**" / "*"), recursive=True)
              if os.path.isfile(f) and not os.path.basename(f).startswith((".", "appstatus"))]
     if not files:
         raise SystemExit(f"no event log under {folder}")
-    stage_of_spark_stage = {}
-    max_rows = defaultdict(int)
-    result_bytes = defaultdict(int)
+    jobs = {}                                  # job id -> [tag name or None, submitted, completed, stage ids]
+    per_stage = defaultdict(lambda: [0, 0])    # spark stage id -> [max task shuffle rows, result bytes]
     peak_py = 0
     for f in files:
         with open_log(f) as fh:
@@ -81,22 +86,37 @@ def read_event_log(folder: Path) -> dict:
                 if kind == "SparkListenerJobStart":
                     tags = str((e.get("Properties") or {}).get("spark.job.tags", ""))
                     # session tags reach the event log prefixed: spark-session-<id>-thread-<id>-xmc-stage-<name>
-                    name = next((t.split("xmc-stage-", 1)[1] for t in tags.split(",") if "xmc-stage-" in t),
-                                "untagged")
-                    for sid in e.get("Stage IDs", []):
-                        stage_of_spark_stage[sid] = name
+                    name = next((t.split("xmc-stage-", 1)[1] for t in tags.split(",") if "xmc-stage-" in t), None)
+                    jobs[e["Job ID"]] = [name, e.get("Submission Time", 0), None, e.get("Stage IDs", [])]
+                elif kind == "SparkListenerJobEnd" and e.get("Job ID") in jobs:
+                    jobs[e["Job ID"]][2] = e.get("Completion Time")
                 elif kind == "SparkListenerTaskEnd":
                     m = e.get("Task Metrics") or {}
-                    name = stage_of_spark_stage.get(e.get("Stage ID"), "untagged")
-                    rows = int((m.get("Shuffle Read Metrics") or {}).get("Total Records Read", 0))
-                    for k in (name, "all"):
-                        max_rows[k] = max(max_rows[k], rows)
-                        result_bytes[k] += int(m.get("Result Size", 0))
+                    acc = per_stage[e.get("Stage ID")]
+                    acc[0] = max(acc[0], int((m.get("Shuffle Read Metrics") or {}).get("Total Records Read", 0)))
+                    acc[1] += int(m.get("Result Size", 0))
                     tem = e.get("Task Executor Metrics") or {}
                     peak_py = max(peak_py, int(tem.get("ProcessTreePythonRSSMemory", 0)))
                 elif kind in ("SparkListenerStageExecutorMetrics", "SparkListenerExecutorMetricsUpdate"):
                     em = e.get("Executor Metrics") or {}
                     peak_py = max(peak_py, int(em.get("ProcessTreePythonRSSMemory", 0)))
+    spans = {}
+    for name, start, end, _ in jobs.values():
+        if name is not None:
+            lo, hi = spans.get(name, (start, end or start))
+            spans[name] = (min(lo, start), max(hi, end or start))
+    max_rows, result_bytes, seen = defaultdict(int), defaultdict(int), set()
+    for name, start, _, stages in jobs.values():
+        if name is None:
+            name = next((k for k, (lo, hi) in spans.items() if lo <= start <= hi), "untagged")
+        for sid in stages:
+            if sid in seen:                    # a stage a later job lists again (skipped: its tasks ran once)
+                continue
+            seen.add(sid)
+            rows, nbytes = per_stage.get(sid, (0, 0))
+            for k in (name, "all"):
+                max_rows[k] = max(max_rows[k], rows)
+                result_bytes[k] += nbytes
     return {"max_task_shuffle_rows": dict(max_rows), "result_bytes": dict(result_bytes), "peak_python_rss": peak_py}
 
 
