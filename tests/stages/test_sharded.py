@@ -53,6 +53,17 @@ def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group
         np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
 
 
+def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, models):
+    """The rows' features rejoin each layer's beam by a shuffle, never a broadcast: a small input
+    table (here every table is small) would otherwise be broadcast, its rows passing through the
+    driver once per layer."""
+    samples, _, _ = problem
+    got = sharded.predict(samples, as_sharded(spark, models["plain"]), beam_size=3, topk=4)
+    plan = got._jdf.queryExecution().executedPlan().toString()
+    assert models["plain"].index.depth >= 2 and "SortMergeJoin" in plan
+    assert "BroadcastHashJoin" not in plan and "BroadcastExchange" not in plan
+
+
 def test_sharded_matcher_equals_match_leaves(spark, problem, models):
     samples, Xl, _ = problem
     model = models["plain"]

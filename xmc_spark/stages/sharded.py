@@ -268,7 +268,9 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
             top = top.localCheckpoint()
             keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
         if t < n_layers - 1:
-            cur = (top.join(feats, "sample_id")
+            # a sort-merge join on sample_id: a small input table would otherwise be broadcast (its
+            # rows through the driver, every layer)
+            cur = (top.join(feats.hint("merge"), "sample_id")
                    .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
                    .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
                            F.col("rank").alias("prank"), (-F.col("e.neg")).alias("pscore")))
