@@ -66,13 +66,17 @@ def read_event_log(folder: Path) -> dict:
     A job is attributed to the pipeline stage of its ``xmc-stage-<name>`` tag. Jobs that Spark
     runs outside the tagging thread (an Arrow collection, ``toPandas``/``to_arrow``, runs its job
     from a JVM server thread, which does not carry the session's tags) are attributed by time: to
-    the stage whose tagged jobs' span (first submission to last completion) holds their
-    submission; "untagged" is what neither places."""
-    files = [f for f in glob.glob(str(folder / "**" / "*"), recursive=True)
-             if os.path.isfile(f) and not os.path.basename(f).startswith((".", "appstatus"))]
+    the stage with the latest first tagged submission at or before theirs (stages run one after
+    another); "untagged" is a job before any tagged one."""
+    def rolling_index(path):                   # events_<i>_<app>: in order of i, not of the name
+        base = os.path.basename(path).split("_")
+        return (int(base[1]) if len(base) > 1 and base[1].isdigit() else 0, path)
+
+    files = sorted((f for f in glob.glob(str(folder / "**" / "*"), recursive=True)
+                    if os.path.isfile(f) and not os.path.basename(f).startswith((".", "appstatus"))), key=rolling_index)
     if not files:
         raise SystemExit(f"no event log under {folder}")
-    jobs = {}                                  # job id -> [tag name or None, submitted, completed, stage ids]
+    jobs = {}                                  # job id -> [tag name or None, submitted, stage ids]
     per_stage = defaultdict(lambda: [0, 0])    # spark stage id -> [max task shuffle rows, result bytes]
     peak_py = 0
     for f in files:
@@ -87,9 +91,7 @@ def read_event_log(folder: Path) -> dict:
                     tags = str((e.get("Properties") or {}).get("spark.job.tags", ""))
                     # session tags reach the event log prefixed: spark-session-<id>-thread-<id>-xmc-stage-<name>
                     name = next((t.split("xmc-stage-", 1)[1] for t in tags.split(",") if "xmc-stage-" in t), None)
-                    jobs[e["Job ID"]] = [name, e.get("Submission Time", 0), None, e.get("Stage IDs", [])]
-                elif kind == "SparkListenerJobEnd" and e.get("Job ID") in jobs:
-                    jobs[e["Job ID"]][2] = e.get("Completion Time")
+                    jobs[e["Job ID"]] = [name, e.get("Submission Time", 0), e.get("Stage IDs", [])]
                 elif kind == "SparkListenerTaskEnd":
                     m = e.get("Task Metrics") or {}
                     acc = per_stage[e.get("Stage ID")]
@@ -100,15 +102,15 @@ def read_event_log(folder: Path) -> dict:
                 elif kind in ("SparkListenerStageExecutorMetrics", "SparkListenerExecutorMetricsUpdate"):
                     em = e.get("Executor Metrics") or {}
                     peak_py = max(peak_py, int(em.get("ProcessTreePythonRSSMemory", 0)))
-    spans = {}
-    for name, start, end, _ in jobs.values():
+    firsts = {}                                # stage name -> its first tagged submission
+    for name, start, _ in jobs.values():
         if name is not None:
-            lo, hi = spans.get(name, (start, end or start))
-            spans[name] = (min(lo, start), max(hi, end or start))
+            firsts[name] = min(firsts.get(name, start), start)
+    starts = sorted((t, name) for name, t in firsts.items())
     max_rows, result_bytes, seen = defaultdict(int), defaultdict(int), set()
-    for name, start, _, stages in jobs.values():
+    for _, (name, start, stages) in sorted(jobs.items()):
         if name is None:
-            name = next((k for k, (lo, hi) in spans.items() if lo <= start <= hi), "untagged")
+            name = next((k for t, k in reversed(starts) if t <= start), "untagged")
         for sid in stages:
             if sid in seen:                    # a stage a later job lists again (skipped: its tasks ran once)
                 continue
@@ -120,14 +122,31 @@ def read_event_log(folder: Path) -> dict:
     return {"max_task_shuffle_rows": dict(max_rows), "result_bytes": dict(result_bytes), "peak_python_rss": peak_py}
 
 
+def synth_set(n: int, L: int, d: int, work: Path, cores: int) -> Path:
+    """The folder of the synthetic set: XC text up to 500K training rows (the sets compare_pecos
+    uses), Delta tables ``train`` and ``test`` above (`xmc-spark synth` writes XC through the
+    driver, so only up to 500K rows)."""
+    if n <= 500_000:
+        return Path(make_synth(f"{n},{L},{d}", work, cores)[0]).parent
+    data = work / f"synth_{n}_{L}_{d}_delta"
+    if not (data / "test" / "_delta_log").is_dir():
+        subprocess.run([sys.executable, "-m", "xmc_spark.cli", "synth", "--out", str(data), "--n-train", str(n),
+                        "--n-test", str(max(n // 10, 1000)), "--labels", str(L), "--features", str(d),
+                        "--format", "delta", "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false"],
+                       check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
+    return data
+
+
 def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str, node_fraction=None) -> dict:
     out = work / f"run_{tag}_{n}"
     evlog = work / f"eventlog_{tag}_{n}"
     for p in (out, evlog):
         subprocess.run(["rm", "-rf", str(p)], check=True)
     evlog.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "xmc_spark.cli", "run", "--train", str(data / "train.txt"),
-           "--test", str(data / "test.txt"), "--out", str(out),
+    train, test = ((data / "train.txt", data / "test.txt") if (data / "train.txt").exists()
+                   else (data / "train", data / "test"))             # XC text, or Delta tables above 500K rows
+    cmd = [sys.executable, "-m", "xmc_spark.cli", "run", "--train", str(train),
+           "--test", str(test), "--out", str(out),
            "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false",
            "--set", "spark.conf.spark.eventLog.enabled=true", "--set", f"spark.conf.spark.eventLog.dir={evlog}",
            "--set", "spark.conf.spark.executor.processTreeMetrics.enabled=true",
@@ -223,7 +242,7 @@ def main(argv=None) -> int:
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         L, d = shape_of(n, args.labels, args.features)
-        data = Path(make_synth(f"{n},{L},{d}", work, args.cores)[0]).parent   # the same sets as compare_pecos
+        data = synth_set(n, L, d, work, args.cores)
         frac = args.node_rows_fraction or None
         rows.append(run_one(n, data, work, args.cores, extra, "default", frac))
         print(json.dumps(rows[-1]), flush=True)

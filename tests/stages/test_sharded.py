@@ -59,8 +59,10 @@ def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, model
     driver once per layer."""
     samples, _, _ = problem
     got = sharded.predict(samples, as_sharded(spark, models["plain"]), beam_size=3, topk=4)
+    got.collect()                             # the adaptive plan as it ran
     plan = got._jdf.queryExecution().executedPlan().toString()
-    assert models["plain"].index.depth >= 2 and "SortMergeJoin" in plan
+    assert "isFinalPlan=true" in plan
+    assert models["plain"].index.depth >= 2 and "ShuffledHashJoin" in plan
     assert "BroadcastHashJoin" not in plan and "BroadcastExchange" not in plan
 
 
@@ -265,6 +267,15 @@ def test_sharded_ensemble_save_load_round_trip(spark, problem, ensemble, tmp_pat
     assert isinstance(lazy, sharded.ShardedEnsemble) and lazy.meta == {"x": 2} and lazy.nbytes == se.nbytes
     rows = _rows(sharded.predict(samples, lazy, beam_size=2, topk=4))
     assert [r["pred_labels"] for r in rows] == [[int(x) for x in lab if x >= 0] for lab in labels]
+    # what `xmc-spark predict` loads: sharded above predict.max_broadcast_mb, whole below
+    import dataclasses
+
+    from xmc_spark import pipeline
+    from xmc_spark.params import PipelineParams
+    p = PipelineParams()
+    tight = dataclasses.replace(p, predict=dataclasses.replace(p.predict, max_broadcast_mb=1e-4))
+    assert isinstance(pipeline.load_model(spark, str(folder), tight), sharded.ShardedEnsemble)
+    assert isinstance(pipeline.load_model(spark, str(folder), p), EnsembleModel)
 
 
 def test_pipeline_keeps_an_ensemble_sharded_above_the_bound(spark, ensemble):

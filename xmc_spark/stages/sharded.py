@@ -268,9 +268,9 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
             top = top.localCheckpoint()
             keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
         if t < n_layers - 1:
-            # a sort-merge join on sample_id: a small input table would otherwise be broadcast (its
-            # rows through the driver, every layer)
-            cur = (top.join(feats.hint("merge"), "sample_id")
+            # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
+            # small input table would otherwise be broadcast, its rows through the driver every layer
+            cur = (top.join(feats.hint("shuffle_hash"), "sample_id")
                    .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
                    .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
                            F.col("rank").alias("prank"), (-F.col("e.neg")).alias("pscore")))
@@ -321,14 +321,17 @@ def _columns(off, idx, val, col, K: int, n_rows: int):
 def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: int = GROUP_ROWS) -> DataFrame:
     """(sample_id, pred_labels, pred_scores), top-k per sample, best first (ties: the smaller
     label), equal to the broadcast beam search of the same model; of a :class:`ShardedEnsemble`,
-    the top k of the labels' mean scores over the trees, as :meth:`~..model.EnsembleModel.predict`."""
+    the top k of the labels' mean scores over the trees, as :meth:`~..model.EnsembleModel.predict`
+    (the trees' scores are added in Spark's order: with three or more trees the last bits, and so
+    the order of near-equal scores, may differ from the broadcast sum)."""
     parts = members(model)
     scores = None
     for _, m in parts:
         s = _beam(samples, m, beam_size, len(tree_layers(m.index).layers), group_rows, labels=True)
         scores = s if scores is None else scores.unionByName(s)
-    if len(parts) > 1:
-        scores = scores.groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
+    if len(parts) > 1:      # a mean of exactly 0 is no candidate, as in EnsembleModel's sparse sum
+        scores = (scores.groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
+                  .where(F.col("score") != 0))
     best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1, topk)
     return (scores.groupBy("sample_id").agg(best.alias("top"))
             .select("sample_id", F.col("top.pos").cast("array<int>").alias("pred_labels"),

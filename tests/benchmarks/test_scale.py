@@ -1,0 +1,41 @@
+"""benchmarks/scale.py's event-log reading (no Spark: hand-written event logs)."""
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from scale import read_event_log  # noqa: E402
+
+
+def job(jid, t, stages, tag=None):
+    tags = f"spark-session-x-thread-1-xmc-stage-{tag}" if tag else "spark-session-x-execution-root-id-3"
+    return {"Event": "SparkListenerJobStart", "Job ID": jid, "Submission Time": t, "Stage IDs": stages,
+            "Properties": {"spark.job.tags": tags}}
+
+
+def task(sid, rows, nbytes, rss=0):
+    return {"Event": "SparkListenerTaskEnd", "Stage ID": sid,
+            "Task Metrics": {"Result Size": nbytes, "Shuffle Read Metrics": {"Total Records Read": rows}},
+            "Task Executor Metrics": {"ProcessTreePythonRSSMemory": rss}}
+
+
+def test_untagged_jobs_go_to_the_stage_running_then_and_stages_count_once(tmp_path):
+    """Jobs run off the tagging thread (an Arrow collection) belong to the stage whose first tagged
+    job came last before them; a stage listed again by a later job (skipped) counts once; the
+    rolling files are read in index order (events_10 after events_2), whatever the names' order."""
+    d = tmp_path / "log"
+    d.mkdir()
+    first = [job(0, 100, [0], "ingest"), task(0, 5, 1000), job(1, 200, [1], "train"), task(1, 70, 2000, rss=3 << 20)]
+    second = [job(2, 250, [2]), task(2, 900, 50),                     # untagged, inside train
+              job(3, 300, [3], "predict"), task(3, 40, 700),
+              job(4, 310, [3, 4]), task(4, 10, 30),                   # stage 3 again (skipped): once
+              job(5, 50, [5]), task(5, 1, 1)]                         # before any tagged job
+    (d / "events_2_app").write_text("\n".join(json.dumps(e) for e in first) + "\n")
+    (d / "events_10_app").write_text("\n".join(json.dumps(e) for e in second) + "\n{truncated")
+    (d / "appstatus_app").write_text("")
+    r = read_event_log(d)
+    assert r["max_task_shuffle_rows"] == {"ingest": 5, "train": 900, "predict": 40, "untagged": 1, "all": 900}
+    assert r["result_bytes"] == {"ingest": 1000, "train": 2050, "predict": 730, "untagged": 1, "all": 3781}
+    assert r["peak_python_rss"] == 3 << 20
