@@ -174,11 +174,12 @@ def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrai
     to predict) when its weights fit ``predict.max_broadcast_mb``, else a
     :class:`~.stages.sharded.ShardedModel` (of an ensemble, a :class:`~.stages.sharded.ShardedEnsemble`)
     whose weights never leave the executors."""
-    nbytes = sharded.weights_nbytes(weights)
+    tree_bytes = sharded.tree_nbytes(weights)
+    nbytes = sum(tree_bytes.values())
     if nbytes > broadcast_bound(weights, pred):
         log.info("model weights %.1f MB > the broadcast bound %.1f MB: kept sharded on the executors",
                  nbytes / 2 ** 20, broadcast_bound(weights, pred) / 2 ** 20)
-        return sharded.sharded_model(index, weights, n_features, tp.train.bias, tp.normalize, pred, nbytes)
+        return sharded.sharded_model(index, weights, n_features, tp.train.bias, tp.normalize, pred, tree_bytes)
     n_cols = n_features + (1 if tp.train.bias > 0 else 0)
     node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
     if isinstance(index, Forest):

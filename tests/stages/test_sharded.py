@@ -203,7 +203,7 @@ def ensemble_frame(spark, e):
 def as_sharded_ensemble(spark, e) -> sharded.ShardedEnsemble:
     frame = ensemble_frame(spark, e)
     got = sharded.sharded_model(e.index, frame, e.n_features, e.bias, e.normalize, e.pred_params,
-                                sharded.weights_nbytes(frame))
+                                sharded.tree_nbytes(frame))
     assert isinstance(got, sharded.ShardedEnsemble)
     assert [m.nbytes for m in got.members] == [8 * (m.node_w.W.nnz + m.slot_w.W.nnz) for m in e.models]
     return got

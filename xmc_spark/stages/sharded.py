@@ -30,12 +30,13 @@ whose weights DataFrame the tasks read part by part.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -154,16 +155,14 @@ def tree_weights(weights: DataFrame, t: int) -> DataFrame:
 
 
 def sharded_model(index, weights: DataFrame, n_features: int, bias: float, normalize: bool,
-                  pred_params: PredictParams, nbytes: int):
+                  pred_params: PredictParams, tree_bytes: Dict[int, int]):
     """A :class:`ShardedModel` of a tree, or a :class:`ShardedEnsemble` of a forest (its
-    weights split by tree with no job: each member filters the same DataFrame)."""
+    weights split by tree with no job: each member filters the same DataFrame); ``tree_bytes``:
+    :func:`tree_nbytes` of ``weights``."""
     if not isinstance(index, Forest):
-        return ShardedModel(index, weights, n_features, bias, normalize, pred_params, nbytes=nbytes)
-    per_tree = {int(r["t"]): int(r["nnz"] or 0) * BYTES_PER_NNZ for r in    # O(trees) rows
-                weights.groupBy(F.shiftright("key", TREE_SHIFT).alias("t")).agg(F.sum(F.size("w_idx")).alias("nnz"))
-                .collect()}
+        return ShardedModel(index, weights, n_features, bias, normalize, pred_params, nbytes=sum(tree_bytes.values()))
     return ShardedEnsemble([ShardedModel(ix, tree_weights(weights, t), n_features, bias, normalize, pred_params,
-                                         nbytes=per_tree.get(t, 0)) for t, ix in enumerate(index.trees)])
+                                         nbytes=tree_bytes.get(t, 0)) for t, ix in enumerate(index.trees)])
 
 
 def members(model) -> list:
@@ -171,10 +170,26 @@ def members(model) -> list:
     return list(enumerate(model.members)) if isinstance(model, ShardedEnsemble) else [(0, model)]
 
 
+def _keyed(model, t: int, ids) -> np.ndarray:
+    """Node or leaf ids of tree t as the model's keys: ensemble keys of an ensemble, else the ids."""
+    return encode_keys(t, ids) if isinstance(model, ShardedEnsemble) else np.asarray(ids, np.int64)
+
+
+def _row_count(samples: DataFrame):
+    """max(1, rows of ``samples``), counted once, on first use (every tree's beam salts by it)."""
+    return functools.cache(lambda: max(samples.count(), 1))
+
+
+def tree_nbytes(weights: DataFrame) -> Dict[int, int]:
+    """Size of a weights table's classifiers per tree (keys ``tree << TREE_SHIFT | id``; one tree:
+    tree 0), 8 bytes a non-zero: one aggregate, O(trees) rows to the driver."""
+    rows = weights.groupBy(F.shiftright("key", TREE_SHIFT).alias("t")).agg(F.sum(F.size("w_idx")).alias("nnz"))
+    return {int(r["t"]): int(r["nnz"] or 0) * BYTES_PER_NNZ for r in rows.collect()}
+
+
 def weights_nbytes(weights: DataFrame) -> int:
-    """Size of a weights table's classifiers (one aggregate; 8 bytes a non-zero)."""
-    row = weights.agg(F.sum(F.size("w_idx")).alias("nnz")).collect()[0]
-    return int(row["nnz"] or 0) * BYTES_PER_NNZ
+    """Size of a weights table's classifiers (8 bytes a non-zero)."""
+    return sum(tree_nbytes(weights).values())
 
 
 def _placement(index: TreeIndex):
@@ -230,7 +245,7 @@ def _placed(weights: DataFrame, index: TreeIndex) -> DataFrame:
     return weights.mapInArrow(place, "layer int, ppos long, pos long, w_idx array<int>, w_val array<float>")
 
 
-def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int,
+def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int, n: int,
           labels: bool = False, keep: Optional[list] = None):
     """The beam over the first ``n_layers`` layers: rows (sample_id, pos, score) of the last
     one's candidates, top ``beam_size`` per sample — or, with ``labels``, the label layer's
@@ -240,7 +255,6 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     shape = tree_layers(model.index)
     W = _placed(model.weights, model.index)      # not cached: nothing to release when the caller is done
     feats = samples.select("sample_id", "feature_idx", "feature_val")
-    n = max(samples.count(), 1)
     # prank: the parent's rank in its row's beam; ties in score are broken by it, then by the
     # child's position, as the broadcast search enumerates its candidates
     cur = feats.select("*", F.lit(0).cast("long").alias("ppos"), F.lit(0).alias("prank"), F.lit(1.0).alias("pscore"))
@@ -324,10 +338,10 @@ def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: in
     the top k of the labels' mean scores over the trees, as :meth:`~..model.EnsembleModel.predict`
     (the trees' scores are added in Spark's order: with three or more trees the last bits, and so
     the order of near-equal scores, may differ from the broadcast sum)."""
-    parts = members(model)
+    parts, n = members(model), _row_count(samples)
     scores = None
     for _, m in parts:
-        s = _beam(samples, m, beam_size, len(tree_layers(m.index).layers), group_rows, labels=True)
+        s = _beam(samples, m, beam_size, len(tree_layers(m.index).layers), group_rows, n(), labels=True)
         scores = s if scores is None else scores.unionByName(s)
     if len(parts) > 1:      # a mean of exactly 0 is no candidate, as in EnsembleModel's sparse sum
         scores = (scores.groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
@@ -344,7 +358,7 @@ def routed(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_RO
     depth, sorted, as :meth:`XMCModel.beam_nodes` (``train.negatives = tfn+man``; of an
     ensemble, every tree's nodes as ensemble keys, as :meth:`~..model.EnsembleModel.beam_nodes`);
     samples whose beam holds none are left out (the trainer reads them as having none)."""
-    spark = samples.sparkSession
+    spark, n = samples.sparkSession, _row_count(samples)
     found = None
     for t, m in members(model):
         shape = tree_layers(m.index)
@@ -352,10 +366,10 @@ def routed(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_RO
         if inner == 0:
             continue
         beams: list = []
-        _beam(samples, m, beam_size, inner, group_rows, keep=beams)
+        _beam(samples, m, beam_size, inner, group_rows, n(), keep=beams)
         for (ids, _, through), beam in zip(shape.layers, beams):
             real = np.flatnonzero(~through)
-            keys = encode_keys(t, ids[real]) if isinstance(model, ShardedEnsemble) else ids[real]
+            keys = _keyed(model, t, ids[real])
             nodes = spark.createDataFrame([(int(p), int(k)) for p, k in zip(real, keys)], "pos long, node long")
             part = beam.join(F.broadcast(nodes), "pos").select("sample_id", "node")
             found = part if found is None else found.unionByName(part)
@@ -368,17 +382,16 @@ def matcher(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_R
     """M as a table (sample_id, leaf, score): the leaves each sample's beam reaches, as
     :meth:`XMCModel.match_leaves` (the overlapping-cluster stage's matcher); of an ensemble,
     every tree's leaves as ensemble keys, as :meth:`~..model.EnsembleModel.match_leaves`."""
-    out = None
+    out, n = None, _row_count(samples)
     for t, m in members(model):
         shape = tree_layers(m.index)
         inner = len(shape.layers) - 1
-        key = encode_keys(t, shape.last_leaf if inner else [0]) if isinstance(model, ShardedEnsemble) else \
-            (shape.last_leaf if inner else np.zeros(1, np.int64))
+        key = _keyed(model, t, shape.last_leaf if inner else [0])
         if inner == 0:   # the root is the only leaf
             part = samples.select("sample_id", F.lit(int(key[0])).cast("long").alias("leaf"),
                                   F.lit(1.0).cast("float").alias("score"))
         else:
-            beam = _beam(samples, m, beam_size, inner, group_rows)
+            beam = _beam(samples, m, beam_size, inner, group_rows, n())
             leaves = samples.sparkSession.createDataFrame([(int(p), int(k)) for p, k in enumerate(key)],
                                                           "pos long, leaf long")
             part = (beam.join(F.broadcast(leaves), "pos")
