@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 
 from . import prime_model
 from .arrow_utils import list_offsets_values, to_arrow
-from .compat import CONNECT_MAX_MB, is_connect, shuffle_partitions
+from .compat import shuffle_partitions
 from .config import dump_params
 from .kernels.tree import Forest, TreeIndex
 from .model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked, split_columns
@@ -160,14 +160,6 @@ def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp
     return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
 
 
-def broadcast_bound(spark_or_df, pred: PredictParams) -> float:
-    """Bytes of weights a model may have and still be shared whole with the tasks:
-    ``predict.max_broadcast_mb``, on Spark Connect at most what a query plan can carry."""
-    # on Connect the model travels pickled with its layered copy (about 2x the weights) in the plan
-    mb = min(pred.max_broadcast_mb, CONNECT_MAX_MB / 3) if is_connect(spark_or_df) else pred.max_broadcast_mb
-    return mb * 2 ** 20
-
-
 def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrainParams,
                        pred: PredictParams):
     """The model of a weights table: an :class:`XMCModel` (collected to the driver, broadcast
@@ -176,9 +168,9 @@ def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrai
     whose weights never leave the executors."""
     tree_bytes = sharded.tree_nbytes(weights)
     nbytes = sum(tree_bytes.values())
-    if nbytes > broadcast_bound(weights, pred):
+    if nbytes > sharded.broadcast_bound(weights, pred):
         log.info("model weights %.1f MB > the broadcast bound %.1f MB: kept sharded on the executors",
-                 nbytes / 2 ** 20, broadcast_bound(weights, pred) / 2 ** 20)
+                 nbytes / 2 ** 20, sharded.broadcast_bound(weights, pred) / 2 ** 20)
         return sharded.sharded_model(index, weights, n_features, tp.train.bias, tp.normalize, pred, tree_bytes)
     n_cols = n_features + (1 if tp.train.bias > 0 else 0)
     node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
@@ -558,7 +550,7 @@ def load_model(spark, folder, params: PipelineParams):
     head = prime_model.PrimeHead.load(folder)
     if is_chunked(folder):
         model = sharded.load(spark, str(folder))
-        if model.nbytes > broadcast_bound(spark, params.predict):
+        if model.nbytes > sharded.broadcast_bound(spark, params.predict):
             if head is not None:
                 from .params import ConfigError
                 raise ConfigError(f"{folder} has PRIME (prime/) but its weights exceed predict.max_broadcast_mb: "

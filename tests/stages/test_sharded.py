@@ -1,4 +1,7 @@
 """A model kept as a weights DataFrame predicts, matches and saves like the broadcast model."""
+import dataclasses
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -20,9 +23,18 @@ def weights_frame(spark, model: XMCModel):
     return spark.createDataFrame(pa.concat_tables(parts).to_pandas(), TABLES["weights"]).repartition(3)
 
 
-def as_sharded(spark, model: XMCModel) -> sharded.ShardedModel:
+def as_sharded(spark, model: XMCModel, top_mb=0.0) -> sharded.ShardedModel:
+    """``model`` sharded; ``top_mb``: its predict.max_broadcast_mb, which bounds the top layers
+    searched with their weights shared (0: every layer by the cogroup; "default": the default bound)."""
+    pred = model.pred_params if top_mb == "default" else dataclasses.replace(model.pred_params, max_broadcast_mb=top_mb)
     return sharded.ShardedModel(model.index, weights_frame(spark, model), model.n_features, model.bias,
-                                model.normalize, model.pred_params, dict(model.meta), model.label_counts)
+                                model.normalize, pred, dict(model.meta), model.label_counts)
+
+
+def layer_mb(model: XMCModel, n: int) -> float:
+    """The first n layers' bytes (8 a non-zero) in MiB: a bound that broadcasts exactly those."""
+    layers, _ = model.layers()
+    return 8 * sum(W.nnz for _, W, _ in layers[:n]) / 2 ** 20
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +52,18 @@ def _rows(df, key="sample_id"):
 
 
 @pytest.mark.parametrize("kind", ["plain", "overlap"])
-@pytest.mark.parametrize("group_rows", [20000, 7])       # 7: the root's rows split over many salted tasks
-def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group_rows):
+# group_rows 7: the root's rows split over many salted tasks; top: the layers searched with their
+# weights shared (0: none, "default": all but the label layer)
+@pytest.mark.parametrize("group_rows,top", [(20000, 0), (7, 0), (7, 1), (20000, "default"), (7, "default")])
+def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group_rows, top):
     samples, Xl, _ = problem
     model = models[kind]
     labels, scores = model.predict(Xl, beam_size=3, topk=4)
-    got = sharded.predict(samples, as_sharded(spark, model), beam_size=3, topk=4, group_rows=group_rows)
+    sm = as_sharded(spark, model, "default" if top == "default" else layer_mb(model, top))
+    n_layers = len(model.layers()[0])
+    assert sharded.top_layers(sm, n_layers - 1, sharded.broadcast_bound(spark, sm.pred_params)) == \
+        (n_layers - 1 if top == "default" else top)
+    got = sharded.predict(samples, sm, beam_size=3, topk=4, group_rows=group_rows)
     rows = _rows(check_table(got, "predictions"))
     assert [r["sample_id"] for r in rows] == list(range(Xl.shape[0]))
     for r, lab, sc in zip(rows, labels, scores):
@@ -56,21 +74,40 @@ def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group
 def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, models):
     """The rows' features rejoin each layer's beam by a shuffle, never a broadcast: a small input
     table (here every table is small) would otherwise be broadcast, its rows passing through the
-    driver once per layer."""
+    driver once per layer. The top layers' weights are shared (the default bound), the rest
+    cogrouped."""
     samples, _, _ = problem
-    got = sharded.predict(samples, as_sharded(spark, models["plain"]), beam_size=3, topk=4)
+    got = sharded.predict(samples, as_sharded(spark, models["plain"], "default"), beam_size=3, topk=4)
     got.collect()                             # the adaptive plan as it ran
     plan = got._jdf.queryExecution().executedPlan().toString()
     assert "isFinalPlan=true" in plan
-    assert models["plain"].index.depth >= 2 and "ShuffledHashJoin" in plan
-    assert "BroadcastHashJoin" not in plan and "BroadcastExchange" not in plan
+    joins = re.findall(r"(\w+Join) \[(\w+)#", plan)
+    assert models["plain"].index.depth >= 2 and ("ShuffledHashJoin", "sample_id") in joins, joins
+    # the one broadcast: the tree's (is_leaf, key) -> place table (O(nodes + slots)) joined to the weights
+    assert {key for kind, key in joins if kind.startswith("Broadcast")} == {"is_leaf"}, joins
 
 
-def test_sharded_matcher_equals_match_leaves(spark, problem, models):
+def test_layer_bytes_and_top_layers(spark, models):
+    """Each layer's bytes from one aggregate (8 a non-zero, as the broadcast model's layers hold
+    them); the top layers are the longest prefix within the bound."""
+    model = models["overlap"]
+    sm = as_sharded(spark, model)
+    layers, _ = model.layers()
+    np.testing.assert_array_equal(sharded.layer_nbytes(sm), [8 * W.nnz for _, W, _ in layers])
+    sizes = np.cumsum(sharded.layer_nbytes(sm))
+    assert sharded.top_layers(sm, len(layers), 0) == 0
+    assert sharded.top_layers(sm, len(layers), sizes[0] - 1) == 0
+    assert sharded.top_layers(sm, len(layers), sizes[1]) == 2
+    assert sharded.top_layers(sm, 1, sizes[-1]) == 1
+    assert sharded.top_layers(sm, len(layers), sizes[-1] + 1) == len(layers)
+
+
+@pytest.mark.parametrize("top", [0, "default"])          # default: every inner layer shared, no cogroup
+def test_sharded_matcher_equals_match_leaves(spark, problem, models, top):
     samples, Xl, _ = problem
     model = models["plain"]
     leaves, scores = model.match_leaves(Xl, beam_size=3)
-    got = check_table(sharded.matcher(samples, as_sharded(spark, model), beam_size=3, group_rows=11), "matcher")
+    got = check_table(sharded.matcher(samples, as_sharded(spark, model, top), beam_size=3, group_rows=11), "matcher")
     found = {}
     for r in got.collect():
         found.setdefault(r["sample_id"], {})[r["leaf"]] = r["score"]
@@ -141,7 +178,6 @@ def test_pipeline_goes_sharded_above_the_bound_and_never_broadcasts_weights(spar
                                                                              monkeypatch):
     """Above predict.max_broadcast_mb: the trained weights stay a DataFrame, a saved chunked
     folder predicts with its weights read by the tasks, and no broadcast carries weights."""
-    import dataclasses
 
     from pyspark import SparkContext
 
@@ -268,8 +304,6 @@ def test_sharded_ensemble_save_load_round_trip(spark, problem, ensemble, tmp_pat
     rows = _rows(sharded.predict(samples, lazy, beam_size=2, topk=4))
     assert [r["pred_labels"] for r in rows] == [[int(x) for x in lab if x >= 0] for lab in labels]
     # what `xmc-spark predict` loads: sharded above predict.max_broadcast_mb, whole below
-    import dataclasses
-
     from xmc_spark import pipeline
     from xmc_spark.params import PipelineParams
     p = PipelineParams()
@@ -279,8 +313,6 @@ def test_sharded_ensemble_save_load_round_trip(spark, problem, ensemble, tmp_pat
 
 
 def test_pipeline_keeps_an_ensemble_sharded_above_the_bound(spark, ensemble):
-    import dataclasses
-
     from xmc_spark import pipeline
     from xmc_spark.params import PipelineParams
     params = PipelineParams()
@@ -292,8 +324,9 @@ def test_pipeline_keeps_an_ensemble_sharded_above_the_bound(spark, ensemble):
 
 @pytest.mark.slow
 def test_sharded_equals_broadcast_on_bibtex(spark, bibtex):
-    """A deep bibtex tree (leaves of 8 labels): the layer-by-layer search gives the broadcast
-    search's top 5 on every test row, scores to 1e-5."""
+    """A deep bibtex tree (leaves of 8 labels): the top layers searched with their weights shared,
+    then the layer-by-layer search, give the broadcast search's top 5 on every test row, scores to
+    1e-5."""
     from tests.stages.conftest import samples_frame
     from xmc_spark.local_io import read_xc
 
@@ -302,10 +335,24 @@ def test_sharded_equals_broadcast_on_bibtex(spark, bibtex):
     model = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=8))
     assert model.index.depth >= 4
     labels, scores = model.predict(Xt, beam_size=10, topk=5)
-    got = _rows(sharded.predict(samples_frame(spark, Xt, Yt, partitions=4), as_sharded(spark, model), 10, 5,
-                                group_rows=500))
+    sm = as_sharded(spark, model, layer_mb(model, 2))          # the top 2 layers shared, the rest cogrouped
+    got = _rows(sharded.predict(samples_frame(spark, Xt, Yt, partitions=4), sm, 10, 5, group_rows=500))
     same = np.mean([r["pred_labels"] == [int(x) for x in lab if x >= 0] for r, lab in zip(got, labels)])
     assert same >= 0.999, same
     for r, lab, sc in zip(got, labels, scores):
         if r["pred_labels"] == [int(x) for x in lab if x >= 0]:
             np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
+
+
+def test_weights_of_a_node_not_in_the_tree_are_rejected(spark, problem, models):
+    """A weights table holding a key the tree does not have (a mismatched model folder) stops with
+    the key named, before any search."""
+    from pyspark.sql import functions as F
+
+    from xmc_spark.model import ModelFormatError
+    samples, _, _ = problem
+    sm = as_sharded(spark, models["plain"])
+    extra = sm.weights.where(~F.col("is_leaf")).limit(1).withColumn("key", F.lit(10 ** 9).cast("long"))
+    sm.weights = sm.weights.unionByName(extra)
+    with pytest.raises(ModelFormatError, match="key 1000000000, which is not in the tree"):
+        sharded.predict(samples, sm, beam_size=3, topk=4)

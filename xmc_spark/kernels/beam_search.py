@@ -190,6 +190,14 @@ def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int
     return last
 
 
+def beam_layers(X: sp.csr_matrix, layers, beam_size: int = 10, post_processor: str = "l3-hinge"):
+    """The beam after the last of ``layers`` (none of them a label layer): (positions in that
+    layer's nodes, n x beam, -1 padded; path scores), best first, ties by the parent's rank in
+    the beam and then the child's position, as :func:`beam_search` keeps it."""
+    *_, last = _beams(X, layers, None, beam_size, beam_size, post_processor)
+    return last
+
+
 def inner_beams(X: sp.csr_matrix, layers, beam_size: int = 10, post_processor: str = "l3-hinge"):
     """The beam after each layer but the last (the label layer): a list, per layer t, of the
     positions (n x beam, -1 padded) in layer t's nodes, as :func:`beam_search` keeps them."""

@@ -39,13 +39,15 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_values
-from ..kernels.beam_search import score_children
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_values, to_arrow
+from ..compat import CONNECT_MAX_MB, is_connect, share
+from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys
 from ..model import (
@@ -82,6 +84,7 @@ class ShardedModel:
     meta: dict = field(default_factory=dict)
     label_counts: Optional[np.ndarray] = None
     nbytes: int = 0
+    layer_bytes: Optional[np.ndarray] = field(default=None, repr=False)   # per layer, on first use
 
     @property
     def n_labels(self) -> int:
@@ -187,6 +190,15 @@ def tree_nbytes(weights: DataFrame) -> Dict[int, int]:
     return {int(r["t"]): int(r["nnz"] or 0) * BYTES_PER_NNZ for r in rows.collect()}
 
 
+def broadcast_bound(spark_or_df, pred: PredictParams) -> float:
+    """Bytes of weights that may be shared whole with the tasks: ``predict.max_broadcast_mb``,
+    on Spark Connect at most what a query plan can carry. A model above it stays sharded, and at
+    most this much of it (its top layers) is broadcast."""
+    # on Connect the model travels pickled with its layered copy (about 2x the weights) in the plan
+    mb = min(pred.max_broadcast_mb, CONNECT_MAX_MB / 3) if is_connect(spark_or_df) else pred.max_broadcast_mb
+    return mb * 2 ** 20
+
+
 def weights_nbytes(weights: DataFrame) -> int:
     """Size of a weights table's classifiers (8 bytes a non-zero)."""
     return sum(tree_nbytes(weights).values())
@@ -214,65 +226,138 @@ def _placement(index: TreeIndex):
 
 
 def _placed(weights: DataFrame, index: TreeIndex) -> DataFrame:
-    """Weights rows with their layer, parent position (the cogroup key) and own position."""
+    """Weights rows with their layer, parent position (the cogroup key) and own position: a join
+    with the tree's (is_leaf, key) -> place table, O(nodes + slots) rows, broadcast (no Python
+    pass over the weights). A key the tree does not have gets a null layer (see
+    :func:`layer_nbytes`, which rejects it)."""
     _, node, (slot_pos, slot_parent) = _placement(index)
     n_layers = len(tree_layers(index).layers)
     nid, nlayer, npos, nparent = node
+    place = pd.DataFrame({
+        "is_leaf": np.concatenate([np.zeros(len(nid), bool), np.ones(len(slot_pos), bool)]),
+        "key": np.concatenate([nid, np.arange(len(slot_pos))]).astype(np.int64),
+        "layer": np.concatenate([nlayer, np.full(len(slot_pos), n_layers - 1)]).astype(np.int32),
+        "ppos": np.concatenate([nparent, slot_parent[slot_pos]]).astype(np.int64),
+        "pos": np.concatenate([npos, slot_pos]).astype(np.int64)})
+    place = weights.sparkSession.createDataFrame(place, "is_leaf boolean, key long, layer int, ppos long, pos long")
+    return weights.join(F.broadcast(place), ["is_leaf", "key"], "left").select(
+        "key", "layer", "ppos", "pos", "w_idx", "w_val")
 
-    def place(batches):
+
+def layer_nbytes(model: ShardedModel) -> np.ndarray:
+    """Bytes of each layer's classifiers (8 a non-zero): one aggregate, O(layers) rows to the
+    driver, kept on the model; a weight key the tree does not have stops here."""
+    if model.layer_bytes is None:
+        out = np.zeros(len(tree_layers(model.index).layers), np.int64)
+        for r in (_placed(model.weights, model.index).groupBy("layer")
+                  .agg(F.sum(F.size("w_idx")).alias("nnz"), F.min("key").alias("key")).collect()):
+            if r["layer"] is None:
+                raise ModelFormatError(f"the weights hold key {int(r['key'])}, which is not in the tree")
+            out[int(r["layer"])] = int(r["nnz"] or 0) * BYTES_PER_NNZ
+        model.layer_bytes = out
+    return model.layer_bytes
+
+
+def top_layers(model: ShardedModel, n_layers: int, budget: float) -> int:
+    """How many of the first ``n_layers`` layers fit ``budget`` bytes together (the top of the
+    tree, broadcast and searched in one pass over the rows)."""
+    sizes = layer_nbytes(model)
+    if budget <= 0 or n_layers <= 0:
+        return 0
+    return int(np.searchsorted(np.cumsum(sizes[:n_layers]), budget, side="right"))
+
+
+def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) -> DataFrame:
+    """(sample_id, beam) after the first ``t0`` layers, as :func:`_beam`'s merge keeps it (top
+    ``beam_size`` of struct(neg score, prank, pos), ties by parent rank then position): those
+    layers' weights (at most the broadcast bound) are collected, shared with the tasks, and each
+    batch of rows is searched by the broadcast kernel (:func:`~..kernels.beam_search.beam_layers`)."""
+    shape = tree_layers(model.index)
+    n_cols = model.n_features + (1 if model.bias > 0 else 0)
+    rows = to_arrow(_placed(model.weights, model.index).where(F.col("layer") < t0))   # <= the bound
+    layer = rows.column("layer").to_numpy()
+    layers = []
+    for t in range(t0):
+        part = rows.filter(pa.array(layer == t))
+        off, idx = list_offsets_values(part, "w_idx")
+        _, val = list_offsets_values(part, "w_val")
+        keys, child_ptr, through = shape.layers[t]
+        layers.append((child_ptr, _columns(off, idx, val, part.column("pos").to_numpy(), len(keys), n_cols), through))
+    shared = share(feats, layers, name="the top layers of the model")
+    n_features, bias, post = model.n_features, model.bias, model.pred_params.post_processor
+
+    def search(batches):
         for b in batches:
+            if not b.num_rows:
+                continue
             t = pa.Table.from_batches([b])
-            leaf = t.column("is_leaf").to_numpy(zero_copy_only=False).astype(bool)
-            key = t.column("key").to_numpy().astype(np.int64)
-            layer = np.full(len(key), n_layers - 1, np.int32)
-            pos = np.zeros(len(key), np.int64)
-            ppos = np.zeros(len(key), np.int64)
-            if leaf.any():
-                pos[leaf] = slot_pos[key[leaf]]
-                ppos[leaf] = slot_parent[pos[leaf]]
-            inner = ~leaf
-            if inner.any():
-                j = np.searchsorted(nid, key[inner])
-                j = np.minimum(j, max(len(nid) - 1, 0))
-                if len(nid) == 0 or not np.array_equal(nid[j], key[inner]):
-                    bad = key[inner][nid[j] != key[inner]] if len(nid) else key[inner]
-                    raise ModelFormatError(f"weights hold node {int(bad[0])}, which is not in the tree")
-                layer[inner], pos[inner], ppos[inner] = nlayer[j], npos[j], nparent[j]
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(layer), pa.array(ppos), pa.array(pos), t.column("w_idx").combine_chunks(),
-                 t.column("w_val").combine_chunks()], names=["layer", "ppos", "pos", "w_idx", "w_val"])
+            X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
+            nodes, scores = beam_layers(X, shared.value, beam_size, post)
+            ok = nodes >= 0
+            entries = pa.StructArray.from_arrays(
+                [pa.array(-scores[ok]), pa.array(np.zeros(int(ok.sum()), np.int32)), pa.array(nodes[ok])],
+                names=["neg", "prank", "pos"])
+            off = np.concatenate([[0], np.cumsum(ok.sum(axis=1))]).astype(np.int32)
+            yield pa.RecordBatch.from_arrays([t.column("sample_id").combine_chunks(),
+                                              pa.ListArray.from_arrays(pa.array(off), entries)],
+                                             names=["sample_id", "beam"])
+            worker_progress("predict (top layers)", rows=b.num_rows)
 
-    return weights.mapInArrow(place, "layer int, ppos long, pos long, w_idx array<int>, w_val array<float>")
+    return feats.mapInArrow(search, "sample_id long, beam array<struct<neg: double, prank: int, pos: long>>")
 
 
 def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int, n: int,
-          labels: bool = False, keep: Optional[list] = None):
+          labels: bool = False, keep: Optional[list] = None, topk: Optional[int] = None):
     """The beam over the first ``n_layers`` layers: rows (sample_id, pos, score) of the last
     one's candidates, top ``beam_size`` per sample — or, with ``labels``, the label layer's
     (sample_id, pos = label, score) of every label the beam reaches (a label reached through
-    several leaves: the mean of its scores). ``keep``: a list that receives every layer's beam
-    as (sample_id, pos) rows, each layer checkpointed (computed once)."""
+    several leaves: the mean of its scores); with ``topk`` too (a tree whose every label sits
+    in one leaf), only each leaf's ``topk`` best labels per row, which hold the row's top k.
+    ``keep``: a list that receives every layer's beam as (sample_id, pos) rows, each layer
+    checkpointed (computed once).
+
+    The top layers that fit the broadcast bound together (:func:`top_layers`; not with ``keep``)
+    are searched in one pass with their weights shared (:func:`_top_beam`); the label layer
+    always goes through the cogroup."""
     shape = tree_layers(model.index)
     W = _placed(model.weights, model.index)      # not cached: nothing to release when the caller is done
     feats = samples.select("sample_id", "feature_idx", "feature_val")
-    # prank: the parent's rank in its row's beam; ties in score are broken by it, then by the
-    # child's position, as the broadcast search enumerates its candidates
-    cur = feats.select("*", F.lit(0).cast("long").alias("ppos"), F.lit(0).alias("prank"), F.lit(1.0).alias("pscore"))
-    slot_label = model.index.slot_label
+
+    def rejoin(top: DataFrame) -> DataFrame:
+        # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
+        # small input table would otherwise be broadcast, its rows through the driver every layer
+        return (top.join(feats.hint("shuffle_hash"), "sample_id")
+                .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
+                .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
+                        F.col("rank").alias("prank"), (-F.col("e.neg")).alias("pscore")))
+
+    t0 = 0 if keep is not None else top_layers(model, n_layers - (1 if labels else 0),
+                                               broadcast_bound(samples, model.pred_params))
     top = None
-    for t in range(n_layers):
+    if t0:
+        top = _top_beam(feats, model, t0, beam_size)
+        cur = rejoin(top) if t0 < n_layers else None
+    else:
+        # prank: the parent's rank in its row's beam; ties in score are broken by it, then by the
+        # child's position, as the broadcast search enumerates its candidates
+        cur = feats.select("*", F.lit(0).cast("long").alias("ppos"), F.lit(0).alias("prank"),
+                           F.lit(1.0).alias("pscore"))
+    slot_label = model.index.slot_label
+    for t in range(t0, n_layers):
         keys, child_ptr, through = shape.layers[t]
         last = labels and t == n_layers - 1
         m_prev = len(child_ptr) - 1
         salt = max(1, math.ceil(n * min(beam_size, m_prev) / m_prev / group_rows))
 
-        score = _scorer(model, child_ptr, through, slot_label[keys] if last else None)
+        score = _scorer(model, child_ptr, through, slot_label[keys] if last else None, topk if last else None)
         # both sides' keys must have one type: a long and an int of equal value hash apart
         left = cur.withColumn("salt", F.pmod(F.xxhash64("sample_id"), F.lit(salt)).cast("long"))
         right = (W.filter(F.col("layer") == t)
                  .withColumn("salt", F.explode(F.sequence(F.lit(0).cast("long"), F.lit(salt - 1).cast("long")))))
         cand = (left.groupBy("ppos", "salt").cogroup(right.groupBy("ppos", "salt"))
                 .applyInArrow(score, "sample_id long, prank int, pos long, score double"))
+        if last and topk:  # every label in one leaf: its one score
+            return cand.select("sample_id", "pos", "score")
         if last:           # (sample_id, label, mean score over the leaves that reach it)
             return cand.groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
         best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "prank", "pos"))), 1,
@@ -282,19 +367,16 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
             top = top.localCheckpoint()
             keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
         if t < n_layers - 1:
-            # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
-            # small input table would otherwise be broadcast, its rows through the driver every layer
-            cur = (top.join(feats.hint("shuffle_hash"), "sample_id")
-                   .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
-                   .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
-                           F.col("rank").alias("prank"), (-F.col("e.neg")).alias("pscore")))
+            cur = rejoin(top)
     return top.select("sample_id", F.explode("beam").alias("e")).select(
         "sample_id", F.col("e.pos").alias("pos"), (-F.col("e.neg")).alias("score"))
 
 
-def _scorer(model: ShardedModel, child_ptr: np.ndarray, through: np.ndarray, labels: Optional[np.ndarray]):
+def _scorer(model: ShardedModel, child_ptr: np.ndarray, through: np.ndarray, labels: Optional[np.ndarray],
+            topk: Optional[int] = None):
     """The cogroup function of one layer: (rows that reached parent p, weights of p's children)
-    -> (sample_id, child position or, at the label layer, label, path score) per row and child."""
+    -> (sample_id, child position or, at the label layer, label, path score) per row and child;
+    with ``topk``, per row only the ``topk`` best children (ties to the smaller label)."""
     n_cols = model.n_features + (1 if model.bias > 0 else 0)
     n_features, bias, post = model.n_features, model.bias, model.pred_params.post_processor
 
@@ -312,9 +394,16 @@ def _scorer(model: ShardedModel, child_ptr: np.ndarray, through: np.ndarray, lab
         ids = left.column("sample_id").to_numpy()
         out = np.arange(c0, c1) if labels is None else labels[c0:c1]
         worker_progress("predict", rows_scored=left.num_rows)
-        return pa.table({"sample_id": pa.array(np.repeat(ids, c1 - c0)),
-                         "prank": pa.array(np.repeat(left.column("prank").to_numpy().astype(np.int32), c1 - c0)),
-                         "pos": pa.array(np.tile(out, len(ids))), "score": pa.array(S.ravel())})
+        row = np.repeat(np.arange(len(ids)), c1 - c0)
+        col = np.tile(out, len(ids))
+        S = S.ravel()
+        if topk is not None and c1 - c0 > topk:     # each row's best topk: by score, then label
+            order = np.lexsort((col, -S, row))
+            keep = order[(np.arange(len(order)) % (c1 - c0)) < topk]
+            row, col, S = row[keep], col[keep], S[keep]
+        return pa.table({"sample_id": pa.array(ids[row]),
+                         "prank": pa.array(left.column("prank").to_numpy().astype(np.int32)[row]),
+                         "pos": pa.array(col), "score": pa.array(S)})
 
     return score
 
@@ -341,7 +430,9 @@ def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: in
     parts, n = members(model), _row_count(samples)
     scores = None
     for _, m in parts:
-        s = _beam(samples, m, beam_size, len(tree_layers(m.index).layers), group_rows, n(), labels=True)
+        # one tree whose every label sits in one leaf: each leaf task keeps its rows' top k
+        prune = topk if len(parts) == 1 and len(np.unique(m.index.slot_label)) == len(m.index.slot_label) else None
+        s = _beam(samples, m, beam_size, len(tree_layers(m.index).layers), group_rows, n(), labels=True, topk=prune)
         scores = s if scores is None else scores.unionByName(s)
     if len(parts) > 1:      # a mean of exactly 0 is no candidate, as in EnsembleModel's sparse sum
         scores = (scores.groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
