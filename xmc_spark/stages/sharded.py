@@ -4,8 +4,10 @@ When the ``weights`` table exceeds ``predict.max_broadcast_mb``, the pipeline ne
 a :class:`ShardedModel` holds the tree (O(labels), on the driver) and the weights as a
 DataFrame ``(is_leaf, key, w_idx, w_val)``.
 
-Beam search (:func:`predict`, :func:`matcher`) then runs one tree layer per step, with the
-arithmetic of :func:`~xmc_spark.kernels.beam_search.beam_search`:
+Beam search (:func:`predict`, :func:`matcher`) first takes the top layers whose weights fit
+the broadcast bound together (:func:`top_layers`) in one pass over the rows, those layers' weights
+shared with the tasks (:func:`_top_beam`, the broadcast kernel), then runs one tree layer per step,
+with the arithmetic of :func:`~xmc_spark.kernels.beam_search.beam_search`:
 
 1. each (sample, beam node) row is grouped with the weights of that node's children — a
    cogroup keyed by the parent's position in the layer (and a salt: a parent reached by many
@@ -14,7 +16,8 @@ arithmetic of :func:`~xmc_spark.kernels.beam_search.beam_search`:
 2. the task scores the children (:func:`~xmc_spark.kernels.beam_search.score_children`);
 3. the candidates are merged per sample (top ``beam_size`` by score, ties by position; at the
    label layer, a label reached through several leaves gets the mean of its scores, then the
-   top ``topk``), and joined back to the rows' features for the next layer.
+   top ``topk``), checkpointed on the executors, and joined back to the rows' features for the
+   next layer.
 
 The answer equals the broadcast beam search (same candidates, same products of the same
 factors; only the summation order of a dot product differs). It costs three shuffles per
@@ -313,8 +316,8 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     (sample_id, pos = label, score) of every label the beam reaches (a label reached through
     several leaves: the mean of its scores); with ``topk`` too (a tree whose every label sits
     in one leaf), only each leaf's ``topk`` best labels per row, which hold the row's top k.
-    ``keep``: a list that receives every layer's beam as (sample_id, pos) rows, each layer
-    checkpointed (computed once).
+    ``keep``: a list that receives every layer's beam as (sample_id, pos) rows (each layer's
+    beam is checkpointed: computed once).
 
     The top layers that fit the broadcast bound together (:func:`top_layers`; not with ``keep``)
     are searched in one pass with their weights shared (:func:`_top_beam`); the label layer
@@ -362,9 +365,10 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
             return cand.groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
         best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "prank", "pos"))), 1,
                        beam_size)
-        top = cand.groupBy("sample_id").agg(best.alias("beam"))
+        # checkpointed (computed once, here): the next layer's plan starts from it, so a layer's
+        # planning and its tasks' metric updates stay the size of one layer, not of all above it
+        top = cand.groupBy("sample_id").agg(best.alias("beam")).localCheckpoint()
         if keep is not None:
-            top = top.localCheckpoint()
             keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
         if t < n_layers - 1:
             cur = rejoin(top)
