@@ -87,6 +87,20 @@ def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, model
     assert {key for kind, key in joins if kind.startswith("Broadcast")} == {"is_leaf"}, joins
 
 
+@pytest.mark.parametrize("topk", [1, 2])
+def test_sharded_prediction_keeps_each_leafs_top_k(spark, problem, models, topk):
+    """One tree without overlap: each leaf task keeps only its rows' top k (here fewer than a
+    leaf's labels, ties to the smaller label), which hold every row's top k: the broadcast answer."""
+    samples, Xl, _ = problem
+    model = models["plain"]
+    child_ptr = model.layers()[0][-1][0]
+    assert np.diff(child_ptr).max() > topk                  # leaves with more labels than k: pruned
+    labels, scores = model.predict(Xl, beam_size=3, topk=topk)
+    rows = _rows(sharded.predict(samples, as_sharded(spark, model, "default"), beam_size=3, topk=topk))
+    assert [r["pred_labels"] for r in rows] == [[int(x) for x in lab if x >= 0] for lab in labels]
+    np.testing.assert_allclose(np.concatenate([r["pred_scores"] for r in rows]), scores[labels >= 0], rtol=1e-5)
+
+
 def test_layer_bytes_and_top_layers(spark, models):
     """Each layer's bytes from one aggregate (8 a non-zero, as the broadcast model's layers hold
     them); the top layers are the longest prefix within the bound."""
@@ -356,3 +370,6 @@ def test_weights_of_a_node_not_in_the_tree_are_rejected(spark, problem, models):
     sm.weights = sm.weights.unionByName(extra)
     with pytest.raises(ModelFormatError, match="key 1000000000, which is not in the tree"):
         sharded.predict(samples, sm, beam_size=3, topk=4)
+    sm.layer_bytes = sm.placed = None
+    with pytest.raises(ModelFormatError, match="key 1000000000, which is not in the tree"):
+        sharded.routed(samples, sm, beam_size=3)             # tfn+man: no shared layers, same check

@@ -88,6 +88,7 @@ class ShardedModel:
     label_counts: Optional[np.ndarray] = None
     nbytes: int = 0
     layer_bytes: Optional[np.ndarray] = field(default=None, repr=False)   # per layer, on first use
+    placed: Optional[DataFrame] = field(default=None, repr=False)         # :func:`_placed`, built once
 
     @property
     def n_labels(self) -> int:
@@ -247,12 +248,19 @@ def _placed(weights: DataFrame, index: TreeIndex) -> DataFrame:
         "key", "layer", "ppos", "pos", "w_idx", "w_val")
 
 
+def _placed_of(model: ShardedModel) -> DataFrame:
+    """:func:`_placed` of the model's weights, its place table built once."""
+    if model.placed is None:
+        model.placed = _placed(model.weights, model.index)
+    return model.placed
+
+
 def layer_nbytes(model: ShardedModel) -> np.ndarray:
     """Bytes of each layer's classifiers (8 a non-zero): one aggregate, O(layers) rows to the
     driver, kept on the model; a weight key the tree does not have stops here."""
     if model.layer_bytes is None:
         out = np.zeros(len(tree_layers(model.index).layers), np.int64)
-        for r in (_placed(model.weights, model.index).groupBy("layer")
+        for r in (_placed_of(model).groupBy("layer")
                   .agg(F.sum(F.size("w_idx")).alias("nnz"), F.min("key").alias("key")).collect()):
             if r["layer"] is None:
                 raise ModelFormatError(f"the weights hold key {int(r['key'])}, which is not in the tree")
@@ -277,7 +285,7 @@ def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) ->
     batch of rows is searched by the broadcast kernel (:func:`~..kernels.beam_search.beam_layers`)."""
     shape = tree_layers(model.index)
     n_cols = model.n_features + (1 if model.bias > 0 else 0)
-    rows = to_arrow(_placed(model.weights, model.index).where(F.col("layer") < t0))   # <= the bound
+    rows = to_arrow(_placed_of(model).where(F.col("layer") < t0))   # <= the bound
     layer = rows.column("layer").to_numpy()
     layers = []
     for t in range(t0):
@@ -310,7 +318,7 @@ def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) ->
 
 
 def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int, n: int,
-          labels: bool = False, keep: Optional[list] = None, topk: Optional[int] = None):
+          labels: bool = False, keep: Optional[list] = None, topk: Optional[int] = None, trees: int = 1):
     """The beam over the first ``n_layers`` layers: rows (sample_id, pos, score) of the last
     one's candidates, top ``beam_size`` per sample — or, with ``labels``, the label layer's
     (sample_id, pos = label, score) of every label the beam reaches (a label reached through
@@ -319,11 +327,12 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     ``keep``: a list that receives every layer's beam as (sample_id, pos) rows (each layer's
     beam is checkpointed: computed once).
 
-    The top layers that fit the broadcast bound together (:func:`top_layers`; not with ``keep``)
-    are searched in one pass with their weights shared (:func:`_top_beam`); the label layer
-    always goes through the cogroup."""
+    The top layers that fit the broadcast bound together (:func:`top_layers`; of one of ``trees``
+    trees searched together, their share of it; not with ``keep``) are searched in one pass with
+    their weights shared (:func:`_top_beam`); the label layer always goes through the cogroup."""
     shape = tree_layers(model.index)
-    W = _placed(model.weights, model.index)      # not cached: nothing to release when the caller is done
+    layer_nbytes(model)                          # one aggregate; stops on a key the tree lacks
+    W = _placed_of(model)                        # not cached: nothing to release when the caller is done
     feats = samples.select("sample_id", "feature_idx", "feature_val")
 
     def rejoin(top: DataFrame) -> DataFrame:
@@ -335,10 +344,11 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
                         F.col("rank").alias("prank"), (-F.col("e.neg")).alias("pscore")))
 
     t0 = 0 if keep is not None else top_layers(model, n_layers - (1 if labels else 0),
-                                               broadcast_bound(samples, model.pred_params))
+                                               broadcast_bound(samples, model.pred_params) / trees)
     top = None
     if t0:
-        top = _top_beam(feats, model, t0, beam_size)
+        # checkpointed as every layer's beam: later plans do not carry the shared layers
+        top = _top_beam(feats, model, t0, beam_size).localCheckpoint()
         cur = rejoin(top) if t0 < n_layers else None
     else:
         # prank: the parent's rank in its row's beam; ties in score are broken by it, then by the
@@ -436,7 +446,8 @@ def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: in
     for _, m in parts:
         # one tree whose every label sits in one leaf: each leaf task keeps its rows' top k
         prune = topk if len(parts) == 1 and len(np.unique(m.index.slot_label)) == len(m.index.slot_label) else None
-        s = _beam(samples, m, beam_size, len(tree_layers(m.index).layers), group_rows, n(), labels=True, topk=prune)
+        s = _beam(samples, m, beam_size, len(tree_layers(m.index).layers), group_rows, n(), labels=True, topk=prune,
+                  trees=len(parts))
         scores = s if scores is None else scores.unionByName(s)
     if len(parts) > 1:      # a mean of exactly 0 is no candidate, as in EnsembleModel's sparse sum
         scores = (scores.groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
@@ -486,7 +497,7 @@ def matcher(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_R
             part = samples.select("sample_id", F.lit(int(key[0])).cast("long").alias("leaf"),
                                   F.lit(1.0).cast("float").alias("score"))
         else:
-            beam = _beam(samples, m, beam_size, inner, group_rows, n())
+            beam = _beam(samples, m, beam_size, inner, group_rows, n(), trees=len(members(model)))
             leaves = samples.sparkSession.createDataFrame([(int(p), int(k)) for p, k in enumerate(key)],
                                                           "pos long, leaf long")
             part = (beam.join(F.broadcast(leaves), "pos")
