@@ -272,10 +272,9 @@ def layer_nbytes(model: ShardedModel) -> np.ndarray:
 def top_layers(model: ShardedModel, n_layers: int, budget: float) -> int:
     """How many of the first ``n_layers`` layers fit ``budget`` bytes together (the top of the
     tree, broadcast and searched in one pass over the rows)."""
-    sizes = layer_nbytes(model)
     if budget <= 0 or n_layers <= 0:
         return 0
-    return int(np.searchsorted(np.cumsum(sizes[:n_layers]), budget, side="right"))
+    return int(np.searchsorted(np.cumsum(layer_nbytes(model)[:n_layers]), budget, side="right"))
 
 
 def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) -> DataFrame:
@@ -332,7 +331,7 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     their weights shared (:func:`_top_beam`); the label layer always goes through the cogroup."""
     shape = tree_layers(model.index)
     layer_nbytes(model)                          # one aggregate; stops on a key the tree lacks
-    W = _placed_of(model)                        # not cached: nothing to release when the caller is done
+    W = _placed_of(model)                        # a plan, not a Spark cache: nothing to release
     feats = samples.select("sample_id", "feature_idx", "feature_val")
 
     def rejoin(top: DataFrame) -> DataFrame:
@@ -476,7 +475,8 @@ def routed(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_RO
         for (ids, _, through), beam in zip(shape.layers, beams):
             real = np.flatnonzero(~through)
             keys = _keyed(model, t, ids[real])
-            nodes = spark.createDataFrame([(int(p), int(k)) for p, k in zip(real, keys)], "pos long, node long")
+            nodes = spark.createDataFrame(pd.DataFrame({"pos": real.astype(np.int64), "node": keys}),
+                                          "pos long, node long")
             part = beam.join(F.broadcast(nodes), "pos").select("sample_id", "node")
             found = part if found is None else found.unionByName(part)
     if found is None:
@@ -498,8 +498,8 @@ def matcher(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_R
                                   F.lit(1.0).cast("float").alias("score"))
         else:
             beam = _beam(samples, m, beam_size, inner, group_rows, n(), trees=len(members(model)))
-            leaves = samples.sparkSession.createDataFrame([(int(p), int(k)) for p, k in enumerate(key)],
-                                                          "pos long, leaf long")
+            leaves = samples.sparkSession.createDataFrame(
+                pd.DataFrame({"pos": np.arange(len(key), dtype=np.int64), "leaf": key}), "pos long, leaf long")
             part = (beam.join(F.broadcast(leaves), "pos")
                     .select("sample_id", "leaf", F.col("score").cast("float").alias("score")))
         out = part if out is None else out.unionByName(part)
