@@ -39,51 +39,64 @@ def test_frame_to_csr_normalizes_and_names_bad_rows():
         frame_to_csr(pd.DataFrame({"x": [1]}), 3, True)
 
 
-@pytest.mark.parametrize("parts,trees", [(0, 1), (3, 1), (0, 2)], ids=["whole", "chunked", "ensemble"])
-def test_pyfunc_logged_registered_and_loaded_without_spark(tmp_path, parts, trees):
+# folder kinds: (parts of the chunked weights, trees)
+FOLDERS = {"whole": (0, 1), "chunked": (3, 1), "ensemble": (0, 2)}
+
+
+def test_pyfunc_logged_registered_and_loaded_without_spark(tmp_path):
+    """A whole, a chunked and an ensemble folder, each logged and registered (alias champion) in
+    one store, then loaded by alias and scored in one fresh process where Spark cannot be imported."""
     import mlflow
 
     from xmc_spark.kernels.sparse import l2_normalize_rows
+    from xmc_spark.mlflow_model import log_model
     from xmc_spark.model import EnsembleModel, ModelTrainParams
     X, Y = random_problem(n=150, seed=4)
     X = sp.csr_matrix(l2_normalize_rows(X), dtype=np.float32)   # ingested rows
-    tree = TreeParams(max_leaf_size=4, ensemble=trees)
-    model = (XMCModel if trees == 1 else EnsembleModel).train_local(X, Y, ModelTrainParams(tree=tree))
-    model.save(str(tmp_path / "model"), parts=parts)
-    assert (tmp_path / "model" / "weights").is_dir() == bool(parts)
-    assert (tmp_path / "model" / "tree-1").is_dir() == (trees == 2)
     frame = _frame(X[:40] * 3.0)                      # raw rows: the pyfunc normalizes like ingest
-    want = score_frame(model, frame, topk=3)
-    labels, _ = model.predict(X[:40], topk=3)         # X is already normalized
-    assert [list(r) for r in want["labels"]] == [[int(v) for v in r if v >= 0] for r in labels]
-
-    from xmc_spark.mlflow_model import log_model
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("t")
-    with mlflow.start_run() as run:
-        model_uri, version = log_model(str(tmp_path / "model"), "xmc-test", "champion")
-    assert version == 1
-    mv = mlflow.MlflowClient().get_model_version_by_alias("xmc-test", "champion")
-    assert mv.run_id == run.info.run_id
-    got = _score_without_spark(tmp_path, uri, "models:/xmc-test@champion", frame)
-    assert got["ids"] == list(range(100, 140))
-    assert got["labels"] == [list(map(int, x)) for x in want["labels"]]
-    np.testing.assert_allclose(np.concatenate(got["scores"]), np.concatenate(want["scores"]), rtol=1e-6)
+    wants = {}
+    for kind, (parts, trees) in FOLDERS.items():
+        folder = tmp_path / kind
+        tree = TreeParams(max_leaf_size=4, ensemble=trees)
+        model = (XMCModel if trees == 1 else EnsembleModel).train_local(X, Y, ModelTrainParams(tree=tree))
+        model.save(str(folder), parts=parts)
+        assert (folder / "weights").is_dir() == bool(parts), kind
+        assert (folder / "tree-1").is_dir() == (trees == 2), kind
+        want = score_frame(model, frame, topk=3)
+        labels, _ = model.predict(X[:40], topk=3)         # X is already normalized
+        assert [list(r) for r in want["labels"]] == [[int(v) for v in r if v >= 0] for r in labels], kind
+        with mlflow.start_run() as run:
+            _, version = log_model(str(folder), f"xmc-{kind}", "champion")
+        assert version == 1
+        assert mlflow.MlflowClient().get_model_version_by_alias(f"xmc-{kind}", "champion").run_id == run.info.run_id
+        wants[f"models:/xmc-{kind}@champion"] = want
+    got = _score_without_spark(tmp_path, uri, list(wants), frame)
+    for model_uri, want in wants.items():
+        assert got[model_uri]["ids"] == list(range(100, 140))
+        assert got[model_uri]["labels"] == [list(map(int, x)) for x in want["labels"]], model_uri
+        np.testing.assert_allclose(np.concatenate(got[model_uri]["scores"]), np.concatenate(want["scores"]),
+                                   rtol=1e-6)
 
 
-def _score_without_spark(tmp_path, uri, model_uri, frame, topk=3):
-    """Load ``model_uri`` in a fresh process where Spark cannot be imported; its top-k of ``frame``."""
+def _score_without_spark(tmp_path, uri, model_uris, frame, topk=3):
+    """Load each of ``model_uris`` in one fresh process where Spark cannot be imported; per URI
+    its top-k of ``frame``."""
     frame.to_json(tmp_path / "frame.json", orient="records")
     check = f"""
 import sys, json
 sys.modules["pyspark"] = None            # importing Spark would fail
 import mlflow, pandas as pd
 mlflow.set_tracking_uri("{uri}")
-m = mlflow.pyfunc.load_model("{model_uri}")
-out = m.predict(pd.read_json("{tmp_path / 'frame.json'}", orient="records"), params={{"topk": {topk}}})
-print(json.dumps({{"ids": out["sample_id"].tolist(), "labels": [list(map(int, x)) for x in out["labels"]],
-                  "scores": [list(map(float, x)) for x in out["scores"]]}}))
+frame = pd.read_json("{tmp_path / 'frame.json'}", orient="records")
+got = {{}}
+for model_uri in {json.dumps(list(model_uris))}:
+    out = mlflow.pyfunc.load_model(model_uri).predict(frame, params={{"topk": {topk}}})
+    got[model_uri] = {{"ids": out["sample_id"].tolist(), "labels": [list(map(int, x)) for x in out["labels"]],
+                      "scores": [list(map(float, x)) for x in out["scores"]]}}
+print(json.dumps(got))
 """
     r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
@@ -116,7 +129,7 @@ def test_pyfunc_applies_prime_from_the_model_folder(tmp_path):
     mlflow.set_experiment("t")
     with mlflow.start_run():
         model_uri, _ = log_model(str(tmp_path / "model"))
-    got = _score_without_spark(tmp_path, uri, model_uri, frame)
+    got = _score_without_spark(tmp_path, uri, [model_uri], frame)[model_uri]
     assert got["labels"] == [list(map(int, x)) for x in want["labels"]]
     np.testing.assert_allclose(np.concatenate(got["scores"]), np.concatenate(want["scores"]), rtol=1e-5)
 

@@ -210,7 +210,10 @@ def test_test_labels_unseen_in_training_are_counted_misses(env, unkeyed, spark):
     assert json.loads((d / "out200" / "metrics.json").read_text())["test_unseen_labels"] == 1
 
 
+# ~2.5 min (two ingest processes, each a JVM, on 2 cores): on demand, to keep CI under its 30
+# minutes; CI runs two writers at once on one fresh table in tests/test_storage.py
 @pytest.mark.slow
+@pytest.mark.on_demand
 def test_two_keys_ingest_at_once_into_a_fresh_root(tmp_path, spark):
     write_split(tmp_path, 120, n=160, d=40, L=12, seed=3)
     root = tmp_path / "root"

@@ -54,6 +54,25 @@ def test_links_and_schema_checked_on_read(spark, tmp_path):
     assert read_delta(spark, str(tmp_path / "elsewhere")).count() == 1     # the raw reader does not check
 
 
+def test_two_keys_written_at_once_into_a_fresh_table(spark, tmp_path):
+    """Two writers (threads: two Delta transactions of one session) create and fill one fresh
+    keyed table at once, three times over: both commits land (the loser of each race retries),
+    each key holds its own rows. tests/test_runner.py (on demand) does it with two processes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = "metric string, value double"
+    for round_ in range(3):
+        path = str(tmp_path / f"t{round_}")
+
+        def write(key, value, path=path):
+            write_delta(spark.createDataFrame([("p@1", value), ("p@3", value)], rows), path, key)
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(write, ["ka", "kb"], [1.0, 2.0]))
+        got = sorted(tuple(r) for r in read_delta(spark, path).select("run_key", "metric", "value").collect())
+        assert got == [("ka", "p@1", 1.0), ("ka", "p@3", 1.0), ("kb", "p@1", 2.0), ("kb", "p@3", 2.0)]
+
+
 def test_conflicts_are_told_from_other_errors():
     assert is_conflict(RuntimeError("[DELTA_PROTOCOL_CHANGED] The protocol version of the Delta table ..."))
     assert is_conflict(Exception("io.delta.exceptions.ConcurrentAppendException: Files were added ..."))
