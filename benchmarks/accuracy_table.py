@@ -54,6 +54,14 @@ CONFIGS = {
                                           "tree.ensemble_splits": "2,8,32"},
     "C 0.5 + l2-hinge + 3 trees 2/8/32 + clusters (2 copies)": {
         "train.C": 0.5, "predict.post_processor": "l2-hinge", "tree.ensemble_splits": "2,8,32", "clusters.copies": 2},
+    # the search, the pruning and the leaf size (validated on delicious, 2026-11-27; README)
+    "C 0.5 + l2-hinge + beam 20": {"train.C": 0.5, "predict.post_processor": "l2-hinge", "predict.beam_size": 20},
+    "C 0.5 + l2-hinge + no pruning": {"train.C": 0.5, "predict.post_processor": "l2-hinge", "train.threshold": 0.0},
+    "C 0.5 + l2-hinge + leaves of 200": {"train.C": 0.5, "predict.post_processor": "l2-hinge",
+                                         "tree.max_leaf_size": 200},
+    # leaves of 1000: one leaf on bibtex and delicious, i.e. flat one-vs-rest with the same solver
+    "C 0.5 + l2-hinge + leaves of 1000": {"train.C": 0.5, "predict.post_processor": "l2-hinge",
+                                          "tree.max_leaf_size": 1000},
 }
 TRAIN_STAGES = ("tree", "embedding", "frequencies", "train", "negatives", "retrain_man")
 
