@@ -56,16 +56,20 @@ def test_links_and_schema_checked_on_read(spark, tmp_path):
 
 def test_two_keys_written_at_once_into_a_fresh_table(spark, tmp_path):
     """Two writers (threads: two Delta transactions of one session) create and fill one fresh
-    keyed table at once, three times over: both commits land (the loser of each race retries),
-    each key holds its own rows. tests/test_runner.py (on demand) does it with two processes."""
+    keyed table at once, three times over: both commits land (when they collide, the second
+    retries), each key holds its own rows. tests/test_runner.py (on demand) does it with two
+    processes."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     rows = "metric string, value double"
     for round_ in range(3):
-        path = str(tmp_path / f"t{round_}")
+        path, start = str(tmp_path / f"t{round_}"), threading.Barrier(2)
 
-        def write(key, value, path=path):
-            write_delta(spark.createDataFrame([("p@1", value), ("p@3", value)], rows), path, key)
+        def write(key, value, path=path, start=start):
+            df = spark.createDataFrame([("p@1", value), ("p@3", value)], rows)
+            start.wait(timeout=60)                       # both transactions start together
+            write_delta(df, path, key)
 
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(write, ["ka", "kb"], [1.0, 2.0]))

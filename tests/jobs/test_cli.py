@@ -112,15 +112,16 @@ def test_stage_all_equals_run_on_bibtex(bibtex, tmp_path, spark):
         assert staged[k] == m[k], k
 
 
-def test_bad_input_and_bad_config_exit_2(tmp_path, spark, capsys):
+def test_bad_input_and_bad_config_exit_2(tmp_path, spark, capfd, caplog):
     bad = tmp_path / "bad.txt"
     bad.write_text("2 5 4\n0 1:1\n1 2:1 7:1\n")
     # found by Spark's tasks (in this process: the exit code and message paths are the ones the
     # two processes below take)
     assert main_in_process("run", "--train", str(bad), "--out", str(tmp_path / "o"),
                            "--set", "mlflow.enabled=false") == 2
-    err = capsys.readouterr().err
-    assert f"{bad}:3: feature index 7 out of range [0, 5)" in err and "Traceback" not in err
+    err = capfd.readouterr().err                     # Python's and the JVM's stderr
+    assert f"{bad}:3: feature index 7 out of range [0, 5)" in err
+    assert "Traceback" not in err + caplog.text
     assert not (tmp_path / "o" / "tables" / "train").exists()
     r = cli("run", "--train", str(bad), "--out", str(tmp_path / "o"), "--set", "tree.max_leaf_size=abc")
     assert r.returncode == 2 and "tree.max_leaf_size" in r.stderr and "integer" in r.stderr

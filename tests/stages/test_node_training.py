@@ -257,17 +257,23 @@ def _weighted(Yl):
     return Yw, rng.uniform(0.5, 2.0, Yl.shape[0]).astype(np.float32)
 
 
-def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark):
-    """Nodes over the bound, with sample and label weights and a bias of 0.5: the Spark oracle's
-    TRON gives the local TRON's pruned weights (which tests/kernels/test_tron.py checks against
-    the dual kernel's optimum); the other nodes are the grouped kernel's, unchanged."""
-    _, Xl, Yl = problem
-    Yw, sw = _weighted(Yl)
-    tp = TrainParams(bias=0.5, max_node_rows=str(BOUND))
+@pytest.mark.parametrize("weighted", [True, False])
+def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted):
+    """Nodes over the bound: the Spark oracle's TRON gives the local TRON's pruned weights (which
+    tests/kernels/test_tron.py checks against the dual kernel's optimum); the other nodes are the
+    grouped kernel's, unchanged. Weighted: sample and label weights and a bias of 0.5, to
+    convergence; unweighted (no weight columns): three Newton steps, the same iterates."""
+    samples, Xl, Yl = problem
+    if weighted:
+        Yw, sw = _weighted(Yl)
+        tp = TrainParams(bias=0.5, max_node_rows=str(BOUND))
+        samples = samples_frame(spark, Xl, Yw, label_weights=True, weights=sw)
+    else:
+        Yw, sw = Yl, None
+        tp = TrainParams(max_node_rows=str(BOUND), tron_max_iter=3)
     big = _split(index, Yw)
     Xb = append_bias(Xl, tp.bias)
-    got = _stage_weights(node_training.run(samples_frame(spark, Xl, Yw, label_weights=True, weights=sw),
-                                           index, D, tp))
+    got = _stage_weights(node_training.run(samples, index, D, tp))
     ref_nodes, ref_slots = train_all_groups(index, Xb, Yw, tp, sw)
     big_keys = _assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index)
     for g in big:
