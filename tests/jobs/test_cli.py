@@ -86,7 +86,7 @@ def test_run_and_predict_on_bibtex(bibtex, tmp_path, spark):
         assert "Traceback" not in r.stderr
 
 
-# ~70-90 s (the whole bibtex pipeline a second time): on demand, to keep CI under its 30 minutes;
+# ~2 min (the whole bibtex pipeline twice): on demand, to keep CI under its 30 minutes;
 # CI checks `run` = `stage all` on a toy set (tests/test_runner.py)
 @pytest.mark.on_demand
 def test_stage_all_equals_run_on_bibtex(bibtex, tmp_path, spark):
