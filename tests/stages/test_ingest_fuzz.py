@@ -31,7 +31,7 @@ N_PARQUET = 56
 # cycle), five Parquet flips, five truncations and ten logical faults (the logical fault's kind
 # is drawn); all 200 on demand, to keep CI under its 30 minutes
 N_CI = {"xc": 27, "svmlight": 24, "parquet": 20}
-CI_SHARE = [pytest.param(False, id="all", marks=pytest.mark.on_demand), pytest.param(True, id="ci")]
+CI_RUNS = [pytest.param(False, id="all", marks=pytest.mark.on_demand), pytest.param(True, id="ci")]
 
 # sample i: (labels, [(feature, value)]); XC ids are 0-based, svmlight ones 1-based
 ROWS = [([0, 2], [(0, "1"), (3, "0.5")]), ([1], [(2, "2"), (7, "1")]), ([], [(5, "1.5")]),
@@ -235,7 +235,7 @@ def _report(failures, n, seconds):
     assert not failures, f"{len(failures)} of {n} fuzzed inputs went wrong:\n" + "\n".join(failures[:15])
 
 
-@pytest.mark.parametrize("ci", CI_SHARE)
+@pytest.mark.parametrize("ci", CI_RUNS)
 @pytest.mark.parametrize("fmt", ["xc", "svmlight"])
 def test_fuzzed_text(spark, tmp_path, fmt, ci):
     ext = ".txt" if fmt == "xc" else ".svm"
@@ -333,7 +333,7 @@ def parquet_inputs(data, tmp_path, n, seed):
             yield f"{i:03d}-logical", str(path), sid, same
 
 
-@pytest.mark.parametrize("ci", CI_SHARE)
+@pytest.mark.parametrize("ci", CI_RUNS)
 def test_fuzzed_parquet(spark, tmp_path, ci):
     clean_path = tmp_path / "clean.parquet"
     pq.write_table(_table(clean_table_rows()), clean_path, write_page_checksum=True)
