@@ -114,10 +114,12 @@ def pipeline_runs(args, log) -> dict:
     data = Path(args.data)
     out_root = Path(args.out_dir or tempfile.mkdtemp(prefix="prime-pipeline-"))
     runs = [(f"tree + PRIME re-rank K={k}", ["prime.mode=rerank", f"prime.K={k}"]) for k in
-            [int(x) for x in args.rerank_k.split(",")]] + [("PRIME standalone", ["prime.mode=retrieve"])]
+            [int(x) for x in args.rerank_k.split(",")]] + ([] if args.no_standalone else
+                                                          [("PRIME standalone", ["prime.mode=retrieve"])])
     common = [f"prime.epochs={args.epochs}", f"prime.dim={args.dim}", f"prime.lr={args.lr}",
               f"prime.batch_size={args.batch}", f"prime.hard_k={args.hard_k}", f"prime.val_frac={args.val_frac}",
-              f"prime.seed={args.seed}", f"prime.residual={args.residual}", "mlflow.enabled=false",
+              f"prime.seed={args.seed}", f"prime.residual={args.residual}", f"prime.patience={args.patience}",
+              "mlflow.enabled=false",
               "spark.master=local[2]"]
     results = {}
     for name, sets in runs:
@@ -135,7 +137,7 @@ def pipeline_runs(args, log) -> dict:
         sec = m["seconds"]
         results[name] = {**{k: m[k] for k in [f"{p}@{k}" for p in ("p", "psp") for k in KS]},
                          **{f"tree_{k}": m[f"tree_{k}"] for k in [f"{p}@{k}" for p in ("p", "psp") for k in KS]},
-                         "w": m.get("prime.weight"), "epoch": m.get("prime.epoch"),
+                         "w": m.get("prime.weight"), "epoch": m.get("prime.epoch"), "epochs_run": m.get("prime.epochs_run"),
                          "val_mean_p": {"tree": m.get("prime.val_tree_mean_p"),
                                         "rerank": m.get("prime.val_rerank_mean_p")},
                          "prime_s": sec["prime"], "train_s": sec["train"], "predict_s": sec["predict"],
@@ -179,6 +181,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
     ap.add_argument("--pipeline", action="store_true", help="run the real pipeline (xmc-spark run) per PRIME mode")
+    ap.add_argument("--no-standalone", action="store_true", help="--pipeline: only the re-rank runs")
+    ap.add_argument("--patience", type=int, default=3, help="--pipeline: prime.patience (0: every epoch)")
     ap.add_argument("--out-dir", default="", help="--pipeline: where the runs go (default: a temp folder)")
     args = ap.parse_args()
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

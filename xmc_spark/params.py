@@ -430,6 +430,7 @@ class PrimeParams(BaseParams):
     val_frac: float = 0.1           # training rows held out (by a hash of sample_id) to choose
     val_max_rows: int = 20000       # the epoch and the rerank weight; at most this many
     select_epoch: bool = True       # keep the epoch with the best held-out P@1/3/5 (else the last)
+    patience: int = 3               # with select_epoch: stop after this many epochs without a better one (0: never)
     val_tree: bool = True           # rerank: a second tree without the held-out rows scores them
     dim: int = 128
     residual: bool = False
@@ -455,7 +456,7 @@ class PrimeParams(BaseParams):
     propensity_positives: bool = True
     seed: int = 0
 
-    STAGE_KEYS = ("mode", "K", "hard_k", "val_frac", "val_max_rows", "select_epoch", "val_tree")
+    STAGE_KEYS = ("mode", "K", "hard_k", "val_frac", "val_max_rows", "select_epoch", "patience", "val_tree")
 
     def kernel(self, propensity_a: float = 0.55, propensity_b: float = 1.5):
         """The kernel's parameters (:class:`xmc_spark.kernels.prime.PrimeParams`)."""
@@ -470,6 +471,7 @@ class PrimeParams(BaseParams):
         _check(self.hard_k >= 0, prefix + "hard_k", "must be >= 0 (0: random negatives only)")
         _check(0 < self.val_frac < 1, prefix + "val_frac", f"must be in (0, 1), got {self.val_frac}")
         _check(self.val_max_rows >= 1, prefix + "val_max_rows", "must be >= 1")
+        _check(self.patience >= 0, prefix + "patience", "must be >= 0 (0: run every epoch)")
         for key in ("dim", "ffn", "epochs", "batch_size", "n_pos"):
             _check(getattr(self, key) >= 1, prefix + key, "must be >= 1")
         for key in ("n_hard", "n_random", "n_free"):

@@ -67,6 +67,20 @@ def test_stage_trains_streaming_and_chooses_on_held_out_training_rows(trained):
     np.testing.assert_allclose(np.linalg.norm(head.weights["Z"], axis=1), 1.0, rtol=1e-5)
 
 
+def test_patience_stops_when_no_epoch_beats_the_best(spark):
+    # lr ~0 and no centroids: every epoch's model retrieves like the PIFA start, none is better
+    X, Y = _synth(0, N_TRAIN)
+    tree = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
+    counts = np.asarray((Y > 0).sum(axis=0)).ravel()
+    kw = dict(mode="retrieve", hard_k=5, epochs=6, dim=8, ffn=16, batch_size=128, val_frac=0.2, lr=1e-12,
+              use_centroids=False)
+    samples = samples_frame(spark, X, Y, partitions=2)
+    for patience, runs in ((2, 2), (0, 6)):
+        _, facts = stage.run(samples, tree, counts, PrimeParams(patience=patience, **kw), N_TRAIN, D, L, beam_size=3)
+        assert facts["prime.epochs_run"] == runs and len(facts["prime.loss"]) == runs
+        assert facts["prime.epoch"] == 0 and len(set(facts["prime.val_retrieve_mean_p"])) == 1
+
+
 def test_held_out_share_is_capped(spark):
     df = spark.range(0, 2000).withColumnRenamed("id", "sample_id")
     frac = stage.val_fraction(PrimeParams(val_frac=0.5, val_max_rows=100), 2000)

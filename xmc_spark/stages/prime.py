@@ -149,7 +149,8 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
     """Train PRIME streaming the rows of ``fit`` (training rows with ``cand``), one process.
 
     ``val`` = (X, Y) of the held-out rows: after every epoch the standalone retrieval's mean
-    P@1/3/5 on them is measured and, with ``prime.select_epoch``, the best epoch's state kept.
+    P@1/3/5 on them is measured and, with ``prime.select_epoch``, the best epoch's state kept;
+    with ``prime.patience`` P > 0 the epochs stop once P in a row have not beaten the best.
     Returns the model and facts (losses per epoch, held-out scores, the chosen epoch)."""
     kp = prm.kernel(*((eval_params.propensity_a, eval_params.propensity_b) if eval_params else ()))
     model = PR.init_from_pifa(Z_pifa, kp)
@@ -183,11 +184,15 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
         if not prm.select_epoch or not scores[-1] <= best["score"]:
             best = {"score": scores[-1], "epoch": ep + 1, "weights": copy.deepcopy(model.weights),
                     "centroids": model.centroids.copy()}
+        elif prm.patience and ep + 1 - best["epoch"] >= prm.patience:
+            log.info("prime: no better held-out epoch since epoch %d, stopping after epoch %d", best["epoch"], ep + 1)
+            break
     packed.unpersist()
     model.weights, model.centroids = best["weights"], best["centroids"]
     model.epoch = best["epoch"]
     return model, {"prime.loss": [round(v, 6) for v in model.history],
-                   "prime.val_retrieve_mean_p": [round(v, 4) for v in scores], "prime.epoch": best["epoch"]}
+                   "prime.val_retrieve_mean_p": [round(v, 4) for v in scores], "prime.epoch": best["epoch"],
+                   "prime.epochs_run": len(model.history)}
 
 
 def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_rows: int, n_features: int,
