@@ -137,7 +137,8 @@ def pipeline_runs(args, log) -> dict:
         sec = m["seconds"]
         results[name] = {**{k: m[k] for k in [f"{p}@{k}" for p in ("p", "psp") for k in KS]},
                          **{f"tree_{k}": m[f"tree_{k}"] for k in [f"{p}@{k}" for p in ("p", "psp") for k in KS]},
-                         "w": m.get("prime.weight"), "epoch": m.get("prime.epoch"), "epochs_run": m.get("prime.epochs_run"),
+                         "w": m.get("prime.weight"), "epoch": m.get("prime.epoch"),
+                         "epochs_run": m.get("prime.epochs_run"),
                          "val_mean_p": {"tree": m.get("prime.val_tree_mean_p"),
                                         "rerank": m.get("prime.val_rerank_mean_p")},
                          "prime_s": sec["prime"], "train_s": sec["train"], "predict_s": sec["predict"],

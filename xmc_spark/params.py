@@ -436,10 +436,10 @@ class PrimeParams(BaseParams):
     residual: bool = False
     ffn: int = 1024
     dropout: float = 0.1
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.01
     epochs: int = 15
-    batch_size: int = 256
+    batch_size: int = 1024
     n_pos: int = 1
     n_hard: int = 8
     n_random: int = 8
