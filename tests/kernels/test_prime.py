@@ -171,6 +171,19 @@ def test_centroids_follow_eq4():
     np.testing.assert_array_equal(C[[2, 4]], C0[[2, 4]])                     # labels not in the batch
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_fused_gelu_equals_erf_gelu_and_its_derivative(dtype):
+    x = np.random.default_rng(0).normal(0, 3, (5, 3, 7)).astype(dtype)
+    g, dg = P.gelu_and_grad(x)
+    assert g.dtype == dg.dtype == dtype and g.shape == x.shape
+    tol = 1e-12 if dtype == np.float64 else 1e-6
+    np.testing.assert_allclose(g, P.gelu(x.astype(np.float64)), rtol=tol, atol=tol)
+    np.testing.assert_allclose(dg, P.gelu_grad(x.astype(np.float64)), rtol=tol, atol=tol)
+    x64, h = x.astype(np.float64), 1e-6         # and the derivative is the value's
+    np.testing.assert_allclose(P.gelu_and_grad(x64)[1], (P.gelu(x64 + h) - P.gelu(x64 - h)) / (2 * h),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_permuting_the_three_tokens_leaves_the_prototype_unchanged():
     model = tiny()[0]
     T = np.random.default_rng(2).normal(size=(7, 3, 6))
