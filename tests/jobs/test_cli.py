@@ -141,7 +141,7 @@ def test_params_skeleton_round_trips(tmp_path):
 
 
 # the distributed-solver variant ~90 s (TRON's Spark jobs in both trainings): on demand, to keep CI
-# under its 30 minutes; tests/stages/test_shared_vectors.py checks the solver's vectors in files
+# under its 30 minutes; tests/stages/test_node_training.py checks the solver's vectors in files
 @pytest.mark.parametrize("big_nodes", [False, pytest.param(True, marks=pytest.mark.on_demand)])
 def test_run_with_overlapping_clusters(tmp_path, spark, big_nodes):
     """Overlapping clusters; with ``big_nodes`` the root is over train.max_node_rows and the

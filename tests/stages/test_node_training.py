@@ -258,22 +258,25 @@ def _weighted(Yl):
 
 
 @pytest.mark.parametrize("weighted", [True, False])
-def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted):
-    """Nodes over the bound: the Spark oracle's TRON gives the local TRON's pruned weights (which
-    tests/kernels/test_tron.py checks against the dual kernel's optimum); the other nodes are the
-    grouped kernel's, unchanged. Weighted: sample and label weights and a bias of 0.5, to
-    convergence; unweighted (no weight columns): three Newton steps, the same iterates."""
+def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted, tmp_path):
+    """Nodes over the bound: the Spark oracle's TRON gives the local TRON's iterates, three Newton
+    steps, pruned (tests/kernels/test_tron.py checks local TRON against the dual kernel's optimum;
+    on demand, the Spark solver too); the other nodes are the grouped kernel's, unchanged.
+    Weighted: sample and label weights and a bias of 0.5, the solver's vectors in files
+    (`train.tron_driver_mb` 0, the default; the scratch folder is left empty); unweighted (no
+    weight columns): the vectors on the driver (64 MB). So files and driver give the same weights."""
     samples, Xl, Yl = problem
     if weighted:
         Yw, sw = _weighted(Yl)
-        tp = TrainParams(bias=0.5, max_node_rows=str(BOUND))
+        tp = TrainParams(bias=0.5, max_node_rows=str(BOUND), tron_max_iter=3, tron_driver_mb=0)
         samples = samples_frame(spark, Xl, Yw, label_weights=True, weights=sw)
     else:
         Yw, sw = Yl, None
-        tp = TrainParams(max_node_rows=str(BOUND), tron_max_iter=3)
+        tp = TrainParams(max_node_rows=str(BOUND), tron_max_iter=3, tron_driver_mb=64)
     big = _split(index, Yw)
     Xb = append_bias(Xl, tp.bias)
-    got = _stage_weights(node_training.run(samples, index, D, tp))
+    got = _stage_weights(node_training.run(samples, index, D, tp, scratch=str(tmp_path)))
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]           # the solver's files are gone
     ref_nodes, ref_slots = train_all_groups(index, Xb, Yw, tp, sw)
     big_keys = _assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index)
     for g in big:

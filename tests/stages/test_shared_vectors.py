@@ -1,8 +1,8 @@
 """The distributed solver's vectors in shared files: every method of the file-backed space
 (gradient, Hessian-vector product, combination, inner products; all classifiers and a subset)
-equals the in-memory space on the big nodes of the stage tests' problem, and the stage trains
-the same weights with its vectors in files as with them on the driver, leaving no file behind."""
-import dataclasses
+equals the in-memory space on the big nodes of the stage tests' problem. That the stage trains
+the same weights with its vectors in files as on the driver, leaving no file behind, is
+tests/stages/test_node_training.py's big-nodes test (both equal local TRON's iterates)."""
 import os
 
 import numpy as np
@@ -17,7 +17,6 @@ from xmc_spark.kernels import tron
 from xmc_spark.kernels.label_embedding import pifa
 from xmc_spark.kernels.tree import TreeIndex, build_tree
 from xmc_spark.params import TrainParams
-from xmc_spark.schemas import check_table
 from xmc_spark.stages import node_training
 from xmc_spark.stages.shared_vectors import SharedSpace
 
@@ -104,28 +103,3 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     got.close()
     packed.unpersist()
     assert not os.listdir(tmp_path)
-
-
-def test_stage_with_vectors_in_files_equals_vectors_on_the_driver(problem, index, tmp_path):
-    """train.tron_driver_mb = 0 (the default) puts the solver's vectors in files, 64 MB keeps
-    these on the driver: the same weights (no pruning,
-    to compare every entry; three Newton steps, the same iterates either way), and the scratch
-    folder is left empty."""
-    samples, _, Yl = problem
-    _big(index, Yl)
-    tp = TrainParams(threshold=0.0, max_node_rows=str(BOUND), tron_max_iter=3, tron_driver_mb=64)
-    on_driver = node_training.run(samples, index, D, tp)
-    in_files = node_training.run(samples, index, D, dataclasses.replace(tp, tron_driver_mb=0), scratch=str(tmp_path))
-
-    def dense(df):
-        out = {}
-        for r in check_table(df, "weights").collect():
-            v = np.zeros(D + 1)
-            v[np.asarray(r["w_idx"])] = r["w_val"]
-            out[(r["is_leaf"], r["key"])] = v
-        return out
-    a, b = dense(on_driver), dense(in_files)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-5, err_msg=str(k))
-    assert not _files(tmp_path)
