@@ -259,8 +259,8 @@ def _weighted(Yl):
 
 @pytest.mark.parametrize("weighted", [True, False])
 def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted, tmp_path):
-    """Nodes over the bound: the Spark oracle's TRON gives the local TRON's iterates, three Newton
-    steps, pruned (tests/kernels/test_tron.py checks local TRON against the dual kernel's optimum;
+    """Nodes over the bound: the Spark oracle's TRON gives the local TRON's iterates (two or three
+    Newton steps), pruned (tests/kernels/test_tron.py checks local TRON against the dual kernel's optimum;
     on demand, the Spark solver too); the other nodes are the grouped kernel's, unchanged.
     Weighted: sample and label weights and a bias of 0.5, the solver's vectors in files
     (`train.tron_driver_mb` 0, the default; the scratch folder is left empty); unweighted (no
@@ -268,7 +268,7 @@ def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted
     samples, Xl, Yl = problem
     if weighted:
         Yw, sw = _weighted(Yl)
-        tp = TrainParams(bias=0.5, max_node_rows=str(BOUND), tron_max_iter=3, tron_driver_mb=0)
+        tp = TrainParams(bias=0.5, max_node_rows=str(BOUND), tron_max_iter=2, tron_driver_mb=0)
         samples = samples_frame(spark, Xl, Yw, label_weights=True, weights=sw)
     else:
         Yw, sw = Yl, None
