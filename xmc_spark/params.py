@@ -512,12 +512,13 @@ class MlflowParams(BaseParams):
 class EagleParams(BaseParams):
     """EAGLE, used when the training input is aggregated (group-level labels)."""
 
-    mode: str = "soft"           # baseline | eagle0 | eagle | soft (default: best of the README table)
+    mode: str = "soft"           # baseline | eagle0 | eagle | soft | joint (default: best of the README table)
     T: int = 20                  # GRLR iterations (eagle, soft); eagle0 uses 0
     eta: float = 0.1             # GRLR step
     tau: float = 30.0            # soft: softmax temperature (0 = baseline with weights)
     weight_scale: float = 1.0    # soft: weight = min(1, weight_scale * g * softmax)
-    min_weight: float = 1e-3     # soft: pairs below this weight are dropped
+    min_weight: float = 1e-3     # soft, joint: pairs below this weight are dropped
+    joint_iters: int = 20        # joint: Sinkhorn rounds (columns to the labels' counts, rows to equal shares)
     use_counts: bool = True      # a (group, label) with count c goes to its top-c members
     head_groups: int = 0         # labels in more groups than this: GRLR split across tasks
                                  # (0: auto, the (group, label) pairs over the task count)
@@ -528,8 +529,9 @@ class EagleParams(BaseParams):
     refine_weights: str = "softmax"  # softmax over a (group, label)'s members, or ratio: score / best
 
     def validate(self, prefix=""):
-        _check(self.mode in ("baseline", "eagle0", "eagle", "soft"), prefix + "mode",
-               f"must be one of baseline, eagle0, eagle, soft, got {self.mode!r}")
+        _check(self.mode in ("baseline", "eagle0", "eagle", "soft", "joint"), prefix + "mode",
+               f"must be one of baseline, eagle0, eagle, soft, joint, got {self.mode!r}")
+        _check(self.joint_iters >= 0, prefix + "joint_iters", "must be >= 0")
         _check(self.T >= 0, prefix + "T", "must be >= 0")
         _check(self.eta > 0, prefix + "eta", "must be > 0")
         _check(self.tau >= 0, prefix + "tau", "must be >= 0")

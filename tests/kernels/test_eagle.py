@@ -8,6 +8,7 @@ from xmc_spark.kernels.eagle import (
     assign,
     drift,
     grlr_block,
+    joint_weights,
     path_scores,
     refine_assign,
     segment_softmax,
@@ -118,6 +119,99 @@ def test_sample_in_two_groups_keeps_largest_weight():
     np.testing.assert_allclose(w[1], max(2 * np.exp(0) / (np.exp(1) + 1), 2 * s_g1[0] / s_g1.sum()))
 
 
+# ---- joint assignment (eagle.mode joint) -------------------------------------------------------
+
+def _dense_sinkhorn(K, c, iters):
+    """Reference: the textbook Sinkhorn-Knopp loop on one group's dense member x label matrix."""
+    W = K.copy()
+    r = np.full(K.shape[0], c.sum() / K.shape[0])
+    W *= c / W.sum(axis=0)
+    for _ in range(iters):
+        W *= (r / W.sum(axis=1))[:, None]
+        W *= c / W.sum(axis=0)
+    return W
+
+
+def _random_groups(seed):
+    """Two groups (sizes 3 and 4, one shared member) with counts, and random scores."""
+    rng = np.random.default_rng(seed)
+    groups = {0: [0, 1, 2], 1: [2, 3, 4, 5]}
+    glabels = {0: [0, 2, 3], 1: [1, 2, 4, 5, 6]}
+    counts = {(g, k): int(rng.integers(1, len(groups[g]) + 1)) for g in glabels for k in glabels[g]}
+    tr = _triples(groups, glabels, 7, counts=counts)
+    return groups, glabels, counts, tr, rng.uniform(-1, 1, len(tr.lab))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_joint_weights_equal_dense_sinkhorn_per_group(seed):
+    groups, glabels, counts, tr, s = _random_groups(seed)
+    tau, iters = 3.0, 7
+    p, w = joint_weights(tr, s, tau, iters, weight_scale=0.8)
+    for g, mem in groups.items():
+        labs = glabels[g]
+        K = np.zeros((len(mem), len(labs)))
+        pos = {}
+        for t in range(len(s)):
+            if tr.grp[t] == g:
+                i, j = mem.index(int(tr.row[t])), labs.index(int(tr.lab[t]))
+                K[i, j] = np.exp(tau * s[t])
+                pos[i, j] = t
+        c = np.array([counts[g, k] for k in labs], float)
+        W = _dense_sinkhorn(K, c, iters)
+        for (i, j), t in pos.items():
+            assert p[t] == pytest.approx(W[i, j] / c[j], rel=1e-9)
+            assert w[t] == pytest.approx(min(1.0, 0.8 * W[i, j]), rel=1e-9)
+
+
+def test_joint_weights_converge_to_the_margins():
+    groups, glabels, counts, tr, s = _random_groups(3)
+    p, _ = joint_weights(tr, s, tau=2.0, iters=400)
+    c = np.array([counts[int(tr.grp[a]), int(tr.lab[a])] for a in tr.seg[:-1]], float)
+    W = p * np.repeat(c, np.diff(tr.seg))
+    np.testing.assert_allclose(np.add.reduceat(W, tr.seg[:-1]), c)        # each label: its count
+    for g, mem in groups.items():                                        # each member: an equal share
+        share = sum(counts[g, k] for k in glabels[g]) / len(mem)
+        for i in mem:
+            np.testing.assert_allclose(W[(tr.grp == g) & (tr.row == i)].sum(), share, rtol=1e-8)
+    # tau = 0: W = c / g for every member (closed form), any number of rounds
+    p0, w0 = joint_weights(tr, s, tau=0.0, iters=5)
+    g = np.repeat(np.diff(tr.seg), np.diff(tr.seg))
+    np.testing.assert_allclose(p0, 1.0 / g)
+    np.testing.assert_allclose(w0, np.minimum(1.0, np.repeat(c, np.diff(tr.seg)) / g))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_joint_assignment_at_large_tau_is_the_best_total_score(seed):
+    # one group, 4 members, 4 labels of count 1: the joint top member of each label is the
+    # permutation of largest total score (brute force over all 24)
+    import itertools
+    rng = np.random.default_rng(seed)
+    S = rng.uniform(0, 1, (4, 4))                                     # S[member, label]
+    tr = _triples({0: [0, 1, 2, 3]}, {0: [0, 1, 2, 3]}, 4)
+    s = S[tr.row, tr.lab]
+    best = max(itertools.permutations(range(4)), key=lambda pi: sum(S[pi[k], k] for k in range(4)))
+    p, w = joint_weights(tr, s, tau=200.0, iters=2000)
+    top = [int(tr.row[tr.seg[k] + np.argmax(p[tr.seg[k]:tr.seg[k + 1]])]) for k in range(4)]
+    assert top == list(best)
+
+
+def test_joint_lets_labels_compete_for_members():
+    # member 0 fits both labels best, but label 1 more clearly: per-label softmax gives both to
+    # member 0; the joint assignment gives label 0 to member 1 (total 0.8 + 0.5 > 0.9 + 0.1)
+    X = sp.csr_matrix(np.eye(2))
+    tr = _triples({0: [0, 1]}, {0: [0, 1]}, 2)
+    S = np.array([[0.9, 0.8], [0.5, 0.1]])                            # S[member, label]
+    s = S[tr.row, tr.lab]
+    E = sp.csr_matrix(S.T)                                           # <x_i, e_k> = S[i, k]
+    np.testing.assert_allclose(tr.scores(E, X), s)
+    soft = segment_softmax(tr.seg, s, 30.0)[0]
+    assert soft[0] > 0.99 and soft[2] > 0.99                         # (label 0, member 0), (label 1, member 0)
+    p, _ = joint_weights(tr, s, 30.0, 50)
+    assert p[1] > 0.9 and p[2] > 0.9                                  # label 0 -> member 1, label 1 -> member 0
+    sid, lab, w = assign(tr, X, E, joint=True, tau=30.0, joint_iters=50)
+    np.testing.assert_allclose(dict(zip(zip(sid.tolist(), lab.tolist()), w))[(1, 0)], p[1])
+
+
 # ---- model-guided re-assignment (eagle.refine_rounds) -----------------------------------------
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -203,6 +297,19 @@ def test_reassignment_recovers_the_truth_from_a_carrier_scoring_model():
         ref = (1 - mix) * np.where(carrier, 1.0, np.exp(-1.0)) + mix * np.minimum(1.0, np.repeat(size, size) * p0)
         got = dict(zip(zip(sid.tolist(), lab.tolist()), w))
         np.testing.assert_allclose([got[(i, k)] for i, k in zip(tr.sample_id.tolist(), tr.lab.tolist())], ref)
+    # joint: the model's scores through joint_weights; mix 1 keeps the anchor, weight min(1, c p0)
+    c = np.repeat(np.minimum(tr.count[tr.seg[:-1]], size), size)
+    (sid, lab, w), pj = refine_assign(tr, s, p0, tau=10.0, mix=1.0, soft=True, joint_iters=20)
+    np.testing.assert_allclose(pj, p0)
+    got = dict(zip(zip(sid.tolist(), lab.tolist()), w))
+    np.testing.assert_allclose([got[(i, k)] for i, k in zip(tr.sample_id.tolist(), tr.lab.tolist())],
+                               np.minimum(1.0, c * p0))
+    (sid, lab, w), pj = refine_assign(tr, s, p0, tau=10.0, mix=0.0, soft=True, joint_iters=20)
+    np.testing.assert_allclose(pj, joint_weights(tr, s, 10.0, 20)[0])
+    # the equal share per member (5/3 in group 1, whose members carry 2, 1 and 2 labels) pulls
+    # some weight onto member 4, but the top-c members by p are still the carriers
+    (sid, lab, w), _ = refine_assign(tr, s, p0, tau=10.0, mix=0.0, soft=False, joint_iters=20)
+    assert set(zip(sid.tolist(), lab.tolist())) == true_pairs
     tv, changed = drift(tr, p, p0)
     moved = sum(len(np.arange(tr.seg[j], tr.seg[j + 1])[~carrier[tr.seg[j]:tr.seg[j + 1]]]) > 0
                 for j in range(len(size)))

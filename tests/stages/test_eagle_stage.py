@@ -46,11 +46,12 @@ def _reference(d, groups, glabels, T, mode="eagle", tau=30.0):
                 lab.append(k), grp.append(j), row.append(i)
     tr = Triples(lab, grp, row, row, 10)
     E, obj = grlr_block(tr, Xl, T=T)
-    sid, lb, w = assign(tr, Xl, E, soft=mode == "soft", tau=tau)
+    sid, lb, w = assign(tr, Xl, E, soft=mode == "soft", tau=tau, joint=mode == "joint")
     return E, obj, sid, lb, w
 
 
-@pytest.mark.parametrize("mode,head_groups", [pytest.param("eagle", 1000, marks=pytest.mark.connect), ("soft", 12)])
+@pytest.mark.parametrize("mode,head_groups", [pytest.param("eagle", 1000, marks=pytest.mark.connect), ("soft", 12),
+                                              ("joint", 12)])
 def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mode):
     d, groups, glabels = agg_dir
     agg = aggregated.read(spark, str(d), IngestParams())
@@ -181,7 +182,7 @@ def _pairs(train):
             for k, x in zip(r["label_idx"], r["label_weight"])}
 
 
-@pytest.mark.parametrize("mode", ["eagle", "soft"])
+@pytest.mark.parametrize("mode", ["eagle", "soft", "joint"])
 def test_refine_with_full_mix_equals_zero_rounds(spark, agg_dir, mode):
     # mix 1 keeps the first assignment's distribution: one round changes nothing
     d, _, _ = agg_dir

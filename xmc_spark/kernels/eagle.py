@@ -14,7 +14,10 @@ members (the paper's Figure 1 example) and the result is deterministic.
 
 Assignment (Algorithm 2 and variants): ``hard`` gives each (group, label) to its arg-max
 member (top-c members when the source gave a count c); ``soft`` keeps every member with
-weight min(1, scale * g * softmax_members(tau <x_i, e_k>)), g = group size.
+weight min(1, scale * g * softmax_members(tau <x_i, e_k>)), g = group size; ``joint``
+(:func:`joint_weights`) assigns all the labels of a group at once, so that its labels compete
+for its members (Sinkhorn scaling of exp(tau <x_i, e_k>) to the labels' counts and an equal
+share per member).
 """
 from __future__ import annotations
 
@@ -169,15 +172,19 @@ def grlr_block(tr: Triples, X: sp.csr_matrix, T: int = 20, eta: float = 0.1) -> 
 
 
 def assign(tr: Triples, X: sp.csr_matrix, E: sp.csr_matrix, soft: bool = False, tau: float = 30.0,
-           weight_scale: float = 1.0):
+           weight_scale: float = 1.0, joint: bool = False, joint_iters: int = 20):
     """(sample_id, label position, weight) pairs of the filtered data set, unique per
     (sample, label) (a sample reached through several groups keeps its largest weight).
 
     Hard: each segment's arg-max member, or its top-c members when counts are present.
     Soft: every member, weight min(1, weight_scale * g * softmax(tau * score)).
+    Joint: every member, weight :func:`joint_weights` (``tr`` must hold whole groups).
     """
     s = tr.scores(E, X)
-    if soft:
+    if joint:
+        w = joint_weights(tr, s, tau, joint_iters, weight_scale)[1]
+        sid, lab = tr.sample_id, tr.lab
+    elif soft:
         w = segment_softmax(tr.seg, s, tau, weight_scale)[1]
         sid, lab = tr.sample_id, tr.lab
     else:
@@ -198,6 +205,57 @@ def segment_softmax(seg: np.ndarray, s: np.ndarray, tau: float, weight_scale: fl
     z = np.exp(tau * (s - mx[seg_of]))
     den = np.add.reduceat(z, seg[:-1])
     return z / den[seg_of], np.minimum(1.0, weight_scale * size[seg_of] * z / den[seg_of])
+
+
+def _segment_lse(v: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    """log sum exp of v over each run ptr[j]:ptr[j+1] (runs non-empty)."""
+    size = np.diff(ptr)
+    m = np.maximum.reduceat(v, ptr[:-1])
+    return m + np.log(np.add.reduceat(np.exp(v - np.repeat(m, size)), ptr[:-1]))
+
+
+def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weight_scale: float = 1.0):
+    """Joint assignment of each group's labels to its members: (p, w) per triple.
+
+    Per group, the member x label matrix K = exp(tau s) is scaled (Sinkhorn-Knopp, ``iters``
+    rounds of column then row scaling, then a last column scaling) to W = diag(b) K diag(a)
+    whose column of label k sums to its count c_k (1 without counts; at most the group size)
+    and whose rows sum to an equal share sum_k c_k / g of the group's label mass. This is the
+    entropy-regularized optimal transport of the group's labels onto its members: a member
+    that fits label A clearly is no longer also the best carrier of every other label, as it
+    is under the per-label softmax of ``soft``, and at large tau the arg-max member of each
+    label follows the assignment of largest total score. Returns p = W / c (a distribution
+    over each (group, label)'s members, as :func:`segment_softmax` gives) and the weight
+    w = min(1, weight_scale W). Computed in the log domain (no underflow at large tau).
+    Triples are one row per (group, label, member); several groups may be passed at once.
+    """
+    s = np.asarray(s, np.float64)
+    if not len(s):
+        return np.zeros(0), np.zeros(0)
+    seg = tr.seg
+    size = np.diff(seg)
+    seg_of = np.repeat(np.arange(len(size)), size)
+    c = np.ones(len(size)) if tr.count is None else np.minimum(tr.count[seg[:-1]], size).astype(np.float64)
+    c = np.maximum(c, 1.0)
+    # members: (group, row) pairs; each member's share of its group's label mass
+    _, mid = np.unique(tr.grp * (int(tr.row.max()) + 1) + tr.row, return_inverse=True)
+    _, ginv = np.unique(tr.grp, return_inverse=True)
+    n_mem = int(mid.max()) + 1
+    m_grp = np.zeros(n_mem, np.int64)
+    m_grp[mid] = ginv
+    mass = np.bincount(ginv[seg[:-1]], c)
+    share = mass[m_grp] / np.bincount(m_grp)[m_grp]
+    ro = np.argsort(mid, kind="stable")
+    rptr = np.concatenate([[0], np.cumsum(np.bincount(mid, minlength=n_mem))])
+    logk = tau * s
+    log_c, log_r = np.log(c), np.log(share)
+    b = np.zeros(n_mem)
+    a = log_c - _segment_lse(logk + b[mid], seg)
+    for _ in range(iters):
+        b = log_r - _segment_lse((logk + a[seg_of])[ro], rptr)
+        a = log_c - _segment_lse(logk + b[mid], seg)
+    W = np.exp(logk + a[seg_of] + b[mid])
+    return W / c[seg_of], np.minimum(1.0, weight_scale * W)
 
 
 def top_members(tr: Triples, s: np.ndarray) -> np.ndarray:
@@ -301,7 +359,7 @@ def path_scores(tree, Xb: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
 
 
 def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, mix: float, soft: bool,
-                  weight_scale: float = 1.0, weights: str = "softmax"):
+                  weight_scale: float = 1.0, weights: str = "softmax", joint_iters: Optional[int] = None):
     """One re-assignment from model scores, mixed with the first assignment (p0: its
     distribution over each (group, label)'s members, the GRLR softmax; the guard against
     confirmation drift).
@@ -310,19 +368,26 @@ def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, 
     min(1, weight_scale g p). ``ratio`` (a label may have several carriers in a group): weight
     (1 - mix) s / max_members(s) + mix min(1, weight_scale g p0), so the best-scored member
     keeps the label fully and every other member as far as the model believes it; p = the
-    weights normalized over the members. Hard: the top-c members by p. Returns
-    (sample_id, label position, weight) unique per (sample, label) as :func:`assign`, and p
-    per triple."""
+    weights normalized over the members. Hard: the top-c members by p. With ``joint_iters``
+    (the ``joint`` mode; ``tr`` holds whole groups) the model's softmax is replaced by the
+    joint assignment :func:`joint_weights` of the model scores, and g by the label's count c
+    (the joint mode's weight is min(1, weight_scale c p)). Returns (sample_id, label position,
+    weight) unique per (sample, label) as :func:`assign`, and p per triple."""
     s_model = np.asarray(s_model, np.float64)
     p0 = np.asarray(p0, np.float64)
     size = np.diff(tr.seg)
     g = np.repeat(size, size)
+    if joint_iters is not None:
+        c = np.ones(len(size)) if tr.count is None else np.minimum(np.maximum(tr.count[tr.seg[:-1]], 1), size)
+        g = np.repeat(c.astype(np.float64), size)
     if weights == "ratio":
         mx = np.repeat(np.maximum.reduceat(s_model, tr.seg[:-1]), size) if len(s_model) else s_model
         w = (1.0 - mix) * s_model / np.maximum(mx, 1e-300) + mix * np.minimum(1.0, weight_scale * g * p0)
         p = w / np.maximum(np.repeat(np.add.reduceat(w, tr.seg[:-1]), size), 1e-300) if len(w) else w
     else:
-        p = (1.0 - mix) * segment_softmax(tr.seg, s_model, tau)[0] + mix * p0
+        pm = segment_softmax(tr.seg, s_model, tau)[0] if joint_iters is None else \
+            joint_weights(tr, s_model, tau, joint_iters)[0]
+        p = (1.0 - mix) * pm + mix * p0
         w = np.minimum(1.0, weight_scale * g * p)
     if soft:
         sid, lab = tr.sample_id, tr.lab

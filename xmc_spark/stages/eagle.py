@@ -12,8 +12,10 @@ Both paths compute the same numbers as the kernel on the whole data.
 
 Modes (``eagle.mode``): ``baseline`` (every member gets all its group's labels), ``eagle0``
 (T = 0), ``eagle`` (T = ``eagle.T``), ``soft`` (every member keeps the labels with weight
-min(1, weight_scale * g * softmax(tau <x, e>))); with counts, hard modes give a (group, label)
-of count c to its top-c members.
+min(1, weight_scale * g * softmax(tau <x, e>))), ``joint`` (the same scores <x, e>, but all
+labels of a group assigned at once: :func:`~xmc_spark.kernels.eagle.joint_weights`, in a second
+job keyed by group, since the label-keyed tasks hold a label's groups, not a group's labels);
+with counts, hard modes give a (group, label) of count c to its top-c members.
 """
 from __future__ import annotations
 
@@ -32,10 +34,12 @@ from ..compat import share
 from ..kernels.eagle import (
     Triples,
     assign,
+    dedup_max,
     drift,
     grlr_block,
     grlr_sums,
     grlr_update,
+    joint_weights,
     path_scores,
     refine_assign,
     segment_softmax,
@@ -52,6 +56,7 @@ OUT_SCHEMA = ("kind int, sample_id long, label_idx int, weight double, iter int,
               "emb_idx array<int>, emb_val array<float>, group_id long, count int")
 SUMS_SCHEMA = "label_pos int, feature int, value double"
 ASSIGN_KIND, OBJ_KIND, EMB_KIND, PROB_KIND = 0, 1, 2, 3
+SCORE_KIND = 5          # joint mode: a (group, label, member) triple's score <x, e>, for the group job
 # the re-assignment job: in, one row per (group, label, member) triple (no features) or per
 # (group, member) (features, label null); out, assignments, triples with their p, task stats
 REFINE_SCHEMA = ("kind int, group_id long, sample_id long, label_idx int, count int, p0 double, p double, "
@@ -94,6 +99,10 @@ def _rows(kind, sample_id=None, label_idx=None, weight=None, it=None, value=None
 
 
 def _assign_rows(tr, X, E, ulab, params: EagleParams) -> pa.Table:
+    cnt = None if tr.count is None else tr.count.astype(np.int32)
+    if params.mode == "joint":              # assigned per group by _joint_path
+        return _rows(SCORE_KIND, sample_id=tr.sample_id, label_idx=ulab[tr.lab].astype(np.int32),
+                     value=tr.scores(E, X), group_id=tr.grp, count=cnt)
     sid, lab, w = assign(tr, X, E, soft=params.mode == "soft", tau=params.tau, weight_scale=params.weight_scale)
     keep = w >= params.min_weight
     out = _rows(ASSIGN_KIND, sample_id=sid[keep], label_idx=ulab[lab[keep]].astype(np.int32), weight=w[keep])
@@ -101,7 +110,6 @@ def _assign_rows(tr, X, E, ulab, params: EagleParams) -> pa.Table:
         return out
     # the first assignment's distribution over each (group, label)'s members: the refinement's anchor
     p0 = segment_softmax(tr.seg, tr.scores(E, X), params.tau)[0]
-    cnt = None if tr.count is None else tr.count.astype(np.int32)
     return pa.concat_tables([out, _rows(PROB_KIND, sample_id=tr.sample_id, label_idx=ulab[tr.lab].astype(np.int32),
                                         value=p0, group_id=tr.grp, count=cnt)])
 
@@ -125,6 +133,37 @@ def _block_path(rows: DataFrame, n_features: int, params: EagleParams, n_buckets
 
     keyed = rows.withColumn("_bucket", F.pmod(F.xxhash64("label_idx"), F.lit(n_buckets)))
     return grouped_apply(keyed, ["_bucket"], run_block, OUT_SCHEMA)
+
+
+def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int) -> DataFrame:
+    """The joint assignment: the (group, label, member) scores grouped by a hash of the group
+    into ``n_buckets`` tasks, each running :func:`~xmc_spark.kernels.eagle.joint_weights` on its
+    whole groups. Rows as ``OUT_SCHEMA``: assignments (unique per (sample, label) within a
+    task; a sample in groups of several tasks is deduplicated by the caller) and, with
+    re-assignment rounds, each triple's p (the rounds' anchor p0)."""
+    def run_groups(t: pa.Table) -> pa.Table:
+        lab = t.column("label_idx").to_numpy().astype(np.int64)
+        ulab, lpos = np.unique(lab, return_inverse=True)
+        sid = t.column("sample_id").to_numpy().astype(np.int64)
+        _, rpos = np.unique(sid, return_inverse=True)
+        cc = t.column("count")
+        cnt = None if cc.null_count == t.num_rows else cc.fill_null(1).to_numpy().astype(np.int64)
+        tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt)
+        p, w = joint_weights(tr, t.column("value").to_numpy()[tr.order], params.tau, params.joint_iters,
+                             params.weight_scale)
+        asid, alab, aw = dedup_max(tr.sample_id, tr.lab, w)
+        keep = aw >= params.min_weight
+        parts = [_rows(ASSIGN_KIND, sample_id=asid[keep], label_idx=ulab[alab[keep]].astype(np.int32),
+                       weight=aw[keep])]
+        if params.refine_rounds > 0:
+            parts.append(_rows(PROB_KIND, sample_id=tr.sample_id, label_idx=ulab[tr.lab].astype(np.int32), value=p,
+                               group_id=tr.grp, count=None if cnt is None else tr.count.astype(np.int32)))
+        worker_progress("eagle_joint", group_label_member_triples=t.num_rows)
+        return pa.concat_tables(parts)
+
+    keyed = scored.select("group_id", "sample_id", "label_idx", "count", "value").withColumn(
+        "_bucket", F.pmod(F.xxhash64("group_id"), F.lit(n_buckets)))
+    return grouped_apply(keyed, ["_bucket"], run_groups, OUT_SCHEMA)
 
 
 def _partition_table(batches) -> Optional[pa.Table]:
@@ -240,12 +279,17 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         trace[:T] += hobj[:T]
         info["eagle.objective"] = [round(float(v), 6) for v in trace]
         assigned = out.filter(F.col("kind") == ASSIGN_KIND).select("sample_id", "label_idx", "weight")
+        probs = out
+        if params.mode == "joint":
+            probs = _joint_path(out.filter(F.col("kind") == SCORE_KIND), params, n_buckets).localCheckpoint()
+            assigned = (probs.filter(F.col("kind") == ASSIGN_KIND).groupBy("sample_id", "label_idx")
+                        .agg(F.max("weight").alias("weight")))
         emb_df = out.filter(F.col("kind") == EMB_KIND).select(
             "label_idx", F.col("emb_idx"), F.col("emb_val"))
         if head_emb is not None:
             emb_df = emb_df.unionByName(head_emb)
         log.info("EAGLE (%s, T=%d): objective %s", params.mode, T, info["eagle.objective"])
-    if params.mode == "baseline":
+    if params.mode in ("baseline", "joint"):
         assigned = assigned.localCheckpoint()
         s = assigned.agg(F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w")).first()
         info.update({"eagle.assigned_pairs": int(s["n"]), "eagle.assigned_weight": float(s["w"] or 0.0)})
@@ -258,7 +302,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
                 "group_id", "sample_id", "label_idx", F.col("count").cast("int").alias("count"),
                 (1.0 / F.col("_g")).alias("p0"))
         else:
-            anchor = out.filter(F.col("kind") == PROB_KIND).select(
+            anchor = probs.filter(F.col("kind") == PROB_KIND).select(
                 "group_id", "sample_id", "label_idx", "count", F.col("value").alias("p0"))
             if not params.use_counts:
                 anchor = anchor.withColumn("count", F.lit(None).cast("int"))
@@ -307,8 +351,10 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams) -> pa.Table:
     prev = tri.column("p_prev")
     p_prev = p0 if prev.null_count == tri.num_rows else prev.to_numpy(zero_copy_only=False)[tr.order]
     s = path_scores(tree, append_bias(X, bias), tr.row, ulab[tr.lab], post)
-    (asid, alab, w), p = refine_assign(tr, s, p0, params.refine_tau, params.refine_mix, params.mode == "soft",
-                                       params.weight_scale, params.refine_weights)
+    joint = params.mode == "joint"
+    (asid, alab, w), p = refine_assign(tr, s, p0, params.refine_tau, params.refine_mix,
+                                       params.mode in ("soft", "joint"), params.weight_scale, params.refine_weights,
+                                       joint_iters=params.joint_iters if joint else None)
     keep = w >= params.min_weight
     tv0, ch0 = drift(tr, p, p0)
     tv1, ch1 = drift(tr, p, p_prev)
