@@ -1,4 +1,4 @@
-"""EAGLE results table: P@1/3/5 of oracle, baseline, eagle0, eagle, soft and refined on aggregated
+"""EAGLE results table: P@1/3/5 of oracle, baseline, eagle0, eagle, soft, joint and refined on aggregated
 versions of XC data sets (R-4, R-10 random groups; C = hierarchical k-means groups), seed 0.
 
 Run on demand (one Spark session, MLflow off):
@@ -6,9 +6,9 @@ Run on demand (one Spark session, MLflow off):
     python benchmarks/eagle_table.py --data ../shared/data/bibtex --depth 8
     python benchmarks/eagle_table.py --data ../shared/data/delicious --depth 9
 
-For ``soft`` the temperature tau is chosen on a validation split of the TRAINING GROUPS (one
-group in five held out, by a seeded hash): a model is trained on the other groups for each
-candidate tau and scored at group level on the held-out groups (a group's score for a label
+For ``soft`` and ``joint`` (each on its own) the temperature tau is chosen on a validation
+split of the TRAINING GROUPS (one group in five held out, by a seeded hash): a model is trained
+on the other groups for each candidate tau and scored at group level on the held-out groups (a group's score for a label
 is the best score over its members; mean of P@1, P@3, P@5 against the group's labels). The test set is never
 used for the choice. ``refined`` is soft with that tau plus ``eagle.refine_rounds`` of
 model-guided re-assignment; the rounds (1..--refine-rounds) and ``eagle.refine_mix`` are chosen
@@ -35,7 +35,7 @@ from xmc_spark.params import PipelineParams  # noqa: E402
 from xmc_spark.session import get_spark  # noqa: E402
 from xmc_spark.stages import aggregated  # noqa: E402
 
-MODES = ["baseline", "eagle0", "eagle", "soft"]
+MODES = ["baseline", "eagle0", "eagle", "soft", "joint"]
 
 
 REUSE = False
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, required=True, help="k-means grouping depth (C setting)")
     ap.add_argument("--settings", default="R-4,R-10,C")
     ap.add_argument("--taus", default="10,30,100")
-    ap.add_argument("--modes", default="baseline,eagle0,eagle,soft,refined",
+    ap.add_argument("--modes", default="baseline,eagle0,eagle,soft,joint,refined",
                     help="columns to run (baseline and soft are always run: the gap and refined need them)")
     ap.add_argument("--refine-rounds", type=int, default=2, help="refined: the most rounds validated")
     ap.add_argument("--refine-mixes", default="0,0.5", help="refined: mixing weights validated")
@@ -158,18 +158,21 @@ def main() -> None:
         for mode in [m for m in ["baseline", "eagle0", "eagle"] if m in modes]:
             res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=mode)
             print(f"{setting} {mode}: {res[mode]['p@1']:.2f}", flush=True)
-        # tau on a validation split of the training groups
+        # tau on a validation split of the training groups, for soft and for joint
         val, Xv = validation_split(spark, d / "data", d / "val_data")
-        scores = {}
-        for tau in taus:
-            run(spark, d / "val_data", None, d / f"val_tau{tau:g}", base, eagle__mode="soft", eagle__tau=tau)
-            scores[tau] = group_p1(d / f"val_tau{tau:g}" / "model", val, Xv, meta["n_features"])
-            print(f"{setting} soft tau={tau:g}: validation group precision {scores[tau]:.2f}", flush=True)
-        tau = max(scores, key=lambda t: (scores[t], -t))
-        res["soft"] = run(spark, d / "data", test, d / "soft", base, eagle__mode="soft", eagle__tau=tau)
-        res["soft"]["tau"] = tau
-        res["validation"] = {str(k): v for k, v in scores.items()}
-        print(f"{setting} soft (tau={tau:g}): {res['soft']['p@1']:.2f}", flush=True)
+        for mode in [m for m in ("soft", "joint") if m in modes]:
+            scores = {}
+            for t in taus:
+                vdir = d / (f"val_tau{t:g}" if mode == "soft" else f"val_{mode}_tau{t:g}")
+                run(spark, d / "val_data", None, vdir, base, eagle__mode=mode, eagle__tau=t)
+                scores[t] = group_p1(vdir / "model", val, Xv, meta["n_features"])
+                print(f"{setting} {mode} tau={t:g}: validation group precision {scores[t]:.2f}", flush=True)
+            best_tau = max(scores, key=lambda t: (scores[t], -t))
+            res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=mode, eagle__tau=best_tau)
+            res[mode]["tau"] = best_tau
+            res["validation" if mode == "soft" else f"validation_{mode}"] = {str(k): v for k, v in scores.items()}
+            print(f"{setting} {mode} (tau={best_tau:g}): {res[mode]['p@1']:.2f}", flush=True)
+        tau = res["soft"]["tau"]
         if "refined" in modes:
             res["refined"] = refined(spark, d, test, base, tau, val, Xv, meta["n_features"], args, setting)
         results[setting] = res
@@ -178,15 +181,16 @@ def main() -> None:
 
     o = results["oracle"]
     print(f"\n{data.name} (oracle {o['p@1']:.2f} / {o['p@3']:.2f} / {o['p@5']:.2f}), P@1 / P@3 / P@5:\n")
-    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | refined (rounds, weights, mix, tau) | "
-          "best vs baseline | gap closed | eagle s / train s (best) | pair precision / recall / weighted (best) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| setting | groups | baseline | eagle0 | eagle | soft (tau) | joint (tau) | "
+          "refined (rounds, weights, mix, tau) | best vs baseline | gap closed | eagle s / train s (best) | "
+          "pair precision / recall / weighted (best) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings.split(","):
         r = results[setting]
 
         def f(m, r=r):
             return f"{r[m]['p@1']:.2f} / {r[m]['p@3']:.2f} / {r[m]['p@5']:.2f}" if m in r else "-"
-        best = max([m for m in ("eagle0", "eagle", "soft", "refined") if m in r], key=lambda m: r[m]["p@1"])
+        best = max([m for m in ("eagle0", "eagle", "soft", "joint", "refined") if m in r], key=lambda m: r[m]["p@1"])
         b = r["baseline"]["p@1"]
         gap = o["p@1"] - b
         closed = 100 * (r[best]["p@1"] - b) / gap if gap > 0 else float("nan")
@@ -195,7 +199,8 @@ def main() -> None:
         ref = (f"{f('refined')} ({rr['rounds']}, {rr['weights']}, {rr['mix']:g}, {rr['refine_tau']:g})"
                if rr else "-")
         print(f"| {setting} | {r['groups']['n_groups']} | {f('baseline')} | {f('eagle0')} | {f('eagle')} | "
-              f"{f('soft')} ({r['soft']['tau']:g}) | {ref} | {best} {r[best]['p@1'] - b:+.2f} | {closed:.0f}% | "
+              f"{f('soft')} ({r['soft']['tau']:g}) | {f('joint')} ({r.get('joint', {}).get('tau', '-')}) | "
+              f"{ref} | {best} {r[best]['p@1'] - b:+.2f} | {closed:.0f}% | "
               f"{e['seconds'].get('eagle', 0):.1f} / {e['seconds']['train']:.1f} | "
               f"{e.get('eagle.pair_precision', 0):.1f} / {e.get('eagle.pair_recall', 0):.1f} / "
               f"{e.get('eagle.pair_weighted_precision', 0):.1f} |")
