@@ -63,7 +63,7 @@ PARAMS = {
     "max_leaf_size": Param(100, type="integer", minimum=2, description="tree.max_leaf_size"),
     "tree_lambda": Param(0.0, type="number", minimum=0, maximum=2,
                          description="tree.lambda: 0 balanced 2-means ... 2 Fano coding"),
-    "eagle_mode": Param("soft", type="string", enum=["baseline", "eagle0", "eagle", "soft", "joint"],
+    "eagle_mode": Param("joint", type="string", enum=["baseline", "eagle0", "eagle", "soft", "joint"],
                         description="eagle.mode (aggregated input only)"),
     "beam_size": Param(10, type="integer", minimum=1, maximum=1000, description="predict.beam_size"),
     "prime_mode": Param("off", type="string", enum=["off", "retrieve", "rerank"],

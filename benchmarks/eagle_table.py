@@ -161,14 +161,15 @@ def main() -> None:
         # tau on a validation split of the training groups, for soft and for joint
         val, Xv = validation_split(spark, d / "data", d / "val_data")
         for mode in [m for m in ("soft", "joint") if m in modes]:
+            key = "tau" if mode == "soft" else "joint_tau"
             scores = {}
             for t in taus:
                 vdir = d / (f"val_tau{t:g}" if mode == "soft" else f"val_{mode}_tau{t:g}")
-                run(spark, d / "val_data", None, vdir, base, eagle__mode=mode, eagle__tau=t)
+                run(spark, d / "val_data", None, vdir, base, eagle__mode=mode, **{f"eagle__{key}": t})
                 scores[t] = group_p1(vdir / "model", val, Xv, meta["n_features"])
                 print(f"{setting} {mode} tau={t:g}: validation group precision {scores[t]:.2f}", flush=True)
             best_tau = max(scores, key=lambda t: (scores[t], -t))
-            res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=mode, eagle__tau=best_tau)
+            res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=mode, **{f"eagle__{key}": best_tau})
             res[mode]["tau"] = best_tau
             res["validation" if mode == "soft" else f"validation_{mode}"] = {str(k): v for k, v in scores.items()}
             print(f"{setting} {mode} (tau={best_tau:g}): {res[mode]['p@1']:.2f}", flush=True)

@@ -512,14 +512,15 @@ class MlflowParams(BaseParams):
 class EagleParams(BaseParams):
     """EAGLE, used when the training input is aggregated (group-level labels)."""
 
-    mode: str = "soft"           # baseline | eagle0 | eagle | soft | joint (default: best of the README table)
+    mode: str = "joint"          # baseline | eagle0 | eagle | soft | joint (default: best of the README table)
     T: int = 20                  # GRLR iterations (eagle, soft); eagle0 uses 0
     eta: float = 0.1             # GRLR step
     tau: float = 30.0            # soft: softmax temperature (0 = baseline with weights)
-    weight_scale: float = 1.0    # soft: weight = min(1, weight_scale * g * softmax)
+    weight_scale: float = 1.0    # soft: weight = min(1, weight_scale * g * softmax); joint: min(1, weight_scale * W)
     min_weight: float = 1e-3     # soft, joint: pairs below this weight are dropped
+    joint_tau: float = 100.0     # joint: temperature of exp(tau <x, e>) (validation chose it in 4 of 6 settings)
     joint_iters: int = 20        # joint: Sinkhorn rounds (columns to the labels' counts, rows to equal shares)
-    use_counts: bool = True      # a (group, label) with count c goes to its top-c members
+    use_counts: bool = True      # a (group, label) with count c goes to its top-c members (joint: W's column sums c)
     head_groups: int = 0         # labels in more groups than this: GRLR split across tasks
                                  # (0: auto, the (group, label) pairs over the task count)
     refine_rounds: int = 0       # model-guided re-assignment: train on the assignment, score
@@ -532,6 +533,7 @@ class EagleParams(BaseParams):
         _check(self.mode in ("baseline", "eagle0", "eagle", "soft", "joint"), prefix + "mode",
                f"must be one of baseline, eagle0, eagle, soft, joint, got {self.mode!r}")
         _check(self.joint_iters >= 0, prefix + "joint_iters", "must be >= 0")
+        _check(self.joint_tau >= 0, prefix + "joint_tau", "must be >= 0")
         _check(self.T >= 0, prefix + "T", "must be >= 0")
         _check(self.eta > 0, prefix + "eta", "must be > 0")
         _check(self.tau >= 0, prefix + "tau", "must be >= 0")

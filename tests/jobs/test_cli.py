@@ -298,11 +298,10 @@ def test_make_groups_then_run_eagle(tmp_path, spark):
     assert main_in_process("run", "--train", str(tmp_path / "r4"), "--test", str(tmp_path / "test.txt"),
                            "--out", str(out), "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
                            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts",
-                           "--set", "mlflow.log_model=false", "--set", "eagle.mode=soft", "--set", "eagle.tau=10",
-                           "--set", "tree.max_leaf_size=4") == 0
+                           "--set", "mlflow.log_model=false", "--set", "tree.max_leaf_size=4") == 0
     m = json.loads((out / "metrics.json").read_text())
     assert {"ingest", "eagle", "train"} <= set(m["seconds"])
-    assert m["n_train"] == 320 and m["n_groups"] == 80 and m["eagle.mode"] == "soft"
+    assert m["n_train"] == 320 and m["n_groups"] == 80 and m["eagle.mode"] == "joint"      # the default
     assert len(m["eagle.objective"]) == 21 and all(v > 0 for v in m["eagle.objective"])
     assert 0 < m["eagle.pair_precision"] <= 100 and 0 < m["eagle.pair_recall"] <= 100
     assert m["p@1"] > 40

@@ -56,7 +56,7 @@ def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mod
     d, groups, glabels = agg_dir
     agg = aggregated.read(spark, str(d), IngestParams())
     assert agg.stats["n_groups"] == 30 and agg.stats["n_samples_without_group"] == 0
-    params = EagleParams(mode=mode, T=6, head_groups=head_groups, min_weight=0.0)
+    params = EagleParams(mode=mode, T=6, head_groups=head_groups, min_weight=0.0, joint_tau=30.0)
     train, info, emb, _ = eagle.run(agg, params, n_buckets=3)
     T = 0 if mode == "eagle0" else 6
     E, obj, sid, lb, w = _reference(d, groups, glabels, T, mode)

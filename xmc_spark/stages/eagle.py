@@ -149,7 +149,7 @@ def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int) -> DataF
         cc = t.column("count")
         cnt = None if cc.null_count == t.num_rows else cc.fill_null(1).to_numpy().astype(np.int64)
         tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt)
-        p, w = joint_weights(tr, t.column("value").to_numpy()[tr.order], params.tau, params.joint_iters,
+        p, w = joint_weights(tr, t.column("value").to_numpy()[tr.order], params.joint_tau, params.joint_iters,
                              params.weight_scale)
         asid, alab, aw = dedup_max(tr.sample_id, tr.lab, w)
         keep = aw >= params.min_weight
