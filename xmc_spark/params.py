@@ -512,7 +512,7 @@ class MlflowParams(BaseParams):
 class EagleParams(BaseParams):
     """EAGLE, used when the training input is aggregated (group-level labels)."""
 
-    mode: str = "joint"          # baseline | eagle0 | eagle | soft | joint (default: best of the README table)
+    mode: str = "joint"          # baseline | eagle0 | eagle | soft | joint (default: best on validation, 6 of 6)
     T: int = 20                  # GRLR iterations (eagle, soft); eagle0 uses 0
     eta: float = 0.1             # GRLR step
     tau: float = 30.0            # soft: softmax temperature (0 = baseline with weights)

@@ -180,6 +180,18 @@ def test_joint_weights_converge_to_the_margins():
     np.testing.assert_allclose(w0, np.minimum(1.0, np.repeat(c, np.diff(tr.seg)) / g))
 
 
+def test_joint_weights_keep_groups_apart_at_any_group_id():
+    # the same members in two groups: ids 0 / 1 and 0 / 2**62 give the same weights (member keys
+    # are built from dense group positions, not from the ids)
+    # (2**62 x 4 members wraps to 0 in int64: a key grp * (max row + 1) + row would merge them)
+    s = np.random.default_rng(5).uniform(0, 1, 16)
+    mem = [0, 1, 2, 3]
+    ref = joint_weights(_triples({0: mem, 1: mem}, {0: [0, 1], 1: [0, 1]}, 2), s, 10.0, 20)[0]
+    big = 2 ** 62
+    got = joint_weights(_triples({0: mem, big: mem}, {0: [0, 1], big: [0, 1]}, 2), s, 10.0, 20)[0]
+    np.testing.assert_allclose(got, ref)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_joint_assignment_at_large_tau_is_the_best_total_score(seed):
     # one group, 4 members, 4 labels of count 1: the joint top member of each label is the

@@ -106,6 +106,7 @@ def test_diagnostics_against_truth(spark):
     ("1:0 0 1\n", "groups.txt:1: label count must be >= 1"),
     ("1 0 1\n2 0 77\n", "group_id 1: sample_id 77 is not in the samples"),
     ("1 0 1 1\n", "group_id 0: sample_id 1 listed 2 times"),
+    ("1,3,1:2 0 1\n", "group_id 0: label 1 listed 2 times"),
     ("", "no groups"),
 ])
 def test_bad_groups_text(spark, tmp_path, groups_txt, msg):

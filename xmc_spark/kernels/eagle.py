@@ -220,7 +220,8 @@ def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weigh
     Per group, the member x label matrix K = exp(tau s) is scaled (Sinkhorn-Knopp, ``iters``
     rounds of column then row scaling, then a last column scaling) to W = diag(b) K diag(a)
     whose column of label k sums to its count c_k (1 without counts; at most the group size)
-    and whose rows sum to an equal share sum_k c_k / g of the group's label mass. This is the
+    and whose rows sum to an equal share sum_k c_k / g of the group's label mass (columns
+    exactly, as the last step scales them; rows approximately after few rounds at large tau). This is the
     entropy-regularized optimal transport of the group's labels onto its members: a member
     that fits label A clearly is no longer also the best carrier of every other label, as it
     is under the per-label softmax of ``soft``, and at large tau the arg-max member of each
@@ -238,8 +239,8 @@ def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weigh
     c = np.ones(len(size)) if tr.count is None else np.minimum(tr.count[seg[:-1]], size).astype(np.float64)
     c = np.maximum(c, 1.0)
     # members: (group, row) pairs; each member's share of its group's label mass
-    _, mid = np.unique(tr.grp * (int(tr.row.max()) + 1) + tr.row, return_inverse=True)
-    _, ginv = np.unique(tr.grp, return_inverse=True)
+    _, ginv = np.unique(tr.grp, return_inverse=True)           # dense group positions: no overflow
+    _, mid = np.unique(ginv * (int(tr.row.max()) + 1) + tr.row, return_inverse=True)
     n_mem = int(mid.max()) + 1
     m_grp = np.zeros(n_mem, np.int64)
     m_grp[mid] = ginv

@@ -147,6 +147,7 @@ def read(spark: SparkSession, path: str, params: IngestParams) -> AggregatedInpu
         F.min(F.when(F.col("label_idx") < 0, F.struct("group_id", "label_idx"))).alias("neg"),
         F.min(F.when(F.col("count") < 1, F.struct("group_id", "label_idx", "count"))).alias("badcount"),
         F.min(F.when(F.col("m").isNull(), F.col("group_id"))).alias("empty"),
+        F.countDistinct("group_id", "label_idx").alias("n_distinct"),
         F.count(F.lit(1)).alias("n_pairs")).first()
     if lab_stats["neg"] is not None:
         raise IngestError(f"{where_l}: group_id {lab_stats['neg']['group_id']}: negative label "
@@ -156,6 +157,11 @@ def read(spark: SparkSession, path: str, params: IngestParams) -> AggregatedInpu
         raise IngestError(f"{where_l}: group_id {b['group_id']}, label {b['label_idx']}: count {b['count']} < 1")
     if lab_stats["empty"] is not None:
         raise IngestError(f"{where_l}: group_id {lab_stats['empty']} has labels but no members in {where_g}")
+    if lab_stats["n_distinct"] != lab_stats["n_pairs"]:
+        d = group_labels.groupBy("group_id", "label_idx").count().filter("count > 1").orderBy(
+            "group_id", "label_idx").first()
+        raise IngestError(f"{where_l}: group_id {d['group_id']}: label {d['label_idx']} listed {d['count']} times "
+                          "(give it once, with a count)")
     L = info.n_labels
     max_label = lab_stats["max_label"]
     if max_label is not None and max_label >= L:

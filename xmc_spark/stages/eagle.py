@@ -292,7 +292,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
     if params.mode in ("baseline", "joint"):
         assigned = assigned.localCheckpoint()
         s = assigned.agg(F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w")).first()
-        info.update({"eagle.assigned_pairs": int(s["n"]), "eagle.assigned_weight": float(s["w"] or 0.0)})
+        info.update({"eagle.assigned_pairs": int(s["n"]), "eagle.assigned_weight": round(float(s["w"] or 0.0), 4)})
     if params.refine_rounds > 0:
         if train_model is None:
             raise ValueError("eagle.refine_rounds > 0 needs a train_model function")
