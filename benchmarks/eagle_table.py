@@ -35,9 +35,6 @@ from xmc_spark.params import PipelineParams  # noqa: E402
 from xmc_spark.session import get_spark  # noqa: E402
 from xmc_spark.stages import aggregated  # noqa: E402
 
-MODES = ["baseline", "eagle0", "eagle", "soft", "joint"]
-
-
 REUSE = False
 
 

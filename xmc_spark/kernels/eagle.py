@@ -214,6 +214,15 @@ def _segment_lse(v: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     return m + np.log(np.add.reduceat(np.exp(v - np.repeat(m, size)), ptr[:-1]))
 
 
+def segment_counts(tr: Triples) -> np.ndarray:
+    """Each (group, label) segment's count of carriers, clipped to [1, its number of members]
+    (1 without counts)."""
+    size = np.diff(tr.seg)
+    if tr.count is None:
+        return np.ones(len(size))
+    return np.clip(tr.count[tr.seg[:-1]], 1, size).astype(np.float64)
+
+
 def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weight_scale: float = 1.0):
     """Joint assignment of each group's labels to its members: (p, w) per triple.
 
@@ -236,8 +245,7 @@ def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weigh
     seg = tr.seg
     size = np.diff(seg)
     seg_of = np.repeat(np.arange(len(size)), size)
-    c = np.ones(len(size)) if tr.count is None else np.minimum(tr.count[seg[:-1]], size).astype(np.float64)
-    c = np.maximum(c, 1.0)
+    c = segment_counts(tr)
     # members: (group, row) pairs; each member's share of its group's label mass
     _, ginv = np.unique(tr.grp, return_inverse=True)           # dense group positions: no overflow
     _, mid = np.unique(ginv * (int(tr.row.max()) + 1) + tr.row, return_inverse=True)
@@ -379,8 +387,7 @@ def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, 
     size = np.diff(tr.seg)
     g = np.repeat(size, size)
     if joint_iters is not None:
-        c = np.ones(len(size)) if tr.count is None else np.minimum(np.maximum(tr.count[tr.seg[:-1]], 1), size)
-        g = np.repeat(c.astype(np.float64), size)
+        g = np.repeat(segment_counts(tr), size)
     if weights == "ratio":
         mx = np.repeat(np.maximum.reduceat(s_model, tr.seg[:-1]), size) if len(s_model) else s_model
         w = (1.0 - mix) * s_model / np.maximum(mx, 1e-300) + mix * np.minimum(1.0, weight_scale * g * p0)

@@ -67,6 +67,12 @@ _REFINE_ARROW = pa.schema([("kind", pa.int32()), ("group_id", pa.int64()), ("sam
                            ("p", pa.float64()), ("weight", pa.float64()), ("stats", pa.list_(pa.float64()))])
 
 
+def _counts(t: pa.Table) -> Optional[np.ndarray]:
+    """The ``count`` column as int64 (nulls as 1), or None when no row has a count."""
+    cc = t.column("count")
+    return None if cc.null_count == t.num_rows else cc.fill_null(1).to_numpy().astype(np.int64)
+
+
 def _triples_from_arrow(t: pa.Table, n_features: int, use_counts: bool, heads: Optional[np.ndarray] = None):
     """(Triples, X) of one task's rows: labels as local positions (or positions in ``heads``)."""
     lab = t.column("label_idx").to_numpy().astype(np.int64)
@@ -77,9 +83,7 @@ def _triples_from_arrow(t: pa.Table, n_features: int, use_counts: bool, heads: O
     sid = t.column("sample_id").to_numpy().astype(np.int64)
     usid, first, rpos = np.unique(sid, return_index=True, return_inverse=True)
     X = csr_from_table(t.take(pa.array(first)), "feature_idx", "feature_val", n_features)
-    cnt = None
-    if use_counts and t.column("count").null_count < t.num_rows:
-        cnt = t.column("count").fill_null(1).to_numpy().astype(np.int64)
+    cnt = _counts(t) if use_counts else None
     tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt)
     return tr, X, ulab
 
@@ -146,8 +150,7 @@ def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int) -> DataF
         ulab, lpos = np.unique(lab, return_inverse=True)
         sid = t.column("sample_id").to_numpy().astype(np.int64)
         _, rpos = np.unique(sid, return_inverse=True)
-        cc = t.column("count")
-        cnt = None if cc.null_count == t.num_rows else cc.fill_null(1).to_numpy().astype(np.int64)
+        cnt = _counts(t)
         tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt)
         p, w = joint_weights(tr, t.column("value").to_numpy()[tr.order], params.joint_tau, params.joint_iters,
                              params.weight_scale)
@@ -343,8 +346,7 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams) -> pa.Table:
     sid = tri.column("sample_id").to_numpy().astype(np.int64)
     lab = tri.column("label_idx").to_numpy().astype(np.int64)
     ulab, lpos = np.unique(lab, return_inverse=True)
-    cc = tri.column("count")
-    cnt = None if cc.null_count == tri.num_rows else cc.fill_null(1).to_numpy().astype(np.int64)
+    cnt = _counts(tri)
     tr = Triples(lpos, tri.column("group_id").to_numpy(), np.searchsorted(usid, sid), sid, len(ulab),
                  label_ids=ulab, count=cnt)
     p0 = tri.column("p0").to_numpy()[tr.order]
