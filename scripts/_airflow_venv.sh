@@ -8,7 +8,7 @@ if ! .venv-airflow/bin/python -c "import airflow, sys; sys.exit(airflow.__versio
         2>/dev/null; then
     rm -rf .venv-airflow
     "$PY" -m venv .venv-airflow
-    .venv-airflow/bin/python -m pip install -q --upgrade pip
-    .venv-airflow/bin/python -m pip install -q -c scripts/airflow-constraints.txt \
+    # with .venv's uv (scripts/_venv.sh runs first)
+    .venv/bin/python -m uv pip install -q --python .venv-airflow/bin/python -c scripts/airflow-constraints.txt \
         "apache-airflow==$AIRFLOW_VERSION" "apache-airflow-providers-apache-spark==$AIRFLOW_SPARK_PROVIDER"
 fi
