@@ -111,6 +111,12 @@ def group_score(model, val, Xdf, n_features: int) -> dict:
     ptr = np.concatenate([[0], np.cumsum([len(a) for a in ind])])
     X = sp.csr_matrix((np.concatenate(dat), np.concatenate(ind), ptr), shape=(len(ids), n_features))
     lab, sc = model.predict(X, topk=5)           # each row's labels by descending score
+    return group_metrics(lab, sc, ids, val)
+
+
+def group_metrics(lab, sc, ids, val) -> dict:
+    """Both metrics of predictions (``lab``, ``sc``: rows x k, by descending score, -1 = none;
+    row i is sample ``ids[i]``) on the held-out groups ``val`` = {group: (members, label set)}."""
     pos = {int(s): i for i, s in enumerate(ids)}
     precision = coverage = 0.0
     for mem, labels in val.values():
@@ -118,7 +124,7 @@ def group_score(model, val, Xdf, n_features: int) -> dict:
         best = {}
         for i in rows:
             for k, v in zip(lab[i], sc[i]):
-                if k >= 0 and v > best.get(int(k), -1):
+                if k >= 0 and v > best.get(int(k), -np.inf):
                     best[int(k)] = v
         ranked = [k for k, _ in sorted(best.items(), key=lambda kv: (-kv[1], kv[0]))]
         precision += np.mean([sum(k in labels for k in ranked[:c]) / c for c in (1, 3, 5)])
