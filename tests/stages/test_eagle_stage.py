@@ -79,6 +79,56 @@ def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mod
     assert len(rows) == 90
 
 
+@pytest.fixture(scope="module")
+def agg_counts_dir(tmp_path_factory):
+    """Groups of 4 over 60 samples plus 8 groups of 3 that reuse samples (a sample in two
+    groups), labels with counts 1-3; as samples.txt + groups.txt (``label:count``)."""
+    d = tmp_path_factory.mktemp("aggc")
+    X, Y = random_problem(n=60, d=25, L=8, seed=5)
+    write_xc(d / "samples.txt", X, sp.csr_matrix((60, 8)))
+    rng = np.random.default_rng(1)
+    perm = rng.permutation(60)
+    groups = [sorted(perm[i:i + 4].tolist()) for i in range(0, 60, 4)]
+    groups += [sorted(rng.choice(60, 3, replace=False).tolist()) for _ in range(8)]
+    Yd = Y.toarray() > 0
+    lines, glabels = [], []
+    for mem in groups:
+        labs = {int(k): int(min(Yd[mem, k].sum(), 3)) for k in np.flatnonzero(Yd[mem].any(axis=0))}
+        labs.setdefault(0, 1)                          # a head label on every group
+        glabels.append(labs)
+        lines.append(",".join(f"{k}:{c}" for k, c in sorted(labs.items())) + " " + " ".join(map(str, mem)))
+    (d / "groups.txt").write_text("\n".join(lines) + "\n")
+    return d, groups, glabels
+
+
+def test_joint_with_counts_and_shared_members_equals_kernel(spark, agg_counts_dir):
+    """Joint mode with counts (each label's column sums to its count) and members in two groups
+    (the (sample, label) pair keeps its largest weight), the head label split across tasks:
+    the Spark stage's pairs and weights equal the kernel's."""
+    d, groups, glabels = agg_counts_dir
+    agg = aggregated.read(spark, str(d), IngestParams())
+    assert agg.stats["n_groups"] == 23
+    params = EagleParams(mode="joint", T=6, head_groups=10, min_weight=0.0, joint_tau=30.0)
+    train, info, emb, _ = eagle.run(agg, params, n_buckets=3)
+    assert info["eagle.head_labels"] >= 1
+    Xl, _ = read_xc(str(d / "samples.txt"))
+    lab, grp, row, cnt = [], [], [], []
+    for j, (mem, labs) in enumerate(zip(groups, glabels)):
+        for k, c in labs.items():
+            for i in mem:
+                lab.append(k), grp.append(j), row.append(i), cnt.append(c)
+    tr = Triples(lab, grp, row, row, 8, count=cnt)
+    E, _ = grlr_block(tr, Xl, T=6)
+    sid, lb, w = assign(tr, Xl, E, tau=30.0, joint=True)
+    ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
+    got = {(r["sample_id"], int(k)): float(x) for r in train.collect()
+           for k, x in zip(r["label_idx"], r["label_weight"])}
+    assert set(got) == set(ref)
+    for key, x in ref.items():
+        assert got[key] == pytest.approx(x, abs=1e-5)
+    assert any(x > 0.99 for x in ref.values()) and any(c > 1 for labs in glabels for c in labs.values())
+
+
 def test_baseline_gives_every_member_all_group_labels(spark, agg_dir):
     d, groups, glabels = agg_dir
     agg = aggregated.read(spark, str(d), IngestParams())
