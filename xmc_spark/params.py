@@ -518,7 +518,7 @@ class EagleParams(BaseParams):
     tau: float = 30.0            # soft: softmax temperature (0 = baseline with weights)
     weight_scale: float = 1.0    # soft: weight = min(1, weight_scale * g * softmax); joint: min(1, weight_scale * W)
     min_weight: float = 1e-3     # soft, joint: pairs below this weight are dropped
-    joint_tau: float = 100.0     # joint: temperature of exp(tau <x, e>) (validation chose it in 4 of 6 settings)
+    joint_tau: float = 100.0     # joint: temperature of exp(tau <x, e>) (validation's most frequent pick: 3 of 6)
     joint_iters: int = 20        # joint: Sinkhorn rounds (columns to the labels' counts, rows to equal shares)
     use_counts: bool = True      # a (group, label) with count c goes to its top-c members (joint: W's column sums c)
     head_groups: int = 0         # labels in more groups than this: GRLR split across tasks
