@@ -31,16 +31,21 @@ def main_in_process(*args):
     return main(list(args))
 
 
-def test_run_and_predict_on_bibtex(bibtex, tmp_path, spark):
+def test_run_and_predict_on_bibtex(bibtex, tmp_path, spark, monkeypatch, capfd, caplog):
+    """`run` on bibtex, in this process (the CLI's main on the test session: a fresh process costs
+    ~1-2 min of CI time here; the process path, exit codes and stderr are checked by the toy-set
+    runs and the broken folders below)."""
     out = tmp_path / "run"
     conf = tmp_path / "env.yaml"          # a secret from the environment: used, never logged
     conf.write_text("spark:\n  app_name: xmc-${XMC_TEST_TOKEN}\n")
-    r = cli("run", "--train", str(bibtex / "train.txt"), "--test", str(bibtex / "test.txt"), "--out", str(out),
-            "--config", str(conf), "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
-            "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts", *_spark_fast(), cwd=tmp_path,
-            env={"XMC_TEST_TOKEN": "tok-5ecret-77"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "tok-5ecret-77" not in r.stderr + r.stdout + (out / "config.yaml").read_text()
+    monkeypatch.setenv("XMC_TEST_TOKEN", "tok-5ecret-77")
+    monkeypatch.chdir(tmp_path)
+    assert main_in_process("run", "--train", str(bibtex / "train.txt"), "--test", str(bibtex / "test.txt"),
+                           "--out", str(out), "--config", str(conf),
+                           "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlruns/mlflow.db",
+                           "--set", f"mlflow.artifact_location={tmp_path}/mlruns/artifacts") == 0
+    logged = capfd.readouterr()
+    assert "tok-5ecret-77" not in logged.err + logged.out + caplog.text + (out / "config.yaml").read_text()
     m = json.loads((out / "metrics.json").read_text())
     for k in ["p@1", "p@3", "p@5", "ndcg@1", "ndcg@3", "ndcg@5", "psp@1", "psp@3", "psp@5", "n_train", "n_test",
               "n_labels", "seconds"]:
