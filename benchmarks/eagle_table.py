@@ -97,7 +97,7 @@ def validation_split(spark, agg_dir: Path, out: Path, seed: int = 0):
     return val, X
 
 
-def group_p1(model_dir: Path, val, Xdf, n_features: int) -> dict:
+def saved_model_metrics(model_dir: Path, val, Xdf, n_features: int) -> dict:
     """:func:`group_score` of a saved model."""
     from xmc_spark.model import XMCModel
     return group_score(XMCModel.load(str(model_dir)), val, Xdf, n_features)
@@ -190,7 +190,7 @@ def main() -> None:
             for t in taus:
                 vdir = d / (f"val_tau{t:g}" if mode == "soft" else f"val_{mode}_tau{t:g}")
                 run(spark, d / "val_data", None, vdir, base, eagle__mode=mode, **{f"eagle__{key}": t})
-                both[t] = group_p1(vdir / "model", val, Xv, meta["n_features"])
+                both[t] = saved_model_metrics(vdir / "model", val, Xv, meta["n_features"])
                 print(f"{setting} {mode} tau={t:g}: validation group precision {both[t]['precision']:.2f}, "
                       f"coverage {both[t]['coverage']:.2f}", flush=True)
             scores = {t: v[args.val_metric] for t, v in both.items()}
@@ -266,7 +266,7 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
                     eagle_stage.ROUND_MODEL_HOOK = None
                 if not got and name in cache:         # a reused run: its rounds' scores as recorded
                     got = {int(r): v for r, v in cache[name].items()}
-                got[R] = group_p1(out / "model", val, Xv, n_features)[metric]
+                got[R] = saved_model_metrics(out / "model", val, Xv, n_features)[metric]
                 cache[name] = got
                 cache_file.write_text(json.dumps(cache, indent=1))
                 scores.update({(r, wts, mix, rt): v for r, v in got.items()})

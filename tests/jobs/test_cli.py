@@ -18,12 +18,6 @@ def cli(*args, cwd=None, env=None):
                           capture_output=True, text=True, timeout=1200)
 
 
-def _spark_fast():
-    return ["--set", "spark.master=local[2]", "--set",
-            'spark.conf={"spark.sql.shuffle.partitions": "4", "spark.ui.showConsoleProgress": "false",'
-            ' "spark.databricks.delta.snapshotPartitions": "2"}']
-
-
 def main_in_process(*args):
     """The CLI's main() in this process, on the test session (which it leaves running): for
     tests that exercise a command's logic rather than the process (those use ``cli``)."""
@@ -33,8 +27,9 @@ def main_in_process(*args):
 
 def test_run_and_predict_on_bibtex(bibtex, tmp_path, spark, monkeypatch, capfd, caplog):
     """`run` on bibtex, in this process (the CLI's main on the test session: a fresh process costs
-    ~1-2 min of CI time here; the process path, exit codes and stderr are checked by the toy-set
-    runs and the broken folders below)."""
+    ~1-2 min of CI time here). Exit codes and stderr of a process are checked by the broken
+    folders below and the bad-config runs; a successful job process by the spark-submit ingest
+    job in tests/jobs/test_airflow_dag.py."""
     out = tmp_path / "run"
     conf = tmp_path / "env.yaml"          # a secret from the environment: used, never logged
     conf.write_text("spark:\n  app_name: xmc-${XMC_TEST_TOKEN}\n")

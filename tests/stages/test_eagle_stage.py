@@ -37,14 +37,16 @@ def agg_dir(tmp_path_factory):
     return d, groups, glabels
 
 
-def _reference(d, groups, glabels, T, mode="eagle", tau=30.0):
+def _reference(d, groups, glabels, T, mode="eagle", tau=30.0, n_labels=10, counts=False):
+    """The kernels on the whole set; ``glabels`` entries are label lists, or {label: count}
+    dicts whose counts are used with ``counts``."""
     Xl, _ = read_xc(str(d / "samples.txt"))
-    lab, grp, row = [], [], []
+    lab, grp, row, cnt = [], [], [], []
     for j, (mem, labs) in enumerate(zip(groups, glabels)):
         for k in labs:
             for i in mem:
-                lab.append(k), grp.append(j), row.append(i)
-    tr = Triples(lab, grp, row, row, 10)
+                lab.append(k), grp.append(j), row.append(i), cnt.append(labs[k] if counts else 1)
+    tr = Triples(lab, grp, row, row, n_labels, count=cnt if counts else None)
     E, obj = grlr_block(tr, Xl, T=T)
     sid, lb, w = assign(tr, Xl, E, soft=mode == "soft", tau=tau, joint=mode == "joint")
     return E, obj, sid, lb, w
@@ -111,21 +113,14 @@ def test_joint_with_counts_and_shared_members_equals_kernel(spark, agg_counts_di
     params = EagleParams(mode="joint", T=6, head_groups=10, min_weight=0.0, joint_tau=30.0)
     train, info, emb, _ = eagle.run(agg, params, n_buckets=3)
     assert info["eagle.head_labels"] >= 1
-    Xl, _ = read_xc(str(d / "samples.txt"))
-    lab, grp, row, cnt = [], [], [], []
-    for j, (mem, labs) in enumerate(zip(groups, glabels)):
-        for k, c in labs.items():
-            for i in mem:
-                lab.append(k), grp.append(j), row.append(i), cnt.append(c)
 
-    def reference(count):
-        tr = Triples(lab, grp, row, row, 8, count=count)
-        E, _ = grlr_block(tr, Xl, T=6)
-        sid, lb, w = assign(tr, Xl, E, tau=30.0, joint=True)
+    def reference(counts):
+        sid, lb, w = _reference(d, groups, glabels, 6, "joint", n_labels=8, counts=counts)[2:]
         return {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
-    ref, uncounted = reference(cnt), reference(None)
+    ref, uncounted = reference(True), reference(False)
     assert max(abs(x - uncounted.get(key, 0.0)) for key, x in ref.items()) > 0.1   # the counts matter
-    assert len(ref) < len(lab)                      # shared members: (sample, label) pairs merged
+    n_triples = sum(len(mem) * len(labs) for mem, labs in zip(groups, glabels))
+    assert len(ref) < n_triples                     # shared members: (sample, label) pairs merged
     got = {(r["sample_id"], int(k)): float(x) for r in train.collect()
            for k, x in zip(r["label_idx"], r["label_weight"])}
     assert set(got) == set(ref)
