@@ -16,9 +16,12 @@ min_w 0.5 ||w||^2 + sum_i C_i max(0, 1 - y_i w^T x_i)^2 per classifier, solved i
 by trust-region Newton (:mod:`..kernels.tron`) with the rows left spread over the partitions.
 The big nodes' rows (of every level) are fanned out once, tagged with their node and their
 positive classifiers, range-partitioned by (node, row hash) over as many partitions as Spark
-runs tasks at once (more where a partition would exceed the bound: :func:`big_row_partitions`;
-a node's rows fill consecutive partitions, so a task holds one or a few nodes), packed into CSR blocks
-in binary columns (:func:`_pack_rows`) and persisted. Then
+runs tasks at once (more where a partition would exceed :data:`PART_BOUNDS` bounds:
+:func:`big_row_partitions`; a node's rows fill consecutive partitions, so a task holds one or a
+few nodes), packed into CSR blocks of at most the bound's rows in binary columns
+(:func:`_pack_rows`) and persisted. The solver's queries read them one packed block per Arrow
+batch (:func:`_block_batches`), so a task's Python worker holds one block of at most the bound's
+rows at a time, whatever its partition's size. Then
 one TRON loop runs on the driver for all big nodes' classifiers at once: every function /
 gradient evaluation and every Hessian-vector product of a CG step is one Spark query over the
 persisted rows (``mapInArrow``: per-partition partial sums, cut into blocks of
@@ -100,7 +103,8 @@ ROUTED_SCHEMA = ddl("negatives")
 BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
 PACK_ROWS = 1 << 15             # rows per packed block of one node
 MEMORY_FRACTION = 0.5
-RANGE_FILL = 0.9                # big-node partitions hold this share of the bound on average
+RANGE_FILL = 0.9                # big-node partitions hold this share of their rows' bound on average
+PART_BOUNDS = 4                 # a big-node partition holds up to this many bounds of rows (streamed)
 BYTES_PER_NNZ = 80
 ROW_BYTES = 1024
 
@@ -149,7 +153,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
         return grouped_apply(grouped, ["group"], train, WEIGHTS_SCHEMA)
     small = grouped.where(~F.col("group").isin([int(g) for g in big]))
     parts = big_row_partitions(samples.sparkSession, int(big_rows.sum()), bound)
-    big_weights = train_big_nodes(samples, index, bindex, big, n_features, params, parts, scratch)
+    big_weights = train_big_nodes(samples, index, bindex, big, n_features, params, parts, scratch, bound)
     return grouped_apply(small, ["group"], train, WEIGHTS_SCHEMA).unionByName(big_weights)
 
 
@@ -476,14 +480,43 @@ def _big_rows(samples: DataFrame, bindex, big: np.ndarray, node_ptr: np.ndarray)
 
 def big_row_partitions(spark, rows: int, bound: int) -> int:
     """Partitions of the big nodes' rows: as many as the tasks Spark runs at once (its default
-    parallelism), more only where a partition would exceed ``bound`` rows. Every oracle query
-    runs one task per partition, and a task's fixed cost (~0.05-0.1 s: scheduling, the Python
-    worker's setup, reading the cached block) is paid per query, so the partition count, not
-    ``spark.sql.shuffle.partitions``, sets the distributed solver's per-query overhead. The
-    rows are range-partitioned from a sample, so partitions are filled to :data:`RANGE_FILL` of
-    the bound on average (bibtex at n/4: 1,275 rows in the largest of 9 partitions against a
-    bound of 1,220 without the headroom)."""
-    return max(1, default_parallelism(spark), -(-int(rows) // max(1, int(RANGE_FILL * bound))))
+    parallelism), more only where a partition would exceed :data:`PART_BOUNDS` x ``bound`` rows.
+    Every oracle query runs one task per partition, and a task's fixed cost is paid per query
+    (on this 2-core machine ~0.1 s: scheduling, the Python worker's setup, reading the cached
+    block; a trivial ``mapInArrow`` over 2 / 10 / 40 cached partitions took 0.55 / 1.0 / 2.65 s),
+    so the partition count, not ``spark.sql.shuffle.partitions``, sets the distributed solver's
+    per-query overhead. A partition may hold several bounds of rows because the queries stream
+    it one packed block (at most ``bound`` rows) at a time (:func:`_block_batches`); the cap keeps
+    the largest task's share of the rows (the range shuffle's) a fraction of the data. The rows
+    are range-partitioned from a sample, so partitions are filled to :data:`RANGE_FILL` of the
+    cap on average (bibtex at n/4 with a cap of one bound: 1,275 rows in the largest of 9
+    partitions against a bound of 1,220 without the headroom)."""
+    cap = max(1, int(RANGE_FILL * PART_BOUNDS * bound))
+    return max(1, default_parallelism(spark), -(-int(rows) // cap))
+
+
+class _block_batches:
+    """Within it, Spark's Arrow batches to the Python workers hold one row
+    (``spark.sql.execution.arrow.maxRecordsPerBatch`` = 1, restored on exit): the solver's
+    queries then receive one packed block (at most the bound's rows) at a time, not a whole
+    partition of blocks. A session setting, so it reaches Spark Connect too; the stage's queries
+    run one after another, so nothing else runs under it."""
+    KEY = "spark.sql.execution.arrow.maxRecordsPerBatch"
+
+    def __init__(self, spark):
+        self.spark = spark
+
+    def __enter__(self):
+        self.old = _conf(self.spark, self.KEY)
+        self.spark.conf.set(self.KEY, "1")
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            self.spark.conf.unset(self.KEY)
+        else:
+            self.spark.conf.set(self.KEY, self.old)
+        return False
 
 
 def _bytes(a: np.ndarray, dtype) -> bytes:
@@ -630,9 +663,11 @@ class SparkOracle:
         nodes = None if cols is None else np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
         if nodes is not None and len(nodes) < len(node_ptr) - 1:
             df = df.where(F.col("node").isin([int(j) for j in nodes]))
-        # one reduce task per block, whatever spark.sql.shuffle.partitions is (the groupBy reuses
+        # one reduce task per block up to Spark's default parallelism (one wave: each task's fixed
+        # cost is paid per query), whatever spark.sql.shuffle.partitions is (the groupBy reuses
         # this hash partitioning: no second shuffle)
-        partials = df.mapInArrow(partial, PARTIAL_SCHEMA).repartition(-(-size // BLOCK), "block")
+        reducers = max(1, min(-(-size // BLOCK), default_parallelism(df.sparkSession)))
+        partials = df.mapInArrow(partial, PARTIAL_SCHEMA).repartition(reducers, "block")
         summed = to_arrow(grouped_apply(partials, ["block"], _sum_blocks, PARTIAL_SCHEMA))
         self.queries += 1
         out = np.zeros(size)
@@ -678,9 +713,11 @@ def scratch_root(spark, scratch: Optional[str]) -> Optional[str]:
 
 
 def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, n_features: int,
-                    params: TrainParams, parts: int, scratch: Optional[str] = None) -> DataFrame:
+                    params: TrainParams, parts: int, scratch: Optional[str] = None,
+                    bound: int = PACK_ROWS) -> DataFrame:
     """Weights rows of the nodes ``big`` trained by distributed TRON (all nodes in one loop),
-    their rows spread over ``parts`` partitions (:func:`big_row_partitions`). The solver's
+    their rows spread over ``parts`` partitions (:func:`big_row_partitions`) in packed blocks of
+    at most ``bound`` rows, read one block at a time (:func:`_block_batches`). The solver's
     vectors (features x the nodes' classifiers, float64) stay on the driver up to
     ``train.tron_driver_mb``; above, in files under ``scratch`` (:mod:`.shared_vectors`)."""
     spark = samples.sparkSession
@@ -692,42 +729,45 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     rows = (_big_rows(samples, bindex, big, node_ptr)
             .withColumn("_h", F.xxhash64("feature_idx", "feature_val", "pos", "weight"))
             .repartitionByRange(parts, "node", "_h").drop("_h").sortWithinPartitions("node")
-            .mapInArrow(_pack_rows(n_features, int(node_ptr[-1]), params.bias, params.C), PACK_SCHEMA)
+            .mapInArrow(_pack_rows(n_features, int(node_ptr[-1]), params.bias, params.C,
+                                   max(1, min(PACK_ROWS, int(bound)))), PACK_SCHEMA)
             .persist(StorageLevel.MEMORY_AND_DISK))
     space = None
     try:
-        oracle = SparkOracle(rows, node_ptr, n_features, params)
-        node_rows, positives = oracle.counts()          # the first query also fills the cache
-        d, K = oracle.d, int(node_ptr[-1])
-        root = scratch_root(spark, scratch)
-        wanted = d * K * 8 > params.tron_driver_mb * 2 ** 20
-        shared = wanted and root is not None
-        if wanted and root is None:
-            log.warning("train: no scratch folder the executors share was given: the solver's vectors stay on "
-                        "the driver (%.1f MB each)", d * K * 8 / 2 ** 20)
-        log.info("train: %d big nodes, %d classifiers, %d rows over %d partitions: distributed TRON "
-                 "(eps %g, at most %d steps), vectors of %.1f MB %s", len(big), K, node_rows.sum(), parts,
-                 params.tron_eps, params.tron_max_iter, d * K * 8 / 2 ** 20,
-                 "in shared files (only scalars to the driver)" if shared else "on the driver")
-        eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
-        if shared:
-            space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root)
-            info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info)
-        else:
-            W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, d, K, eps=eps,
-                                max_iter=params.tron_max_iter, log=log.info)
-        log.info("train: distributed TRON done in %d queries; Newton steps per classifier %d-%d, CG steps %d-%d, "
-                 "%d of %d met |g| <= eps_k |g0| (eps %g scaled per classifier)%s",
-                 oracle.queries + (space.jobs if space else 0), info.steps.min(), info.steps.max(),
-                 info.cg_steps.min(), info.cg_steps.max(), int(info.converged.sum()), len(info.steps),
-                 params.tron_eps, f"; {space.driver_bytes} bytes of scalars to the driver" if space else "")
-        if space is not None:
-            threshold = params.threshold
+        rows.count()            # fills the cache (the packing reads Spark's usual Arrow batches)
+        with _block_batches(spark):
+            oracle = SparkOracle(rows, node_ptr, n_features, params)
+            node_rows, positives = oracle.counts()
+            d, K = oracle.d, int(node_ptr[-1])
+            root = scratch_root(spark, scratch)
+            wanted = d * K * 8 > params.tron_driver_mb * 2 ** 20
+            shared = wanted and root is not None
+            if wanted and root is None:
+                log.warning("train: no scratch folder the executors share was given: the solver's vectors stay on "
+                            "the driver (%.1f MB each)", d * K * 8 / 2 ** 20)
+            log.info("train: %d big nodes, %d classifiers, %d rows over %d partitions: distributed TRON "
+                     "(eps %g, at most %d steps), vectors of %.1f MB %s", len(big), K, node_rows.sum(), parts,
+                     params.tron_eps, params.tron_max_iter, d * K * 8 / 2 ** 20,
+                     "in shared files (only scalars to the driver)" if shared else "on the driver")
+            eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
+            if shared:
+                space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root)
+                info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info)
+            else:
+                W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, d, K, eps=eps,
+                                    max_iter=params.tron_max_iter, log=log.info)
+            log.info("train: distributed TRON done in %d queries; Newton steps per classifier %d-%d, CG steps %d-%d, "
+                     "%d of %d met |g| <= eps_k |g0| (eps %g scaled per classifier)%s",
+                     oracle.queries + (space.jobs if space else 0), info.steps.min(), info.steps.max(),
+                     info.cg_steps.min(), info.cg_steps.max(), int(info.converged.sum()), len(info.steps),
+                     params.tron_eps, f"; {space.driver_bytes} bytes of scalars to the driver" if space else "")
+            if space is not None:
+                threshold = params.threshold
 
-            def emit(g: int, Wg: np.ndarray) -> pa.Table:
-                idx, val = csr_rows_to_arrays(tron.prune(Wg, threshold).T.tocsr())
-                return _weights_table(np.full(len(kids[g]), is_leaf[g]), kids[g], idx, val)
-            return space.weights(emit, WEIGHTS_SCHEMA)
+                def emit(g: int, Wg: np.ndarray) -> pa.Table:
+                    idx, val = csr_rows_to_arrays(tron.prune(Wg, threshold).T.tocsr())
+                    return _weights_table(np.full(len(kids[g]), is_leaf[g]), kids[g], idx, val)
+                return space.weights(emit, WEIGHTS_SCHEMA)
     finally:
         rows.unpersist()
         if space is not None:

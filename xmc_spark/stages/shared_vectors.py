@@ -161,6 +161,13 @@ def _sum_per_node(t: pa.Table) -> pa.Table:
     return pa.Table.from_batches([_scalars(int(t.column("g")[0].as_py()), 0, total("loss"), total("dots"))])
 
 
+def _parallel(spark, n: int) -> int:
+    """Tasks for ``n`` (node, block) keys: at most Spark's default parallelism (one wave). Every
+    job of the loop pays each task's fixed cost (~0.1 s on a 2-core machine), and a key's work is
+    reading and writing a few blocks of 512 KiB, so more tasks than slots only add waves."""
+    return max(1, min(int(n), default_parallelism(spark)))
+
+
 def version_dir(base: str, name: str, g: int, job: int) -> str:
     """The folder of vector ``name`` of node g as job ``job`` wrote it (one file per block)."""
     return f"{base}/{name}-{g}/j{job}"
@@ -265,9 +272,9 @@ class SharedSpace:
     # ---- internals -------------------------------------------------------------------------------
 
     def _tasks(self, n: int) -> DataFrame:
-        """ids 0..n-1 over a few tasks (no shuffle): one per (node, block) key or node."""
-        spark = self.rows.sparkSession
-        return spark.range(0, n, numPartitions=max(1, min(n, 4 * default_parallelism(spark))))
+        """ids 0..n-1 (a (node, block) key or a node each) over at most as many tasks as Spark runs
+        at once (no shuffle): a task's fixed cost is paid once per job (:func:`_parallel`)."""
+        return self.rows.sparkSession.range(0, n, numPartitions=_parallel(self.rows.sparkSession, n))
 
     def _full(self, coef, cols) -> np.ndarray:
         full = np.zeros(self.K)
@@ -362,7 +369,7 @@ class SharedSpace:
         n_keys = sum(files.blocks(g) for g in subs)
         nodes = [int(g) for g in subs]
         df = self.rows if len(nodes) == len(self.node_ptr) - 1 else self.rows.where(F.col("node").isin(nodes))
-        reducers = max(1, min(n_keys, 4 * default_parallelism(self.rows.sparkSession)))
+        reducers = _parallel(self.rows.sparkSession, n_keys)
         pieces = df.mapInArrow(partial, PIECE_SCHEMA)
         if extra:
             def empty(batches):
