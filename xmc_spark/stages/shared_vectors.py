@@ -391,7 +391,12 @@ class SharedSpace:
         """Collect the scalars, summed over a node's blocks by the tasks (one row per node
         reaches the driver, whatever the number of features), in ``cols``' order; record the
         job's vectors (``writes``: node -> the vectors it wrote), delete the versions they replace."""
-        t = to_arrow(grouped_apply(scalars, ["g"], _sum_per_node, SCALAR_SCHEMA))
+        # at most one wave of tasks, whatever spark.sql.shuffle.partitions is (64 without
+        # coalescing made this step alone 2.5-3.6 s a query at 250K samples); the groupBy reuses it
+        spark = self.rows.sparkSession
+        nodes = len(writes) if writes else 1
+        t = to_arrow(grouped_apply(scalars.repartition(_parallel(spark, nodes), "g"), ["g"], _sum_per_node,
+                                   SCALAR_SCHEMA))
         self.driver_bytes += t.nbytes
         subs = self._subs(cols)
         pos = np.full(self.K, -1, np.int64)
