@@ -181,11 +181,12 @@ def test_big_row_partitions(spark):
     assert node_training.big_row_partitions(spark, 100 * slots + 1, 10) == -(-(100 * slots + 1) // 36)
 
 
-def test_block_batches_feed_the_workers_one_record_at_a_time(spark):
-    """Within ``_block_batches`` a Python task receives one row (one packed block) per Arrow
-    batch; the session's setting is restored after it, also after an error."""
-    key = node_training._block_batches.KEY
-    before = spark.conf.get(key, None)
+def test_solver_session_feeds_the_workers_one_record_at_a_time(spark):
+    """Within ``_solver_session`` a Python task receives one row (one packed block) per Arrow
+    batch and adaptive execution is off; the session's settings are restored after it, also
+    after an error."""
+    keys = list(node_training._solver_session.SETTINGS)
+    before = {k: spark.conf.get(k, None) for k in keys}
     df = spark.range(0, 10, numPartitions=1)
 
     def sizes(batches):
@@ -195,14 +196,15 @@ def test_block_batches_feed_the_workers_one_record_at_a_time(spark):
     def batch_sizes():
         return sorted(df.mapInArrow(sizes, "n long").toArrow().column("n").to_pylist())
 
-    with node_training._block_batches(spark):
+    with node_training._solver_session(spark):
         assert batch_sizes() == [1] * 10
-    assert spark.conf.get(key, None) == before
+        assert spark.conf.get("spark.sql.adaptive.enabled") == "false"
+    assert {k: spark.conf.get(k, None) for k in keys} == before
     assert batch_sizes() == [10]
     with pytest.raises(RuntimeError):
-        with node_training._block_batches(spark):
+        with node_training._solver_session(spark):
             raise RuntimeError("a failed query")
-    assert spark.conf.get(key, None) == before
+    assert {k: spark.conf.get(k, None) for k in keys} == before
 
 
 def test_routed_nodes_job_equals_the_models_beam(problem, index, spark):
