@@ -486,8 +486,9 @@ def big_row_partitions(spark, rows: int, bound: int) -> int:
     block; a trivial ``mapInArrow`` over 2 / 10 / 40 cached partitions took 0.55 / 1.0 / 2.65 s),
     so the partition count, not ``spark.sql.shuffle.partitions``, sets the distributed solver's
     per-query overhead. A partition may hold several bounds of rows because the queries stream
-    it one packed block (at most ``bound`` rows) at a time (:class:`_solver_session`); the cap keeps
-    the largest task's share of the rows (the range shuffle's) a fraction of the data. The rows
+    it one packed block (at most ``bound`` rows) at a time (:class:`_solver_session`); the cap
+    bounds the largest task's share of the rows (the range shuffle's) at about 3.6 bounds
+    (0.45 n at the benchmark's n/8; at n/4 it would be 0.9 n). The rows
     are range-partitioned from a sample, so partitions are filled to :data:`RANGE_FILL` of the
     cap on average (bibtex at n/4 with a cap of one bound: 1,275 rows in the largest of 9
     partitions against a bound of 1,220 without the headroom)."""
@@ -504,18 +505,29 @@ class _solver_session:
       holds one row, so a query's task receives one packed block (at most the bound's rows) at a
       time, not a whole partition of blocks;
     - ``spark.sql.adaptive.enabled`` = false: every shuffle of a query is partitioned explicitly
-      (:func:`big_row_partitions`, one wave of reduce tasks), so adaptive execution has nothing
-      to re-plan and only adds a job and a planning round per stage (bibtex at n/4: 91 queries
-      in 136 s with it, 109 s without)."""
+      (:func:`big_row_partitions`, reduce tasks up to the default parallelism), so adaptive
+      execution has nothing to re-plan and only adds a job and a planning round per stage
+      (bibtex at n/4: 91 queries in 135-136 s with it, 109 s without).
+
+    A setting the server refuses (a managed Connect server may allow only some keys) is skipped
+    with a warning: both only change the solver's speed and its workers' batch sizes, not its
+    result. If the cached rows are lost and recomputed under these settings, the packing reads
+    one-row batches: correct, but slow."""
     SETTINGS = {"spark.sql.execution.arrow.maxRecordsPerBatch": "1", "spark.sql.adaptive.enabled": "false"}
 
     def __init__(self, spark):
         self.spark = spark
 
     def __enter__(self):
-        self.old = {k: _conf(self.spark, k) for k in self.SETTINGS}
+        self.old = {}
         for k, v in self.SETTINGS.items():
-            self.spark.conf.set(k, v)
+            old = _conf(self.spark, k)
+            try:
+                self.spark.conf.set(k, v)
+            except Exception as e:  # noqa: BLE001 - refused by the server: keep its value
+                log.warning("train: could not set %s=%s for the distributed solver (%s); keeping %s", k, v, e, old)
+                continue
+            self.old[k] = old
         return self
 
     def __exit__(self, *exc):
@@ -603,6 +615,7 @@ class SparkOracle:
         self.rows, self.node_ptr = packed, np.asarray(node_ptr, np.int64)
         self.d = n_features + (1 if params.bias > 0 else 0)
         self.queries = 0
+        self.par = default_parallelism(packed.sparkSession)   # once: on Spark Connect it may cost a job
 
     def fun_grad(self, W: np.ndarray, cols: np.ndarray):
         m, node_ptr, Wp = len(cols), self.node_ptr, _pack(W)
@@ -671,10 +684,10 @@ class SparkOracle:
         nodes = None if cols is None else np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
         if nodes is not None and len(nodes) < len(node_ptr) - 1:
             df = df.where(F.col("node").isin([int(j) for j in nodes]))
-        # one reduce task per block up to Spark's default parallelism (one wave: each task's fixed
-        # cost is paid per query), whatever spark.sql.shuffle.partitions is (the groupBy reuses
-        # this hash partitioning: no second shuffle)
-        reducers = max(1, min(-(-size // BLOCK), default_parallelism(df.sparkSession)))
+        # one reduce task per block up to Spark's default parallelism (each task's fixed cost is
+        # paid per query), whatever spark.sql.shuffle.partitions is (the groupBy reuses this hash
+        # partitioning: no second shuffle)
+        reducers = max(1, min(-(-size // BLOCK), self.par))
         partials = df.mapInArrow(partial, PARTIAL_SCHEMA).repartition(reducers, "block")
         summed = to_arrow(grouped_apply(partials, ["block"], _sum_blocks, PARTIAL_SCHEMA))
         self.queries += 1

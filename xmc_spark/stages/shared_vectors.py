@@ -161,11 +161,11 @@ def _sum_per_node(t: pa.Table) -> pa.Table:
     return pa.Table.from_batches([_scalars(int(t.column("g")[0].as_py()), 0, total("loss"), total("dots"))])
 
 
-def _parallel(spark, n: int) -> int:
-    """Tasks for ``n`` (node, block) keys: at most Spark's default parallelism (one wave). Every
-    job of the loop pays each task's fixed cost (~0.1 s on a 2-core machine), and a key's work is
-    reading and writing a few blocks of 512 KiB, so more tasks than slots only add waves."""
-    return max(1, min(int(n), default_parallelism(spark)))
+def _parallel(par: int, n: int) -> int:
+    """Tasks for ``n`` (node, block) keys: at most ``par``, Spark's default parallelism. Every job
+    of the loop pays each task's fixed cost (~0.1 s on a 2-core machine), and a key's work is
+    reading and writing a few blocks of 512 KiB, so more tasks only add overhead."""
+    return max(1, min(int(n), int(par)))
 
 
 def version_dir(base: str, name: str, g: int, job: int) -> str:
@@ -202,6 +202,7 @@ class SharedSpace:
         self.jobs = 0
         self.driver_bytes = 0               # bytes of the scalar rows collected so far
         self.col_node = np.repeat(np.arange(len(self.node_ptr) - 1), np.diff(self.node_ptr))
+        self.par = default_parallelism(rows.sparkSession)   # once: on Spark Connect it may cost a job
 
     # ---- the four methods tron_space calls -------------------------------------------------------
 
@@ -274,7 +275,7 @@ class SharedSpace:
     def _tasks(self, n: int) -> DataFrame:
         """ids 0..n-1 (a (node, block) key or a node each) over at most as many tasks as Spark runs
         at once (no shuffle): a task's fixed cost is paid once per job (:func:`_parallel`)."""
-        return self.rows.sparkSession.range(0, n, numPartitions=_parallel(self.rows.sparkSession, n))
+        return self.rows.sparkSession.range(0, n, numPartitions=_parallel(self.par, n))
 
     def _full(self, coef, cols) -> np.ndarray:
         full = np.zeros(self.K)
@@ -369,7 +370,7 @@ class SharedSpace:
         n_keys = sum(files.blocks(g) for g in subs)
         nodes = [int(g) for g in subs]
         df = self.rows if len(nodes) == len(self.node_ptr) - 1 else self.rows.where(F.col("node").isin(nodes))
-        reducers = _parallel(self.rows.sparkSession, n_keys)
+        reducers = _parallel(self.par, n_keys)
         pieces = df.mapInArrow(partial, PIECE_SCHEMA)
         if extra:
             def empty(batches):
@@ -391,11 +392,10 @@ class SharedSpace:
         """Collect the scalars, summed over a node's blocks by the tasks (one row per node
         reaches the driver, whatever the number of features), in ``cols``' order; record the
         job's vectors (``writes``: node -> the vectors it wrote), delete the versions they replace."""
-        # at most one wave of tasks, whatever spark.sql.shuffle.partitions is (64 without
-        # coalescing made this step alone 2.5-3.6 s a query at 250K samples); the groupBy reuses it
-        spark = self.rows.sparkSession
+        # at most the default parallelism's tasks, whatever spark.sql.shuffle.partitions is (64
+        # without coalescing made this step alone 2.5-3.6 s a query at 250K); the groupBy reuses it
         nodes = len(writes) if writes else 1
-        t = to_arrow(grouped_apply(scalars.repartition(_parallel(spark, nodes), "g"), ["g"], _sum_per_node,
+        t = to_arrow(grouped_apply(scalars.repartition(_parallel(self.par, nodes), "g"), ["g"], _sum_per_node,
                                    SCALAR_SCHEMA))
         self.driver_bytes += t.nbytes
         subs = self._subs(cols)
