@@ -87,7 +87,7 @@ from ..model import add_pairs, train_group
 from ..params import TrainParams
 from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA, ddl
-from .shared_vectors import SharedSpace
+from .shared_vectors import SharedSpace, _parallel
 
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len binary, x_idx binary, "
@@ -687,8 +687,7 @@ class SparkOracle:
         # one reduce task per block up to Spark's default parallelism (each task's fixed cost is
         # paid per query), whatever spark.sql.shuffle.partitions is (the groupBy reuses this hash
         # partitioning: no second shuffle)
-        reducers = max(1, min(-(-size // BLOCK), self.par))
-        partials = df.mapInArrow(partial, PARTIAL_SCHEMA).repartition(reducers, "block")
+        partials = df.mapInArrow(partial, PARTIAL_SCHEMA).repartition(_parallel(self.par, -(-size // BLOCK)), "block")
         summed = to_arrow(grouped_apply(partials, ["block"], _sum_blocks, PARTIAL_SCHEMA))
         self.queries += 1
         out = np.zeros(size)
@@ -772,7 +771,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
                      "in shared files (only scalars to the driver)" if shared else "on the driver")
             eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
             if shared:
-                space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root)
+                space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root, oracle.par)
                 info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info)
             else:
                 W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, d, K, eps=eps,

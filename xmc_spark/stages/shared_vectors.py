@@ -190,7 +190,7 @@ class SharedSpace:
     each), ``node_ptr``: classifiers of node g = ``node_ptr[g]:node_ptr[g + 1]``."""
 
     def __init__(self, rows: DataFrame, unpack: Callable[[pa.RecordBatch], Iterable[tron.RowBlock]],
-                 node_ptr: np.ndarray, d: int, root: str):
+                 node_ptr: np.ndarray, d: int, root: str, par: Optional[int] = None):
         self.rows, self.unpack = rows, unpack
         self.node_ptr = np.asarray(node_ptr, np.int64)
         self.d, self.K = int(d), int(self.node_ptr[-1])
@@ -202,7 +202,8 @@ class SharedSpace:
         self.jobs = 0
         self.driver_bytes = 0               # bytes of the scalar rows collected so far
         self.col_node = np.repeat(np.arange(len(self.node_ptr) - 1), np.diff(self.node_ptr))
-        self.par = default_parallelism(rows.sparkSession)   # once: on Spark Connect it may cost a job
+        # read once (on Spark Connect it may cost a job); the caller may pass what it already read
+        self.par = default_parallelism(rows.sparkSession) if par is None else int(par)
 
     # ---- the four methods tron_space calls -------------------------------------------------------
 
