@@ -360,6 +360,9 @@ class TrainParams(BaseParams):
     max_node_rows: str = "auto"
     tron_eps: float = 0.01          # distributed solver: stop at ||grad|| <= tron_eps * ||grad at 0||
     tron_max_iter: int = 50         # distributed solver: Newton steps at most
+    # distributed solver: diagonal preconditioner M = (1 - a) I + a diag(H) for its CG (LIBLINEAR's
+    # a = 0.01); 0 = plain CG
+    tron_pcg: float = 0.01
     # distributed solver: its vectors (features x big-node classifiers, float64) stay on the
     # driver up to this size; above, in files under the run folder's _scratch, read and written by
     # the tasks, with only per-classifier scalars reaching the driver. 0 (default): always in
@@ -384,6 +387,7 @@ class TrainParams(BaseParams):
         _check(self.negatives in ("tfn", "tfn+man"), prefix + "negatives",
                f"must be tfn or tfn+man, got {self.negatives!r}")
         _check(self.tron_max_iter >= 1, prefix + "tron_max_iter", "must be >= 1")
+        _check(0 <= self.tron_pcg <= 1, prefix + "tron_pcg", "must be in [0, 1]")
         _check(self.tron_driver_mb >= 0, prefix + "tron_driver_mb", "must be >= 0")
         _check(self.C > 0, prefix + "C", "must be > 0")
         _check(self.threshold >= 0, prefix + "threshold", "must be >= 0")

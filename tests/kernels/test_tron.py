@@ -84,6 +84,12 @@ def test_objective_gradient_hessian_against_brute_force(prob):
     t = 1e-7
     Gp, Gm = fun_grad(W + t * V, cols)[1], fun_grad(W - t * V, cols)[1]
     np.testing.assert_allclose((Gp - Gm) / (2 * t), HV, rtol=1e-4, atol=1e-4)
+    # the loss part of the Hessian's diagonal (the preconditioner's), from the same pass
+    f3, G3, L = fun_grad(W, cols, True)
+    np.testing.assert_array_equal(f3, f)
+    np.testing.assert_array_equal(G3, G)
+    for k in range(K):
+        np.testing.assert_allclose(L[:, k], np.diag(brute_hessian(X, S, Cm, W[:, k], k)) - 1.0, rtol=1e-10)
     # a subset of classifiers gives those columns
     sub = np.array([2, 0])
     f2, G2 = fun_grad(W[:, sub], sub)
@@ -105,6 +111,10 @@ def test_partial_sums_over_a_split_add_up(prob):
     sums = [tron.partial_fun_grad(p, [0, K], W, cols) for p in parts]
     np.testing.assert_allclose(sum(s[0] for s in sums), loss, rtol=1e-12)
     np.testing.assert_allclose(sum(s[1] for s in sums), G, rtol=1e-10, atol=1e-12)
+    Ld = tron.partial_fun_grad(whole, [0, K], W, cols, diag=True)[2]
+    np.testing.assert_allclose(sum(tron.partial_fun_grad(p, [0, K], W, cols, diag=True)[2] for p in parts), Ld,
+                               rtol=1e-10, atol=1e-12)
+    assert np.abs(Ld).max() > 0
     HV = tron.partial_hess_vec(whole, [0, K], W, V, cols)
     np.testing.assert_allclose(sum(tron.partial_hess_vec(p, [0, K], W, V, cols) for p in parts), HV,
                                rtol=1e-10, atol=1e-12)
@@ -128,16 +138,51 @@ def test_reaches_the_dual_kernels_optimum(prob):
     f_ref = brute_objective(X, S, Cm, ref)
     # LIBLINEAR's scaling of the default 0.01 by the smaller class, a tight uniform eps
     scaled = tron.liblinear_eps(0.01, np.asarray((Y != 0).sum(axis=0)).ravel(), X.shape[0])
-    for eps, gap in ((scaled, 1e-3), (1e-6, 1e-6)):
-        W, info = tron.tron(fun_grad, hess_vec, d, K, eps=eps, max_iter=100)
+    for eps, gap, pcg in ((scaled, 1e-3, 0.0), (1e-6, 1e-6, 0.0), (scaled, 1e-3, 0.01), (1e-6, 1e-6, 1.0)):
+        W, info = tron.tron(fun_grad, hess_vec, d, K, eps=eps, max_iter=100, pcg=pcg)
         assert info.converged.all() and (info.steps < 100).all()
         rel = (brute_objective(X, S, Cm, W) - f_ref) / f_ref
-        assert np.all(rel <= gap), (eps, rel)
-        assert np.all(rel >= -1e-6), (eps, rel)       # the DCD run is (near) optimal itself
+        assert np.all(rel <= gap), (eps, pcg, rel)
+        assert np.all(rel >= -1e-6), (eps, pcg, rel)       # the DCD run is (near) optimal itself
     big = np.abs(ref) > 1e-3
     assert big.sum() > K * 10
     np.testing.assert_array_equal(np.sign(W[big]), np.sign(ref[big]))
     np.testing.assert_allclose(W, ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("pcg", [0.0, 0.01, 1.0])
+def test_one_cg_solve_against_the_newton_step_and_the_boundary(prob, pcg):
+    """One (preconditioned) Steihaug CG at a random w against closed forms on the brute-force
+    Hessian: with a wide trust region and a tight tolerance it returns the Newton step -H^-1 g and
+    R = -g - H s; with a small region, a step on its boundary, ||s||_M = delta with M = (1 - a) I
+    + a diag(H) (the identity without preconditioning)."""
+    X, Y, sw, C = prob
+    d, K = X.shape[1], Y.shape[1]
+    fun_grad, hess_vec = tron.local_oracle(tron.node_rows(X, Y, C, sw), [0, K])
+    S_, Cm = brute_costs(Y, sw, C)
+    W = np.random.default_rng(3).normal(0, 0.3, (d, K))
+    cols = np.arange(K)
+    space = tron.NumpySpace(fun_grad, hess_vec, d, K)
+    space.combine({"W": []}, cols)
+    space.v["W"] = W.copy()
+    pre = ("M", pcg) if pcg else None
+    space.fun_grad([(1.0, "W")], "G", cols, precond=pre)
+    G = space.v["G"]
+    H = [brute_hessian(X, S_, Cm, W[:, k], k) for k in range(K)]
+    M = np.stack([(1 - pcg) + pcg * np.diag(h) for h in H], axis=1)
+    if pcg:
+        np.testing.assert_allclose(space.v["M"], M, rtol=1e-10)
+    zr = np.einsum("ij,ij->j", G, G / M)
+    boundary, steps = tron._trcg(space, cols, zr, np.full(K, 1e9), 1e-10, 500, bool(pcg))
+    assert not boundary.any() and (steps > 1).all()
+    for k in range(K):
+        newton = -np.linalg.solve(H[k], G[:, k])
+        np.testing.assert_allclose(space.v["S"][:, k], newton, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(space.v["R"][:, k], -G[:, k] - H[k] @ space.v["S"][:, k], atol=1e-6)
+    delta = 0.2 * np.sqrt(np.einsum("ij,ij->j", space.v["S"], M * space.v["S"]))
+    boundary, _ = tron._trcg(space, cols, zr, delta, 1e-10, 500, bool(pcg))
+    assert boundary.all()
+    np.testing.assert_allclose(np.sqrt(np.einsum("ij,ij->j", space.v["S"], M * space.v["S"])), delta, rtol=1e-9)
 
 
 def test_nodes_mixed_in_one_block_are_solved_apart():
@@ -176,5 +221,7 @@ def test_zero_gradient_and_bad_arguments():
     assert not W.any() and info.fun_grad_calls == 1 and info.hess_vec_calls == 0
     with pytest.raises(ValueError, match="eps"):
         tron.tron(fun_grad, hess_vec, 2, 1, eps=0)
+    with pytest.raises(ValueError, match="pcg"):
+        tron.tron(fun_grad, hess_vec, 2, 1, pcg=1.5)
     with pytest.raises(ValueError, match="RowBlock"):
         tron.RowBlock(X, np.zeros(2, int), np.ones(3), sp.csr_matrix((3, 1)))

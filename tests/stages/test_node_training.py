@@ -295,7 +295,8 @@ def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted
     on demand, the Spark solver too); the other nodes are the grouped kernel's, unchanged.
     Weighted: sample and label weights and a bias of 0.5, the solver's vectors in files
     (`train.tron_driver_mb` 0, the default; the scratch folder is left empty); unweighted (no
-    weight columns): the vectors on the driver (64 MB). So files and driver give the same weights."""
+    weight columns): the vectors on the driver (64 MB). So files and driver give the same weights.
+    The CG is preconditioned: LIBLINEAR's a = 0.01 (the default) in files, a = 1 on the driver."""
     samples, Xl, Yl = problem
     if weighted:
         Yw, sw = _weighted(Yl)
@@ -303,7 +304,7 @@ def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted
         samples = samples_frame(spark, Xl, Yw, label_weights=True, weights=sw)
     else:
         Yw, sw = Yl, None
-        tp = TrainParams(max_node_rows=str(BOUND), tron_max_iter=3, tron_driver_mb=64)
+        tp = TrainParams(max_node_rows=str(BOUND), tron_max_iter=3, tron_driver_mb=64, tron_pcg=1.0)
     big = _split(index, Yw)
     Xb = append_bias(Xl, tp.bias)
     got = _stage_weights(node_training.run(samples, index, D, tp, scratch=str(tmp_path)))
@@ -315,7 +316,7 @@ def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted
         K = len(children)
         eps = tron.liblinear_eps(tp.tron_eps, np.asarray((Yg != 0).sum(axis=0)).ravel(), Xg.shape[0])
         W, _ = tron.tron(*tron.local_oracle(tron.node_rows(Xg, Yg, tp.C, w), [0, K]), Xg.shape[1], K,
-                         eps=eps, max_iter=tp.tron_max_iter)
+                         eps=eps, max_iter=tp.tron_max_iter, pcg=tp.tron_pcg)
         P = tron.prune(W, tp.threshold)
         leaf = bool(np.isin(g, index.leaves))
         for j, c in enumerate(children):

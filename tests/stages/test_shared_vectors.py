@@ -90,6 +90,17 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     both("hess_vec", "W", "D", "HD", allc[::3], dots=[("D", "HD"), ("R", "D")])
     both("fun_grad", [(1.0, "W")], "Gn", allc, dots=[("D", "D"), ("R", "R"), ("S", "S")])
     both("combine", {"W": [(1.0, "W"), (0.5, "S")]}, sub)
+    # the preconditioner: M from the gradient's pass, elementwise "A/M", "A*M" in terms and dots,
+    # also through a deferred combination and a product that just wrote one of the factors
+    both("fun_grad", [(1.0, "W")], "G", allc, dots=[("G", "G"), ("G", "G*M"), ("G", "G/M")], precond=("M", 0.3))
+    both("combine", {"D": [(-1.0, "G/M")], "R": [(-1.0, "G")]}, allc, dots=[("D", "D*M"), ("R", "D")])
+    both("hess_vec", "W", "D", "HD", allc, dots=[("D", "HD"), ("R", "HD/M"), ("HD", "HD/M"), ("S", "D*M")])
+    both("combine", {"S": [(1.0, "S"), (0.1, "D")], "R": [(1.0, "R"), (-0.1, "HD")],
+                     "D": [(1.0, "R/M"), (-0.1, "HD/M"), (0.5, "D")]}, allc)
+    both("hess_vec", "W", "D", "HD", allc, dots=[("D", "HD"), ("R", "R/M"), ("S", "S*M")])
+    both("fun_grad", [(1.0, "W"), (1.0, "S")], "Gn", sub, dots=[("Gn", "Gn/Mn"), ("S", "S*M")],
+         precond=("Mn", 0.01))
+    both("combine", {"M": [(1.0, "Mn")], "G": [(1.0, "Gn")]}, sub, dots=[("G", "G/M")])
 
     def emit(g, Wg):
         return pa.table({"col": pa.array(node_ptr[g] + np.arange(Wg.shape[1])),

@@ -113,11 +113,13 @@ def _row_labels(i, pos_ptr, pos_idx, pos_val, slot, cost_i, y, cm):
 
 
 @njit()
-def _fun_grad_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot, W, loss, G):
+def _fun_grad_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot, W, loss, G, Dg, diag):
     """One pass over ``rows``: z = x W, the squared-hinge loss and 2 C (z - y) on the active
-    set, scattered back as x^T coef; ``loss`` and ``G`` (d x k) are added to in place."""
+    set, scattered back as x^T coef; ``loss`` and ``G`` (d x k) are added to in place, and with
+    ``diag`` the loss part of the Hessian's diagonal, sum over the active set of 2 C x_j^2, to
+    ``Dg`` (d x k)."""
     k = W.shape[1]
-    z, y, cm = np.empty(k), np.empty(k), np.empty(k)
+    z, y, cm, h = np.empty(k), np.empty(k), np.empty(k), np.empty(k)
     for i in rows:
         z[:] = 0.0
         for jj in range(x_ptr[i], x_ptr[i + 1]):
@@ -130,12 +132,18 @@ def _fun_grad_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, s
             if m > 0.0:
                 loss[q] += cm[q] * m * m
                 z[q] = 2.0 * cm[q] * (z[q] - y[q])
+                h[q] = 2.0 * cm[q]
             else:
                 z[q] = 0.0
+                h[q] = 0.0
         for jj in range(x_ptr[i], x_ptr[i + 1]):
             f, v = x_idx[jj], x_val[jj]
             for q in range(k):
                 G[f, q] += v * z[q]
+            if diag:
+                vv = np.float64(v) * np.float64(v)
+                for q in range(k):
+                    Dg[f, q] += vv * h[q]
 
 
 @njit()
@@ -170,21 +178,29 @@ def _kernel_args(rows: RowBlock, r: np.ndarray, c: np.ndarray):
             P.indptr, P.indices, P.data, slot)
 
 
-def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols, out=None) -> Tuple[np.ndarray, np.ndarray]:
+def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols, out=None, diag: bool = False) -> Tuple:
     """Loss part of f and of its gradient over ``rows`` for classifiers ``cols`` at W (d x len(cols)):
-    (sum_i C_ik max(0, 1 - y_ik z_ik)^2 per classifier, 2 X_I^T (C_I (z_I - y_I))).
+    (sum_i C_ik max(0, 1 - y_ik z_ik)^2 per classifier, 2 X_I^T (C_I (z_I - y_I))), and with
+    ``diag`` a third part, the loss part of the generalized Hessian's diagonal, sum_{i in I}
+    2 C_ik x_ij^2 (d x len(cols)): what the diagonal preconditioner needs.
 
-    ``out`` = (loss, G), when given, is added to in place (only the columns of the nodes with
-    rows here are touched) and returned: a caller summing many row blocks of few nodes each
-    pays for those nodes' columns, not for a d x len(cols) matrix per block."""
+    ``out`` = (loss, G) or (loss, G, diag part), when given, is added to in place (only the
+    columns of the nodes with rows here are touched) and returned: a caller summing many row
+    blocks of few nodes each pays for those nodes' columns, not for a d x len(cols) matrix per
+    block."""
     cols = np.asarray(cols, np.int64)
-    loss, G = (np.zeros(len(cols)), np.zeros((rows.X.shape[1], len(cols)))) if out is None else out
+    d = rows.X.shape[1]
+    if out is None:
+        out = (np.zeros(len(cols)), np.zeros((d, len(cols)))) + ((np.zeros((d, len(cols))),) if diag else ())
     for r, c, p in _node_parts(rows, node_ptr, cols):
-        lp, Gp = np.zeros(len(p)), np.zeros((G.shape[0], len(p)))
-        _fun_grad_rows(*_kernel_args(rows, r, c), np.ascontiguousarray(W[:, p], np.float64), lp, Gp)
-        loss[p] += lp
-        G[:, p] += Gp
-    return loss, G
+        lp, Gp = np.zeros(len(p)), np.zeros((d, len(p)))
+        Dp = np.zeros((d, len(p)) if diag else (1, 1))
+        _fun_grad_rows(*_kernel_args(rows, r, c), np.ascontiguousarray(W[:, p], np.float64), lp, Gp, Dp, diag)
+        out[0][p] += lp
+        out[1][:, p] += Gp
+        if diag:
+            out[2][:, p] += Dp
+    return out
 
 
 def partial_hess_vec(rows: RowBlock, node_ptr, W: np.ndarray, V: np.ndarray, cols, out=None) -> np.ndarray:
@@ -207,8 +223,9 @@ def regularized(loss: np.ndarray, G: np.ndarray, W: np.ndarray) -> Tuple[np.ndar
 
 def local_oracle(rows: RowBlock, node_ptr) -> Tuple[FunGrad, HessVec]:
     """(fun_grad, hess_vec) over rows held in memory."""
-    def fun_grad(W, cols):
-        return regularized(*partial_fun_grad(rows, node_ptr, W, cols), W)
+    def fun_grad(W, cols, diag=False):
+        parts = partial_fun_grad(rows, node_ptr, W, cols, diag=diag)
+        return regularized(*parts[:2], W) + parts[2:]
 
     def hess_vec(W, V, cols):
         return V + partial_hess_vec(rows, node_ptr, W, V, cols)
@@ -239,6 +256,27 @@ def liblinear_eps(eps: float, positives, rows) -> np.ndarray:
     return float(eps) * np.maximum(np.minimum(positives, rows - positives), 1.0) / rows
 
 
+_OPS = (("/", np.divide), ("*", np.multiply))
+
+
+def components(name: str) -> list:
+    """The plain vector names a space name reads: [A, B] for ``"A/B"`` or ``"A*B"``, else [name]."""
+    for op, _ in _OPS:
+        if op in name:
+            return name.split(op)
+    return [name]
+
+
+def elementwise(name: str, get: Callable[[str], np.ndarray]) -> np.ndarray:
+    """The value of a vector name of a space: ``get(name)``, or for ``"A/B"`` / ``"A*B"``
+    get(A) divided / multiplied elementwise by get(B)."""
+    for op, f in _OPS:
+        if op in name:
+            a, b = name.split(op)
+            return f(get(a), get(b))
+    return get(name)
+
+
 def _col_dot(A, B):
     return np.einsum("ij,ij->j", A, B)
 
@@ -256,14 +294,15 @@ class NumpySpace:
     Every method acts on the classifiers ``cols``; a vector never written is zero. ``terms`` are
     [(coefficient, name)], a coefficient a scalar or one value per entry of ``cols``; ``dots`` are
     [(name, name)] pairs whose column-wise inner products are returned (one row per pair) *after*
-    the call's writes."""
+    the call's writes. A name in a term or a dot may be ``"A/B"`` or ``"A*B"``: vector A divided
+    or multiplied elementwise by vector B (the diagonal preconditioner's M^-1 r and s^T M s)."""
 
     def __init__(self, fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int):
         self._fg, self._hv, self.d, self.K = fun_grad, hess_vec, d, K
         self.v: dict = {}
 
     def _get(self, name: str, cols) -> np.ndarray:
-        return self.v[name][:, cols] if name in self.v else np.zeros((self.d, len(cols)))
+        return elementwise(name, lambda n: self.v[n][:, cols] if n in self.v else np.zeros((self.d, len(cols))))
 
     def _eval(self, terms: Terms, cols) -> np.ndarray:
         out = np.zeros((self.d, len(cols)))
@@ -278,9 +317,15 @@ class NumpySpace:
         out = [_col_dot(self._get(a, cols), self._get(b, cols)) for a, b in dots]
         return np.array(out).reshape(len(dots), len(cols))
 
-    def fun_grad(self, w: Terms, out: str, cols, dots=()) -> Tuple[np.ndarray, np.ndarray]:
-        """(f at w = sum of ``w``'s terms, dots); ``out`` := the gradient there."""
-        f, G = self._fg(self._eval(w, cols), cols)
+    def fun_grad(self, w: Terms, out: str, cols, dots=(), precond=None) -> Tuple[np.ndarray, np.ndarray]:
+        """(f at w = sum of ``w``'s terms, dots); ``out`` := the gradient there. ``precond`` =
+        (name, a): also name := 1 + a x (loss part of the Hessian's diagonal) there, i.e.
+        (1 - a) I + a diag(H) (LIBLINEAR's diagonal preconditioner)."""
+        if precond is None:
+            f, G = self._fg(self._eval(w, cols), cols)
+        else:
+            f, G, L = self._fg(self._eval(w, cols), cols, True)
+            self._set(precond[0], cols, 1.0 + precond[1] * L)
         self._set(out, cols, G)
         return np.asarray(f, np.float64), self._dots(dots, cols)
 
@@ -307,10 +352,12 @@ def _boundary_step(sd, ss, dd, delta):
     return np.where(sd >= 0, (dsq - ss) / np.where(sd + rad > 0, sd + rad, 1.0), (rad - sd) / np.where(dd > 0, dd, 1.0))
 
 
-def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter):
+def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter, pc: bool = False):
     """Steihaug CG on the classifiers ``c`` (``rtr`` = ||g||^2): leaves S ~ argmin_s g^T s +
     0.5 s^T H s with ||s|| <= delta and R = -G - H S in the space; returns (reached boundary, CG
-    steps).
+    steps). With ``pc``, preconditioned CG with the space's diagonal ``M`` (LIBLINEAR's trpcg):
+    z = M^-1 r drives the directions, ``rtr`` = g^T M^-1 g, the stop tests r^T M^-1 r and the
+    trust region is ||s||_M = sqrt(s^T M s) <= delta.
 
     One Hessian-vector product and one update per step, and the update asks for no inner product:
     ||s + alpha d||^2 and the new ||r||^2 come from those the product returns (s.s + 2 alpha s.d +
@@ -319,7 +366,9 @@ def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter):
     does: one Spark job per CG step). The exact r.r, returned with the next product, is the one
     alpha uses; the expansion decides only the stop and beta."""
     m = len(c)
-    space.combine({"S": [], "R": [(-1.0, "G")], "D": [(-1.0, "G")]}, c)
+    mi = (lambda a: f"{a}/M") if pc else (lambda a: a)        # M^-1 a
+    mm = (lambda a: f"{a}*M") if pc else (lambda a: a)        # M a
+    space.combine({"S": [], "R": [(-1.0, "G")], "D": [(-1.0, mi("G"))]}, c)
     rtr = np.array(rtr, np.float64)
     cgtol = eps_cg * np.sqrt(rtr)
     boundary = np.zeros(m, bool)
@@ -329,7 +378,8 @@ def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter):
         loc = np.flatnonzero(run)
         j = c[loc]
         dhd, ss, sd, dd, rhd, hh, r0 = space.hess_vec("W", "D", "HD", j, dots=[
-            ("D", "HD"), ("S", "S"), ("S", "D"), ("D", "D"), ("R", "HD"), ("HD", "HD"), ("R", "R")])
+            ("D", "HD"), ("S", mm("S")), ("S", mm("D")), ("D", mm("D")), ("R", mi("HD")), ("HD", mi("HD")),
+            ("R", mi("R"))])
         steps[loc] += 1
         alpha = r0 / dhd
         out = np.sqrt(np.maximum(ss + 2 * alpha * sd + alpha * alpha * dd, 0.0)) > delta[loc]
@@ -337,7 +387,7 @@ def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter):
         rnew = np.maximum(r0 - 2 * a * rhd + a * a * hh, 0.0)
         beta = np.where(out, 0.0, rnew / r0)
         space.combine({"S": [(1.0, "S"), (a, "D")], "R": [(1.0, "R"), (-a, "HD")],
-                       "D": [(1.0, "R"), (-a, "HD"), (beta, "D")]}, j)
+                       "D": [(1.0, mi("R")), (-a, mi("HD")), (beta, "D")]}, j)
         boundary[loc[out]] = True
         run[loc[out]] = False
         inn = ~out
@@ -367,35 +417,43 @@ class TronInfo:
 
 
 def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps=0.01, max_iter: int = 50,
-         eps_cg: float = 0.1, max_cg_iter: int | None = None, log=None) -> Tuple[np.ndarray, TronInfo]:
+         eps_cg: float = 0.1, max_cg_iter: int | None = None, log=None,
+         pcg: float = 0.0) -> Tuple[np.ndarray, TronInfo]:
     """Minimize K independent objectives from w = 0 (see the module docstring); W is d x K.
     :func:`tron_space` on a :class:`NumpySpace` over the oracle; returns (W, info)."""
     space = NumpySpace(fun_grad, hess_vec, d, K)
-    info = tron_space(space, d, K, eps, max_iter, eps_cg, max_cg_iter, log)
+    info = tron_space(space, d, K, eps, max_iter, eps_cg, max_cg_iter, log, pcg)
     return space.result(), info
 
 
 def tron_space(space, d: int, K: int, eps=0.01, max_iter: int = 50, eps_cg: float = 0.1,
-               max_cg_iter: int | None = None, log=None) -> TronInfo:
+               max_cg_iter: int | None = None, log=None, pcg: float = 0.0) -> TronInfo:
     """The trust-region loop over a vector space (:class:`NumpySpace` or one of the same
     methods); the solution is the space's ``W``.
 
     ``eps``: one tolerance or one per classifier (:func:`liblinear_eps` scales it as LIBLINEAR).
     ``max_cg_iter`` bounds the CG steps of one trust-region step (default max(d, 5), as
     LIBLINEAR). ``log(msg)``, when given, receives one line per trust-region round.
+    ``pcg`` = a in (0, 1]: preconditioned CG with M = (1 - a) I + a diag(H(w)) (LIBLINEAR's
+    trust-region PCG, which uses a = 0.01; Hsia, Chiang and Lin 2018), M recomputed at every
+    accepted iterate by the same data pass as the gradient, the trust region in the M-norm
+    (delta_0 = sqrt(g^T M g), as LIBLINEAR); 0 = plain CG. The stopping test is ||grad|| either way.
     """
     eps = np.broadcast_to(np.asarray(eps, np.float64), (K,))
-    if np.any(~(eps > 0)) or max_iter < 1:
-        raise ValueError(f"tron: eps must be > 0 and max_iter >= 1 (got eps min {eps.min(initial=1)}, "
-                         f"max_iter {max_iter})")
+    if np.any(~(eps > 0)) or max_iter < 1 or not 0.0 <= pcg <= 1.0:
+        raise ValueError(f"tron: eps must be > 0, max_iter >= 1 and 0 <= pcg <= 1 (got eps min "
+                         f"{eps.min(initial=1)}, max_iter {max_iter}, pcg {pcg})")
     max_cg_iter = max(d, 5) if max_cg_iter is None else int(max_cg_iter)
+    pc = pcg > 0
     allc = np.arange(K)
-    f, (gg,) = space.fun_grad([], "G", allc, dots=[("G", "G")])          # at w = 0
+    f, dts = space.fun_grad([], "G", allc, dots=[("G", "G")] + ([("G", "G*M"), ("G", "G/M")] if pc else []),
+                            precond=("M", pcg) if pc else None)          # at w = 0
     f = np.array(f, np.float64)
     calls = {"fg": 1, "hv": 0}
-    gnorm0 = np.sqrt(gg)
+    gnorm0 = np.sqrt(dts[0])
     gnorm = gnorm0.copy()
-    delta = gnorm0.copy()
+    delta = np.sqrt(dts[1]) if pc else gnorm0.copy()
+    zr = (dts[2] if pc else dts[0]).copy()            # g^T M^-1 g: CG's first r^T z
     adjusted = np.zeros(K, bool)
     steps = np.zeros(K, np.int64)
     cg_steps = np.zeros(K, np.int64)
@@ -403,11 +461,13 @@ def tron_space(space, d: int, K: int, eps=0.01, max_iter: int = 50, eps_cg: floa
     rnd = 0
     while live.any():
         c = np.flatnonzero(live)
-        boundary, cgs = _trcg(space, c, gnorm[c] ** 2, delta[c], eps_cg, max_cg_iter)
+        boundary, cgs = _trcg(space, c, zr[c], delta[c], eps_cg, max_cg_iter, pc)
         calls["hv"] += int(cgs.max(initial=0))
         cg_steps[c] += cgs
-        fn, (gs, sr, ss, gn2) = space.fun_grad([(1.0, "W"), (1.0, "S")], "Gn", c,
-                                               dots=[("G", "S"), ("S", "R"), ("S", "S"), ("Gn", "Gn")])
+        fn, dts = space.fun_grad([(1.0, "W"), (1.0, "S")], "Gn", c,
+                                 dots=[("G", "S"), ("S", "R"), ("S", "S*M" if pc else "S"), ("Gn", "Gn")]
+                                 + ([("Gn", "Gn/Mn")] if pc else []), precond=("Mn", pcg) if pc else None)
+        gs, sr, ss, gn2 = dts[:4]
         calls["fg"] += 1
         fc = f[c]
         prered = -0.5 * (gs - sr)
@@ -431,9 +491,11 @@ def tron_space(space, d: int, K: int, eps=0.01, max_iter: int = 50, eps_cg: floa
         acc = actred > ETA0 * prered
         ca = c[acc]
         if len(ca):
-            space.combine({"W": [(1.0, "W"), (1.0, "S")], "G": [(1.0, "Gn")]}, ca)
+            space.combine({"W": [(1.0, "W"), (1.0, "S")], "G": [(1.0, "Gn")]}
+                          | ({"M": [(1.0, "Mn")]} if pc else {}), ca)
         f[ca] = fn[acc]
         gnorm[ca] = np.sqrt(gn2[acc])
+        zr[ca] = (dts[4] if pc else gn2)[acc]
         steps[c] += 1
         tiny = (np.abs(actred) <= 1e-12 * np.abs(f[c])) & (np.abs(prered) <= 1e-12 * np.abs(f[c]))
         done = (gnorm[c] <= eps[c] * gnorm0[c]) | (steps[c] >= max_iter) | (prered <= 0) | tiny

@@ -617,18 +617,22 @@ class SparkOracle:
         self.queries = 0
         self.par = default_parallelism(packed.sparkSession)   # once: on Spark Connect it may cost a job
 
-    def fun_grad(self, W: np.ndarray, cols: np.ndarray):
-        m, node_ptr, Wp = len(cols), self.node_ptr, _pack(W)
+    def fun_grad(self, W: np.ndarray, cols: np.ndarray, diag: bool = False):
+        """(f, G) at W, and with ``diag`` the loss part of the Hessian's diagonal (d x m)."""
+        m, d, node_ptr, Wp = len(cols), self.d, self.node_ptr, _pack(W)
 
         def make():
             Wl = _unpack_matrix(Wp)
 
             def part(rows, acc):
-                tron.partial_fun_grad(rows, node_ptr, Wl, cols, out=(acc[:m], acc[m:].reshape(-1, m)))
+                tron.partial_fun_grad(rows, node_ptr, Wl, cols, diag=diag,
+                                      out=(acc[:m], acc[m:m + d * m].reshape(d, m))
+                                      + ((acc[m + d * m:].reshape(d, m),) if diag else ()))
             return part
 
-        flat = self._reduce(make, m + self.d * m, cols)
-        return tron.regularized(flat[:m], flat[m:].reshape(self.d, m), W)
+        flat = self._reduce(make, m + d * m * (2 if diag else 1), cols)
+        f, G = tron.regularized(flat[:m], flat[m:m + d * m].reshape(d, m), W)
+        return (f, G, flat[m + d * m:].reshape(d, m)) if diag else (f, G)
 
     def hess_vec(self, W: np.ndarray, V: np.ndarray, cols: np.ndarray):
         node_ptr, Wp, Vp = self.node_ptr, _pack(W), _pack(V)
@@ -772,10 +776,11 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
             eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
             if shared:
                 space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root, oracle.par)
-                info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info)
+                info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info,
+                                       pcg=params.tron_pcg)
             else:
                 W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, d, K, eps=eps,
-                                    max_iter=params.tron_max_iter, log=log.info)
+                                    max_iter=params.tron_max_iter, log=log.info, pcg=params.tron_pcg)
             log.info("train: distributed TRON done in %d queries; Newton steps per classifier %d-%d, CG steps %d-%d, "
                      "%d of %d met |g| <= eps_k |g0| (eps %g scaled per classifier)%s",
                      oracle.queries + (space.jobs if space else 0), info.steps.min(), info.steps.max(),

@@ -105,12 +105,14 @@ class _Files:
 
     def stored(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
         """sum coef x block of the node's classifiers ``sub`` (coefficients per global
-        classifier), as the files hold the vectors."""
+        classifier), as the files hold the vectors (a name may be ``"A/B"`` or ``"A*B"``:
+        :func:`..kernels.tron.elementwise`)."""
         lo, hi = self.span(g, fb)
         out = np.zeros((hi - lo, len(sub)))
         for coef, name in terms:
-            if (name, g) in self.where:
-                out += coef[self.node_ptr[g] + sub] * self.load(fs, name, g, fb)[:, sub]
+            if all((n, g) in self.where for n in tron.components(name)):
+                out += coef[self.node_ptr[g] + sub] * tron.elementwise(
+                    name, lambda n: self.load(fs, n, g, fb)[:, sub])
         return out
 
     def terms(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
@@ -122,11 +124,14 @@ class _Files:
         cols = self.node_ptr[g] + sub
         lo, hi = self.span(g, fb)
         out = np.zeros((hi - lo, len(sub)))
-        for coef, name in terms:
+
+        def current(name):
             value = self.stored(fs, [(np.ones(len(mask)), name)], g, fb, sub)
             if name in upd and mask[cols].any():
                 value = np.where(mask[cols], self.stored(fs, upd[name], g, fb, sub), value)
-            out += coef[cols] * value
+            return value
+        for coef, name in terms:
+            out += coef[cols] * tron.elementwise(name, current)
         return out
 
     def apply_pending(self, fs, job: int, g: int, fb: int) -> None:
@@ -175,12 +180,13 @@ def version_dir(base: str, name: str, g: int, job: int) -> str:
 
 def _dots(blocks: Dict[str, np.ndarray], files: _Files, fs, dots, g, fb, sub) -> np.ndarray:
     """Column-wise inner products of block fb of the ``dots`` pairs (``blocks``: values this job
-    just computed; the rest read from the files)."""
+    just computed; the rest read from the files; ``"A/B"``, ``"A*B"`` of either)."""
     def get(name):
         if name not in blocks:
             blocks[name] = files.terms(fs, [(np.ones(files.node_ptr[-1]), name)], g, fb, sub)
         return blocks[name]
-    return np.concatenate([np.einsum("ij,ij->j", get(a), get(b)) for a, b in dots]) if dots else np.zeros(0)
+    return (np.concatenate([np.einsum("ij,ij->j", tron.elementwise(a, get), tron.elementwise(b, get))
+                            for a, b in dots]) if dots else np.zeros(0))
 
 
 class SharedSpace:
@@ -207,8 +213,8 @@ class SharedSpace:
 
     # ---- the four methods tron_space calls -------------------------------------------------------
 
-    def fun_grad(self, w, out: str, cols, dots=()):
-        return self._oracle("fg", self._coefs(w, cols), None, out, cols, dots)
+    def fun_grad(self, w, out: str, cols, dots=(), precond=None):
+        return self._oracle("fg", self._coefs(w, cols), None, out, cols, dots, precond)
 
     def hess_vec(self, w: str, v: str, out: str, cols, dots=()):
         return self._oracle("hv", [(self._full(1.0, cols), w)], v, out, cols, dots)[1]
@@ -299,25 +305,28 @@ class SharedSpace:
         self.jobs += 1
         return self.jobs
 
-    def _oracle(self, kind: str, w, v: Optional[str], out: str, cols, dots):
-        """One data pass: ``out`` := gradient at w (``fg``, returns the objective) or H(w) v (``hv``)."""
+    def _oracle(self, kind: str, w, v: Optional[str], out: str, cols, dots, precond=None):
+        """One data pass: ``out`` := gradient at w (``fg``, returns the objective) or H(w) v (``hv``);
+        ``precond`` = (name, a) with ``fg``: also name := 1 + a x (loss part of diag H at w)."""
         cols = np.asarray(cols, np.int64)
-        if self.pending is not None and out in self.pending[0]:
+        outs = [out] + ([precond[0]] if precond else [])
+        if self.pending is not None and any(o in self.pending[0] for o in outs):
             self.flush()
         files, job, subs, unpack = self._files(), self._next_job(), self._subs(cols), self.unpack
         node_ptr, ones = self.node_ptr, [(np.ones(self.K), v)] if v else []
         pnodes = [] if self.pending is None else [int(g) for g in np.unique(self.col_node[self.pending[1]])]
         extra = [(g, fb) for g in pnodes if g not in subs for fb in range(files.blocks(g))]
 
-        def node_pieces(g, loss, M, part):
+        def node_pieces(g, loss, *Ms, part):
             for fb in range(files.blocks(g)):
                 lo, hi = files.span(g, fb)
                 lv = loss if fb == 0 and kind == "fg" else np.zeros(0)
+                vals = np.concatenate([M[lo:hi].ravel() for M in Ms])   # the gradient, then diag H's part
                 yield pa.RecordBatch.from_pydict({
                     "g": pa.array([g], pa.int32()), "fb": pa.array([fb], pa.int32()),
                     "part": pa.array([part], pa.int32()),
                     "loss": list_array(np.array([0, len(lv)]), lv, pa.float64()),
-                    "vals": list_array(np.array([0, (hi - lo) * M.shape[1]]), M[lo:hi].ravel(), pa.float64())})
+                    "vals": list_array(np.array([0, len(vals)]), vals, pa.float64())})
 
         def partial(batches):
             """A partition's blocks come sorted by node: a node's vectors are read when its first
@@ -335,16 +344,16 @@ class SharedSpace:
                     sub = subs[g]
                     if g != cur:
                         if cur is not None:
-                            yield from node_pieces(cur, *acc, part)
+                            yield from node_pieces(cur, *acc, part=part)
                         cur = g
                         vec = (files.whole(fs, w, g, sub), files.whole(fs, ones, g, sub) if v else None)
-                        acc = (np.zeros(len(sub)), np.zeros((files.d, len(sub))))
+                        acc = (np.zeros(len(sub)),) + tuple(np.zeros((files.d, len(sub))) for _ in outs)
                     if kind == "fg":
-                        tron.partial_fun_grad(rb, node_ptr, vec[0], node_ptr[g] + sub, out=acc)
+                        tron.partial_fun_grad(rb, node_ptr, vec[0], node_ptr[g] + sub, out=acc, diag=bool(precond))
                     else:
                         tron.partial_hess_vec(rb, node_ptr, vec[0], vec[1], node_ptr[g] + sub, out=acc[1])
             if cur is not None:
-                yield from node_pieces(cur, *acc, part)
+                yield from node_pieces(cur, *acc, part=part)
 
         def reduce(t: pa.Table) -> pa.Table:
             fs, _ = client_fs(files.uri)
@@ -356,7 +365,11 @@ class SharedSpace:
                 return pa.Table.from_batches([_scalars(g, fb, [], [])])
             sub = subs[g]
             _, vals = list_offsets_values(t, "vals")
-            block = vals.reshape(t.num_rows, -1).sum(axis=0).reshape(-1, len(sub))
+            summed = vals.reshape(t.num_rows, -1).sum(axis=0).reshape(len(outs), -1, len(sub))
+            block, new = summed[0], {}
+            if precond:                            # M = 1 + a x (loss part of diag H)
+                new[precond[0]] = 1.0 + precond[1] * summed[1]
+                files.write(fs, job, precond[0], g, fb, sub, new[precond[0]])
             off, lv = list_offsets_values(t, "loss")
             loss = lv.reshape(-1, len(sub)).sum(axis=0) if len(lv) else np.zeros(len(sub))
             if kind == "fg":                       # + w and 0.5 ||w||^2 (this block's share)
@@ -366,7 +379,8 @@ class SharedSpace:
             else:                                  # + v
                 block = block + files.terms(fs, ones, g, fb, sub)
             files.write(fs, job, out, g, fb, sub, block)
-            return pa.Table.from_batches([_scalars(g, fb, loss, _dots({out: block}, files, fs, dots, g, fb, sub))])
+            new[out] = block
+            return pa.Table.from_batches([_scalars(g, fb, loss, _dots(new, files, fs, dots, g, fb, sub))])
 
         n_keys = sum(files.blocks(g) for g in subs)
         nodes = [int(g) for g in subs]
@@ -382,7 +396,7 @@ class SharedSpace:
                             "part": pa.array([-1], pa.int32()), "loss": pa.array([[]], pa.list_(pa.float64())),
                             "vals": pa.array([[]], pa.list_(pa.float64()))})
             pieces = pieces.unionByName(self._tasks(len(extra)).mapInArrow(empty, PIECE_SCHEMA))
-        writes = {g: [out] for g in subs}
+        writes = {g: list(outs) for g in subs}
         for g in pnodes:
             writes[g] = writes.get(g, []) + list(self.pending[0])
         self.pending = None
