@@ -185,6 +185,34 @@ def test_one_cg_solve_against_the_newton_step_and_the_boundary(prob, pcg):
     np.testing.assert_allclose(np.sqrt(np.einsum("ij,ij->j", space.v["S"], M * space.v["S"])), delta, rtol=1e-9)
 
 
+@pytest.mark.parametrize("pcg", [0.0, 0.5])
+def test_classifiers_out_of_step_take_their_own_iterates(prob, pcg):
+    """The loop does not keep classifiers in step (each pass gives every running classifier its
+    next operation), so each must end where it ends solved alone, with the same steps, and the
+    passes are 1 + the largest classifier's own count of CG and trust-region steps. With a mixed
+    oracle (gradient and Hessian products in one call), the same."""
+    X, Y, sw, C = prob
+    d, K = X.shape[1], Y.shape[1]
+    eps = tron.liblinear_eps(0.001, np.asarray((Y != 0).sum(axis=0)).ravel(), X.shape[0])
+    fun_grad, hess_vec = tron.local_oracle(tron.node_rows(X, Y, C, sw), [0, K])
+    calls = []
+
+    def mixed(Wf, cf, diag, Wh, Vh, ch):
+        calls.append((len(cf), len(ch)))
+        return fun_grad(Wf, cf, diag), hess_vec(Wh, Vh, ch)
+    W, info = tron.tron(fun_grad, hess_vec, d, K, eps=eps, pcg=pcg)
+    W2, info2 = tron.tron(fun_grad, hess_vec, d, K, eps=eps, pcg=pcg, mixed=mixed)
+    np.testing.assert_array_equal(W2, W)
+    assert calls and info2.passes == info.passes
+    assert info.passes == 1 + (info.steps + info.cg_steps).max()
+    assert len(set(info.steps + info.cg_steps)) > 1               # not all alike: some waited for others
+    for k in range(K):
+        one = tron.local_oracle(tron.node_rows(X, Y[:, [k]], C, sw), [0, 1])
+        Wk, ik = tron.tron(*one, d, 1, eps=eps[k], pcg=pcg)
+        np.testing.assert_allclose(W[:, k], Wk[:, 0], rtol=1e-9, atol=1e-12)
+        assert (ik.steps[0], ik.cg_steps[0]) == (info.steps[k], info.cg_steps[k])
+
+
 def test_nodes_mixed_in_one_block_are_solved_apart():
     """Rows of two nodes interleaved: each node's classifiers see only its rows."""
     X1, Y1, w1 = weighted_problem(n=200, d=30, K=2, seed=3, bias=1.0)

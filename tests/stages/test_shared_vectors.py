@@ -101,6 +101,23 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     both("fun_grad", [(1.0, "W"), (1.0, "S")], "Gn", sub, dots=[("Gn", "Gn/Mn"), ("S", "S*M")],
          precond=("Mn", 0.01))
     both("combine", {"M": [(1.0, "Mn")], "G": [(1.0, "Gn")]}, sub, dots=[("G", "G/M")])
+    # one pass (one Spark job) serving two sets of classifiers: Hessian products for some, gradients
+    # with the preconditioner for the others, after a deferred combination over both; then each alone
+    H, E = allc[::2], allc[1::2]
+
+    def step(hv, fg):
+        def flat(res):          # (hv's dots or None, fg's (f, dots) or None) -> the arrays
+            return ([] if res[0] is None else [res[0]]) + ([] if res[1] is None else list(res[1]))
+        jobs = got.jobs
+        a, b = flat(ref.step(hv, fg)), flat(got.step(hv, fg))
+        assert got.jobs == jobs + 1 and len(a) == len(b) == (hv is not None) + 2 * (fg is not None)
+        for u, w in zip(a, b):
+            np.testing.assert_allclose(w, u, rtol=1e-9, atol=1e-12)
+    both("combine", {"S": [(1.0, "S"), (0.3, "D")], "D": [(1.0, "R/M"), (0.5, "D")]}, allc)
+    step(("W", "D", "HD", H, [("D", "HD"), ("R", "HD/M"), ("S", "S*M")]),
+         ([(1.0, "W"), (1.0, "S")], "Gn", E, [("G", "S"), ("Gn", "Gn"), ("Gn", "Gn/Mn")], ("Mn", 0.2)))
+    step(("W", "D", "HD", sub, [("D", "HD")]), None)
+    step(None, ([(1.0, "W")], "Gn", rest, [("Gn", "Gn")], None))
 
     def emit(g, Wg):
         return pa.table({"col": pa.array(node_ptr[g] + np.arange(Wg.shape[1])),

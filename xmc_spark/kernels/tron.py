@@ -256,7 +256,12 @@ def liblinear_eps(eps: float, positives, rows) -> np.ndarray:
     return float(eps) * np.maximum(np.minimum(positives, rows - positives), 1.0) / rows
 
 
-_OPS = (("/", np.divide), ("*", np.multiply))
+def _divide(a, b):
+    """a / b, 0 where b = 0 (a vector never written: a term with coefficient 0 reads it)."""
+    return np.divide(a, b, out=np.zeros(np.broadcast(a, b).shape), where=b != 0)
+
+
+_OPS = (("/", _divide), ("*", np.multiply))
 
 
 def components(name: str) -> list:
@@ -269,7 +274,7 @@ def components(name: str) -> list:
 
 def elementwise(name: str, get: Callable[[str], np.ndarray]) -> np.ndarray:
     """The value of a vector name of a space: ``get(name)``, or for ``"A/B"`` / ``"A*B"``
-    get(A) divided / multiplied elementwise by get(B)."""
+    get(A) divided (0 where get(B) is 0) / multiplied elementwise by get(B)."""
     for op, f in _OPS:
         if op in name:
             a, b = name.split(op)
@@ -297,8 +302,8 @@ class NumpySpace:
     the call's writes. A name in a term or a dot may be ``"A/B"`` or ``"A*B"``: vector A divided
     or multiplied elementwise by vector B (the diagonal preconditioner's M^-1 r and s^T M s)."""
 
-    def __init__(self, fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int):
-        self._fg, self._hv, self.d, self.K = fun_grad, hess_vec, d, K
+    def __init__(self, fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, mixed=None):
+        self._fg, self._hv, self.d, self.K, self._mixed = fun_grad, hess_vec, d, K, mixed
         self.v: dict = {}
 
     def _get(self, name: str, cols) -> np.ndarray:
@@ -334,6 +339,22 @@ class NumpySpace:
         self._set(out, cols, self._hv(self._get(w, cols), self._get(v, cols), cols))
         return self._dots(dots, cols)
 
+    def step(self, hv, fg):
+        """One data pass for two sets of classifiers: ``hv`` = (w, v, out, cols, dots) as
+        :meth:`hess_vec`, ``fg`` = (w, out, cols, dots, precond) as :meth:`fun_grad`, either None;
+        returns (hv's dots, fg's (f, dots)). With the ``mixed`` oracle, ``mixed(W_fg, cols_fg,
+        diag, W_hv, V_hv, cols_hv) -> ((f, G[, L]), HV)``, both are one call (one Spark query)."""
+        if hv is None or fg is None or self._mixed is None:
+            return (None if hv is None else self.hess_vec(*hv[:4], dots=hv[4]),
+                    None if fg is None else self.fun_grad(*fg[:3], dots=fg[3], precond=fg[4]))
+        (w, v, out, hc, hd), (wt, fout, fc, fd, pre) = hv, fg
+        fgr, HV = self._mixed(self._eval(wt, fc), fc, pre is not None, self._get(w, hc), self._get(v, hc), hc)
+        if pre is not None:
+            self._set(pre[0], fc, 1.0 + pre[1] * fgr[2])
+        self._set(fout, fc, fgr[1])
+        self._set(out, hc, HV)
+        return self._dots(hd, hc), (np.asarray(fgr[0], np.float64), self._dots(fd, fc))
+
     def combine(self, updates: Dict[str, Terms], cols, dots=()) -> np.ndarray:
         """Every ``out: terms`` of ``updates`` at once (all terms read before any write)."""
         new = {name: self._eval(terms, cols) for name, terms in updates.items()}
@@ -352,54 +373,97 @@ def _boundary_step(sd, ss, dd, delta):
     return np.where(sd >= 0, (dsq - ss) / np.where(sd + rad > 0, sd + rad, 1.0), (rad - sd) / np.where(dd > 0, dd, 1.0))
 
 
-def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter, pc: bool = False):
-    """Steihaug CG on the classifiers ``c`` (``rtr`` = ||g||^2): leaves S ~ argmin_s g^T s +
-    0.5 s^T H s with ||s|| <= delta and R = -G - H S in the space; returns (reached boundary, CG
-    steps). With ``pc``, preconditioned CG with the space's diagonal ``M`` (LIBLINEAR's trpcg):
-    z = M^-1 r drives the directions, ``rtr`` = g^T M^-1 g, the stop tests r^T M^-1 r and the
-    trust region is ||s||_M = sqrt(s^T M s) <= delta.
+def _mi(pc: bool):
+    return (lambda a: f"{a}/M") if pc else (lambda a: a)         # M^-1 a
 
-    One Hessian-vector product and one update per step, and the update asks for no inner product:
-    ||s + alpha d||^2 and the new ||r||^2 come from those the product returns (s.s + 2 alpha s.d +
-    alpha^2 d.d, and r.r - 2 alpha r.Hd + alpha^2 Hd.Hd), so that r, s and d are updated in one
-    pass, which a space may defer into its next call (:class:`..stages.shared_vectors.SharedSpace`
-    does: one Spark job per CG step). The exact r.r, returned with the next product, is the one
-    alpha uses; the expansion decides only the stop and beta."""
-    m = len(c)
-    mi = (lambda a: f"{a}/M") if pc else (lambda a: a)        # M^-1 a
-    mm = (lambda a: f"{a}*M") if pc else (lambda a: a)        # M a
-    space.combine({"S": [], "R": [(-1.0, "G")], "D": [(-1.0, mi("G"))]}, c)
-    rtr = np.array(rtr, np.float64)
+
+def _cg_dots(pc: bool):
+    """The inner products one CG step needs, returned with its Hessian-vector product."""
+    mi, mm = _mi(pc), ((lambda a: f"{a}*M") if pc else (lambda a: a))
+    return [("D", "HD"), ("S", mm("S")), ("S", mm("D")), ("D", mm("D")), ("R", mi("HD")), ("HD", mi("HD")),
+            ("R", mi("R"))]
+
+
+def _fg_dots(pc: bool):
+    """The inner products the trust-region update needs, returned with the gradient at w + s."""
+    return [("G", "S"), ("S", "R"), ("S", "S*M" if pc else "S"), ("Gn", "Gn")] + ([("Gn", "Gn/Mn")] if pc else [])
+
+
+def _cg_step(dots, delta, cgtol, n, max_cg_iter, pc: bool):
+    """One (preconditioned) Steihaug CG step of some classifiers from the inner products of
+    :func:`_cg_dots`: (updates of S, R, D, reached the boundary, keep going).
+
+    The update asks for no inner product: ||s + alpha d||_M^2 and the new r^T M^-1 r come from
+    those the product returns (s.s + 2 alpha s.d + alpha^2 d.d, and r.r - 2 alpha r.Hd + alpha^2
+    Hd.Hd, M-weighted), so that r, s and d are updated in one pass, which a space may defer into
+    its next call (:class:`..stages.shared_vectors.SharedSpace` does). The exact r^T M^-1 r,
+    returned with the next product, is the one alpha uses; the expansion decides only the stop
+    and beta."""
+    dhd, ss, sd, dd, rhd, hh, r0 = dots
+    alpha = r0 / dhd
+    out = np.sqrt(np.maximum(ss + 2 * alpha * sd + alpha * alpha * dd, 0.0)) > delta
+    a = np.where(out, _boundary_step(sd, ss, dd, delta), alpha)
+    rnew = np.maximum(r0 - 2 * a * rhd + a * a * hh, 0.0)
+    beta = np.where(out, 0.0, rnew / r0)
+    mi = _mi(pc)
+    upd = {"S": [(1.0, "S"), (a, "D")], "R": [(1.0, "R"), (-a, "HD")],
+           "D": [(1.0, mi("R")), (-a, mi("HD")), (beta, "D")]}
+    return upd, out, ~out & (np.sqrt(rnew) > cgtol) & (n < max_cg_iter)
+
+
+def _restart(acc, pc: bool):
+    """The updates that end a trust-region step and start the next CG: w += s where accepted (g,
+    M := those at w + s), then s = 0, r = -g, d = -M^-1 g (all terms read before any write)."""
+    acc = np.asarray(acc, np.float64)
+    new = {"W": [(1.0, "W"), (acc, "S")], "G": [(1.0 - acc, "G"), (acc, "Gn")], "S": [],
+           "R": [(acc - 1.0, "G"), (-acc, "Gn")]}
+    if pc:
+        new |= {"M": [(1.0 - acc, "M"), (acc, "Mn")], "D": [(acc - 1.0, "G/M"), (-acc, "Gn/Mn")]}
+    else:
+        new["D"] = [(acc - 1.0, "G"), (-acc, "Gn")]
+    return new
+
+
+def _merge(parts):
+    """One combination over the disjoint classifier sets of ``parts`` = [(cols, updates)]: a
+    vector one part does not update keeps its value on that part's classifiers."""
+    cols = np.concatenate([c for c, _ in parts])
+    names = sorted({n for _, u in parts for n in u})
+    off = np.cumsum([0] + [len(c) for c, _ in parts])
+    out = {}
+    for name in names:
+        coefs: Dict[str, np.ndarray] = {}
+        for (_, upd), lo, hi in zip(parts, off[:-1], off[1:]):
+            for coef, v in upd.get(name, [(1.0, name)]):
+                coefs.setdefault(v, np.zeros(len(cols)))[lo:hi] += coef
+        out[name] = [(coef, v) for v, coef in coefs.items() if np.any(coef != 0)]   # unread: maybe never written
+    return out, cols
+
+
+def _trcg(space, c, rtr, delta, eps_cg, max_cg_iter, pc: bool = False):
+    """Steihaug CG alone on the classifiers ``c`` (``rtr`` = g^T M^-1 g; M = I without ``pc``):
+    leaves S ~ argmin_s g^T s + 0.5 s^T H s with ||s||_M <= delta and R = -G - H S in the space;
+    returns (reached boundary, CG steps). :func:`tron_space` interleaves the same steps with other
+    classifiers' gradients."""
+    space.combine(*_merge([(c, _restart(np.zeros(len(c)), pc))]))
     cgtol = eps_cg * np.sqrt(rtr)
-    boundary = np.zeros(m, bool)
-    steps = np.zeros(m, np.int64)
+    boundary, steps = np.zeros(len(c), bool), np.zeros(len(c), np.int64)
     run = np.sqrt(rtr) > cgtol
     while run.any():
         loc = np.flatnonzero(run)
-        j = c[loc]
-        dhd, ss, sd, dd, rhd, hh, r0 = space.hess_vec("W", "D", "HD", j, dots=[
-            ("D", "HD"), ("S", mm("S")), ("S", mm("D")), ("D", mm("D")), ("R", mi("HD")), ("HD", mi("HD")),
-            ("R", mi("R"))])
+        dots, _ = space.step(("W", "D", "HD", c[loc], _cg_dots(pc)), None)
         steps[loc] += 1
-        alpha = r0 / dhd
-        out = np.sqrt(np.maximum(ss + 2 * alpha * sd + alpha * alpha * dd, 0.0)) > delta[loc]
-        a = np.where(out, _boundary_step(sd, ss, dd, delta[loc]), alpha)
-        rnew = np.maximum(r0 - 2 * a * rhd + a * a * hh, 0.0)
-        beta = np.where(out, 0.0, rnew / r0)
-        space.combine({"S": [(1.0, "S"), (a, "D")], "R": [(1.0, "R"), (-a, "HD")],
-                       "D": [(1.0, mi("R")), (-a, mi("HD")), (beta, "D")]}, j)
+        upd, out, run[loc] = _cg_step(dots, delta[loc], cgtol[loc], steps[loc], max_cg_iter, pc)
         boundary[loc[out]] = True
-        run[loc[out]] = False
-        inn = ~out
-        run[loc[inn]] = np.sqrt(rnew[inn]) > cgtol[loc[inn]]
-        run &= steps < max_cg_iter
+        space.combine(upd, c[loc])
     return boundary, steps
 
 
 @dataclass
 class TronInfo:
     """Per classifier: trust-region steps taken, CG steps, final f and ||grad||, ||grad at 0||;
-    the tolerance, and the number of oracle calls (fun_grad, hess_vec) the whole run made."""
+    the tolerance; the number of oracle calls (fun_grad, hess_vec) the whole run made and of data
+    passes (a pass serves one call of each kind)."""
 
     steps: np.ndarray
     cg_steps: np.ndarray
@@ -409,6 +473,7 @@ class TronInfo:
     eps: np.ndarray
     fun_grad_calls: int = 0
     hess_vec_calls: int = 0
+    passes: int = 0
 
     @property
     def converged(self) -> np.ndarray:
@@ -418,10 +483,10 @@ class TronInfo:
 
 def tron(fun_grad: FunGrad, hess_vec: HessVec, d: int, K: int, eps=0.01, max_iter: int = 50,
          eps_cg: float = 0.1, max_cg_iter: int | None = None, log=None,
-         pcg: float = 0.0) -> Tuple[np.ndarray, TronInfo]:
+         pcg: float = 0.0, mixed=None) -> Tuple[np.ndarray, TronInfo]:
     """Minimize K independent objectives from w = 0 (see the module docstring); W is d x K.
-    :func:`tron_space` on a :class:`NumpySpace` over the oracle; returns (W, info)."""
-    space = NumpySpace(fun_grad, hess_vec, d, K)
+    :func:`tron_space` on a :class:`NumpySpace` over the oracle (``mixed``: see there); returns (W, info)."""
+    space = NumpySpace(fun_grad, hess_vec, d, K, mixed)
     info = tron_space(space, d, K, eps, max_iter, eps_cg, max_cg_iter, log, pcg)
     return space.result(), info
 
@@ -431,9 +496,16 @@ def tron_space(space, d: int, K: int, eps=0.01, max_iter: int = 50, eps_cg: floa
     """The trust-region loop over a vector space (:class:`NumpySpace` or one of the same
     methods); the solution is the space's ``W``.
 
+    Every classifier runs LIBLINEAR's TRON on its own (its own iterate, trust region, CG state),
+    and the classifiers are not kept in step: each data pass (one ``space.step``) serves every
+    classifier still running with its next operation, a Hessian-vector product for those inside
+    their CG, the gradient at w + s for those whose CG has ended. So the passes number about the
+    largest classifier's own count of CG steps plus trust-region steps, not the sum over rounds
+    of the slowest classifier's CG steps; each classifier's iterates are those of the plain loop.
+
     ``eps``: one tolerance or one per classifier (:func:`liblinear_eps` scales it as LIBLINEAR).
     ``max_cg_iter`` bounds the CG steps of one trust-region step (default max(d, 5), as
-    LIBLINEAR). ``log(msg)``, when given, receives one line per trust-region round.
+    LIBLINEAR). ``log(msg)``, when given, receives one line per pass that ends trust-region steps.
     ``pcg`` = a in (0, 1]: preconditioned CG with M = (1 - a) I + a diag(H(w)) (LIBLINEAR's
     trust-region PCG, which uses a = 0.01; Hsia, Chiang and Lin 2018), M recomputed at every
     accepted iterate by the same data pass as the gradient, the trust region in the M-norm
@@ -449,7 +521,7 @@ def tron_space(space, d: int, K: int, eps=0.01, max_iter: int = 50, eps_cg: floa
     f, dts = space.fun_grad([], "G", allc, dots=[("G", "G")] + ([("G", "G*M"), ("G", "G/M")] if pc else []),
                             precond=("M", pcg) if pc else None)          # at w = 0
     f = np.array(f, np.float64)
-    calls = {"fg": 1, "hv": 0}
+    calls = {"fg": 1, "hv": 0, "passes": 1}
     gnorm0 = np.sqrt(dts[0])
     gnorm = gnorm0.copy()
     delta = np.sqrt(dts[1]) if pc else gnorm0.copy()
@@ -458,54 +530,75 @@ def tron_space(space, d: int, K: int, eps=0.01, max_iter: int = 50, eps_cg: floa
     steps = np.zeros(K, np.int64)
     cg_steps = np.zeros(K, np.int64)
     live = gnorm0 > 0
-    rnd = 0
+    cg_n = np.zeros(K, np.int64)                      # CG steps of the current trust-region step
+    cgtol = np.zeros(K)
+    boundary = np.zeros(K, bool)
+    in_cg = np.zeros(K, bool)                         # inside CG: a Hessian-vector product next
+    to_eval = np.zeros(K, bool)                       # CG ended: the gradient at w + s next
+
+    def begin(c):
+        cgtol[c] = eps_cg * np.sqrt(zr[c])
+        cg_n[c] = 0
+        boundary[c] = False
+        in_cg[c] = np.sqrt(zr[c]) > cgtol[c]
+        to_eval[c] = ~in_cg[c]
+
+    c = np.flatnonzero(live)
+    space.combine(*_merge([(c, _restart(np.zeros(len(c)), pc))]))
+    begin(c)
     while live.any():
-        c = np.flatnonzero(live)
-        boundary, cgs = _trcg(space, c, zr[c], delta[c], eps_cg, max_cg_iter, pc)
-        calls["hv"] += int(cgs.max(initial=0))
-        cg_steps[c] += cgs
-        fn, dts = space.fun_grad([(1.0, "W"), (1.0, "S")], "Gn", c,
-                                 dots=[("G", "S"), ("S", "R"), ("S", "S*M" if pc else "S"), ("Gn", "Gn")]
-                                 + ([("Gn", "Gn/Mn")] if pc else []), precond=("Mn", pcg) if pc else None)
-        gs, sr, ss, gn2 = dts[:4]
-        calls["fg"] += 1
-        fc = f[c]
-        prered = -0.5 * (gs - sr)
-        actred = fc - fn
-        snorm = np.sqrt(ss)
-        dl = delta[c]
-        first = ~adjusted[c]
-        dl = np.where(first, np.minimum(dl, snorm), dl)
-        adjusted[c] = True
-        curv = fn - fc - gs
-        alpha = np.where(curv <= 0, SIGMA3,
-                         np.maximum(SIGMA1, -0.5 * gs / np.where(curv > 0, curv, 1.0)))
-        dl = np.select(
-            [actred < ETA0 * prered, actred < ETA1 * prered, actred < ETA2 * prered, boundary],
-            [np.minimum(alpha * snorm, SIGMA2 * dl),
-             np.maximum(SIGMA1 * dl, np.minimum(alpha * snorm, SIGMA2 * dl)),
-             np.maximum(SIGMA1 * dl, np.minimum(alpha * snorm, SIGMA3 * dl)),
-             SIGMA3 * dl],
-            np.maximum(dl, np.minimum(alpha * snorm, SIGMA3 * dl)))
-        delta[c] = dl
-        acc = actred > ETA0 * prered
-        ca = c[acc]
-        if len(ca):
-            space.combine({"W": [(1.0, "W"), (1.0, "S")], "G": [(1.0, "Gn")]}
-                          | ({"M": [(1.0, "Mn")]} if pc else {}), ca)
-        f[ca] = fn[acc]
-        gnorm[ca] = np.sqrt(gn2[acc])
-        zr[ca] = (dts[4] if pc else gn2)[acc]
-        steps[c] += 1
-        tiny = (np.abs(actred) <= 1e-12 * np.abs(f[c])) & (np.abs(prered) <= 1e-12 * np.abs(f[c]))
-        done = (gnorm[c] <= eps[c] * gnorm0[c]) | (steps[c] >= max_iter) | (prered <= 0) | tiny
-        live[c[done]] = False
-        rnd += 1
-        if log is not None:
-            log(f"tron round {rnd}: {len(c)} classifiers, CG steps <= {int(cgs.max(initial=0))}, "
-                f"{int(acc.sum())} accepted, {int(live.sum())} still running, "
-                f"max |g|/|g0| {float(np.max(gnorm[c] / gnorm0[c])):.2e}")
-    return TronInfo(steps, cg_steps, f, gnorm, gnorm0, eps, calls["fg"], calls["hv"])
+        H, E = np.flatnonzero(in_cg), np.flatnonzero(to_eval)
+        hv, fg = space.step(("W", "D", "HD", H, _cg_dots(pc)) if len(H) else None,
+                            ([(1.0, "W"), (1.0, "S")], "Gn", E, _fg_dots(pc), ("Mn", pcg) if pc else None)
+                            if len(E) else None)
+        calls["passes"] += 1
+        parts = []
+        if len(H):
+            calls["hv"] += 1
+            cg_n[H] += 1
+            cg_steps[H] += 1
+            upd, out, run = _cg_step(hv, delta[H], cgtol[H], cg_n[H], max_cg_iter, pc)
+            boundary[H[out]] = True
+            in_cg[H] = run
+            to_eval[H[~run]] = True                   # after this combination: s and r are final
+            parts.append((H, upd))
+        if len(E):
+            calls["fg"] += 1
+            fn, (gs, sr, ss, gn2, *zn) = fg
+            fc = f[E]
+            prered = -0.5 * (gs - sr)
+            actred = fc - fn
+            snorm = np.sqrt(ss)
+            dl = delta[E]
+            dl = np.where(~adjusted[E], np.minimum(dl, snorm), dl)
+            adjusted[E] = True
+            curv = fn - fc - gs
+            alpha = np.where(curv <= 0, SIGMA3, np.maximum(SIGMA1, -0.5 * gs / np.where(curv > 0, curv, 1.0)))
+            delta[E] = np.select(
+                [actred < ETA0 * prered, actred < ETA1 * prered, actred < ETA2 * prered, boundary[E]],
+                [np.minimum(alpha * snorm, SIGMA2 * dl),
+                 np.maximum(SIGMA1 * dl, np.minimum(alpha * snorm, SIGMA2 * dl)),
+                 np.maximum(SIGMA1 * dl, np.minimum(alpha * snorm, SIGMA3 * dl)),
+                 SIGMA3 * dl],
+                np.maximum(dl, np.minimum(alpha * snorm, SIGMA3 * dl)))
+            acc = actred > ETA0 * prered
+            ca = E[acc]
+            f[ca] = fn[acc]
+            gnorm[ca] = np.sqrt(gn2[acc])
+            zr[ca] = (zn[0] if pc else gn2)[acc]
+            steps[E] += 1
+            tiny = (np.abs(actred) <= 1e-12 * np.abs(f[E])) & (np.abs(prered) <= 1e-12 * np.abs(f[E]))
+            done = (gnorm[E] <= eps[E] * gnorm0[E]) | (steps[E] >= max_iter) | (prered <= 0) | tiny
+            live[E[done]] = False
+            to_eval[E] = False
+            parts.append((E, _restart(acc, pc)))
+            begin(E[~done])
+            if log is not None:
+                log(f"tron pass {calls['passes']}: {len(E)} trust-region steps ended ({int(acc.sum())} accepted), "
+                    f"{len(H)} CG steps, {int(live.sum())} classifiers still running, "
+                    f"max |g|/|g0| {float(np.max(gnorm[E] / gnorm0[E])):.2e}")
+        space.combine(*_merge(parts))
+    return TronInfo(steps, cg_steps, f, gnorm, gnorm0, eps, calls["fg"], calls["hv"], calls["passes"])
 
 
 def prune(W: np.ndarray, threshold: float) -> sp.csc_matrix:

@@ -643,6 +643,27 @@ class SparkOracle:
 
         return V + self._reduce(make, self.d * len(cols), cols).reshape(self.d, len(cols))
 
+    def mixed(self, Wf: np.ndarray, cf: np.ndarray, diag: bool, Wh: np.ndarray, Vh: np.ndarray, ch: np.ndarray):
+        """:meth:`fun_grad` of classifiers ``cf`` and :meth:`hess_vec` of ``ch`` in one query:
+        ((f, G[, L]), HV)."""
+        m, n, d, node_ptr = len(cf), len(ch), self.d, self.node_ptr
+        Wfp, Whp, Vhp = _pack(Wf), _pack(Wh), _pack(Vh)
+        k = 2 if diag else 1
+
+        def make():
+            Wfl, Whl, Vhl = _unpack_matrix(Wfp), _unpack_matrix(Whp), _unpack_matrix(Vhp)
+
+            def part(rows, acc):
+                tron.partial_fun_grad(rows, node_ptr, Wfl, cf, diag=diag, out=(acc[:m],) + tuple(
+                    acc[m + i * d * m:m + (i + 1) * d * m].reshape(d, m) for i in range(k)))
+                tron.partial_hess_vec(rows, node_ptr, Whl, Vhl, ch, out=acc[m + k * d * m:].reshape(d, n))
+            return part
+
+        flat = self._reduce(make, m + k * d * m + d * n, np.concatenate([cf, ch]))
+        f, G = tron.regularized(flat[:m], flat[m:m + d * m].reshape(d, m), Wf)
+        fg = (f, G, flat[m + d * m:m + 2 * d * m].reshape(d, m)) if diag else (f, G)
+        return fg, Vh + flat[m + k * d * m:].reshape(d, n)
+
     def counts(self):
         """(rows per node, positives per classifier)."""
         n_nodes, n_cls = len(self.node_ptr) - 1, int(self.node_ptr[-1])
@@ -780,10 +801,11 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
                                        pcg=params.tron_pcg)
             else:
                 W, info = tron.tron(oracle.fun_grad, oracle.hess_vec, d, K, eps=eps,
-                                    max_iter=params.tron_max_iter, log=log.info, pcg=params.tron_pcg)
-            log.info("train: distributed TRON done in %d queries; Newton steps per classifier %d-%d, CG steps %d-%d, "
-                     "%d of %d met |g| <= eps_k |g0| (eps %g scaled per classifier)%s",
-                     oracle.queries + (space.jobs if space else 0), info.steps.min(), info.steps.max(),
+                                    max_iter=params.tron_max_iter, log=log.info, pcg=params.tron_pcg,
+                                    mixed=oracle.mixed)
+            log.info("train: distributed TRON done in %d queries (%d data passes); Newton steps per classifier "
+                     "%d-%d, CG steps %d-%d, %d of %d met |g| <= eps_k |g0| (eps %g scaled per classifier)%s",
+                     oracle.queries + (space.jobs if space else 0), info.passes, info.steps.min(), info.steps.max(),
                      info.cg_steps.min(), info.cg_steps.max(), int(info.converged.sum()), len(info.steps),
                      params.tron_eps, f"; {space.driver_bytes} bytes of scalars to the driver" if space else "")
             if space is not None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -189,6 +189,22 @@ def _dots(blocks: Dict[str, np.ndarray], files: _Files, fs, dots, g, fb, sub) ->
                             for a, b in dots]) if dots else np.zeros(0))
 
 
+class _Op(NamedTuple):
+    """One operation of a data pass (:meth:`SharedSpace._oracle`): ``sub`` node -> its classifiers
+    in it (positions within the node), ``w`` / ``v`` terms, ``pre`` = (name, a) or None."""
+    kind: str
+    sub: Dict[int, np.ndarray]
+    w: list
+    v: list
+    out: str
+    dots: list
+    pre: Optional[tuple]
+
+    @property
+    def n_out(self) -> int:
+        return 1 + (self.kind == "fg" and self.pre is not None)
+
+
 class SharedSpace:
     """The vector space of :func:`..kernels.tron.tron_space` with its vectors in files under
     ``root`` (see the module docstring). ``rows``: the persisted packed rows (column ``node`` =
@@ -214,10 +230,17 @@ class SharedSpace:
     # ---- the four methods tron_space calls -------------------------------------------------------
 
     def fun_grad(self, w, out: str, cols, dots=(), precond=None):
-        return self._oracle("fg", self._coefs(w, cols), None, out, cols, dots, precond)
+        return self._oracle([("fg", cols, self._coefs(w, cols), None, out, dots, precond)])[0]
 
     def hess_vec(self, w: str, v: str, out: str, cols, dots=()):
-        return self._oracle("hv", [(self._full(1.0, cols), w)], v, out, cols, dots)[1]
+        return self._oracle([("hv", cols, [(self._full(1.0, cols), w)], v, out, dots, None)])[0][1]
+
+    def step(self, hv, fg):
+        """Both of :class:`..kernels.tron.NumpySpace`'s ``step`` operations in one Spark job."""
+        ops = ([] if hv is None else [("hv", hv[3], [(self._full(1.0, hv[3]), hv[0])], hv[1], hv[2], hv[4], None)]) \
+            + ([] if fg is None else [("fg", fg[2], self._coefs(fg[0], fg[2]), None, fg[1], fg[3], fg[4])])
+        res = self._oracle(ops)
+        return (None if hv is None else res[0][1]), (None if fg is None else res[-1])
 
     def combine(self, updates, cols, dots=()):
         """Without ``dots`` the combination is deferred into the next call's job (its tasks read
@@ -254,7 +277,7 @@ class SharedSpace:
                     yield _scalars(g, fb, [], _dots(new, files, fs, dots, g, fb, sub))
 
         return self._finish(self._tasks(len(keys)).mapInArrow(run, SCALAR_SCHEMA), job,
-                            {g: list(upd) for g in subs}, cols, dots)[1]
+                            {g: list(upd) for g in subs}, [("combine", cols, dots)])[0][1]
 
     # ---- the final weights -----------------------------------------------------------------------
 
@@ -305,27 +328,36 @@ class SharedSpace:
         self.jobs += 1
         return self.jobs
 
-    def _oracle(self, kind: str, w, v: Optional[str], out: str, cols, dots, precond=None):
-        """One data pass: ``out`` := gradient at w (``fg``, returns the objective) or H(w) v (``hv``);
-        ``precond`` = (name, a) with ``fg``: also name := 1 + a x (loss part of diag H at w)."""
-        cols = np.asarray(cols, np.int64)
-        outs = [out] + ([precond[0]] if precond else [])
+    def _oracle(self, ops):
+        """One data pass for the operations ``ops`` = [(kind, cols, w, v, out, dots, precond)] on
+        disjoint classifiers: ``out`` := the gradient at w (``fg``; ``precond`` = (name, a) also
+        name := 1 + a x the loss part of diag H at w) or H(w) v (``hv``). Returns [(loss, dots)] per
+        operation (``fg``: f, the regularizer included)."""
+        ops = [(kind, np.asarray(cols, np.int64), w, v, out, dots, pre) for kind, cols, w, v, out, dots, pre in ops]
+        outs = [o for op in ops for o in [op[4]] + ([op[6][0]] if op[6] else [])]
         if self.pending is not None and any(o in self.pending[0] for o in outs):
             self.flush()
-        files, job, subs, unpack = self._files(), self._next_job(), self._subs(cols), self.unpack
-        node_ptr, ones = self.node_ptr, [(np.ones(self.K), v)] if v else []
+        files, job, unpack, node_ptr = self._files(), self._next_job(), self.unpack, self.node_ptr
+        subs = [self._subs(op[1]) for op in ops]
+        nodes = sorted({g for s in subs for g in s})
         pnodes = [] if self.pending is None else [int(g) for g in np.unique(self.col_node[self.pending[1]])]
-        extra = [(g, fb) for g in pnodes if g not in subs for fb in range(files.blocks(g))]
+        extra = [(g, fb) for g in pnodes if g not in nodes for fb in range(files.blocks(g))]
+        plan = [_Op(kind, sub, w, [(np.ones(self.K), v)] if v else [], out, dots, pre)
+                for (kind, _, w, v, out, dots, pre), sub in zip(ops, subs)]
 
-        def node_pieces(g, loss, *Ms, part):
+        def node_pieces(g, accs, part):
+            """(g, fb) rows: vals = every operation's block (the gradient, then diag H's part), in
+            order; loss = the ``fg`` operations' losses, on block 0."""
+            lv = np.concatenate([a[0] for op, a in zip(plan, accs) if a is not None and op.kind == "fg"]
+                                + [np.zeros(0)])
             for fb in range(files.blocks(g)):
                 lo, hi = files.span(g, fb)
-                lv = loss if fb == 0 and kind == "fg" else np.zeros(0)
-                vals = np.concatenate([M[lo:hi].ravel() for M in Ms])   # the gradient, then diag H's part
+                vals = np.concatenate([M[lo:hi].ravel() for a in accs if a is not None for M in a[1:]])
+                lf = lv if fb == 0 else np.zeros(0)
                 yield pa.RecordBatch.from_pydict({
                     "g": pa.array([g], pa.int32()), "fb": pa.array([fb], pa.int32()),
                     "part": pa.array([part], pa.int32()),
-                    "loss": list_array(np.array([0, len(lv)]), lv, pa.float64()),
+                    "loss": list_array(np.array([0, len(lf)]), lf, pa.float64()),
                     "vals": list_array(np.array([0, len(vals)]), vals, pa.float64())})
 
         def partial(batches):
@@ -335,25 +367,32 @@ class SharedSpace:
             from pyspark import TaskContext
             fs, _ = client_fs(files.uri)
             part = TaskContext.get().partitionId() if TaskContext.get() else 0
-            cur, vec, acc = None, None, None
+            cur, vecs, accs = None, None, None
             for b in batches:
                 for rb in unpack(b):
                     g = int(rb.node[0])
-                    if g not in subs:
+                    if g not in nodes:
                         continue
-                    sub = subs[g]
                     if g != cur:
                         if cur is not None:
-                            yield from node_pieces(cur, *acc, part=part)
-                        cur = g
-                        vec = (files.whole(fs, w, g, sub), files.whole(fs, ones, g, sub) if v else None)
-                        acc = (np.zeros(len(sub)),) + tuple(np.zeros((files.d, len(sub))) for _ in outs)
-                    if kind == "fg":
-                        tron.partial_fun_grad(rb, node_ptr, vec[0], node_ptr[g] + sub, out=acc, diag=bool(precond))
-                    else:
-                        tron.partial_hess_vec(rb, node_ptr, vec[0], vec[1], node_ptr[g] + sub, out=acc[1])
+                            yield from node_pieces(cur, accs, part)
+                        cur, vecs, accs = g, [], []
+                        for op in plan:
+                            sub = op.sub.get(g)
+                            vecs.append(None if sub is None else (files.whole(fs, op.w, g, sub),
+                                                                  files.whole(fs, op.v, g, sub) if op.v else None))
+                            accs.append(None if sub is None else (np.zeros(len(sub)),) + tuple(
+                                np.zeros((files.d, len(sub))) for _ in range(op.n_out)))
+                    for op, vec, acc in zip(plan, vecs, accs):
+                        if acc is None:
+                            continue
+                        cols = node_ptr[g] + op.sub[g]
+                        if op.kind == "fg":
+                            tron.partial_fun_grad(rb, node_ptr, vec[0], cols, out=acc, diag=op.pre is not None)
+                        else:
+                            tron.partial_hess_vec(rb, node_ptr, vec[0], vec[1], cols, out=acc[1])
             if cur is not None:
-                yield from node_pieces(cur, *acc, part=part)
+                yield from node_pieces(cur, accs, part)
 
         def reduce(t: pa.Table) -> pa.Table:
             fs, _ = client_fs(files.uri)
@@ -361,29 +400,42 @@ class SharedSpace:
             g, fb = int(t.column("g")[0].as_py()), int(t.column("fb")[0].as_py())
             if files.pending is not None:
                 files.apply_pending(fs, job, g, fb)
-            if g not in subs:                      # a block only the deferred combine writes
+            if g not in nodes:                     # a block only the deferred combine writes
                 return pa.Table.from_batches([_scalars(g, fb, [], [])])
-            sub = subs[g]
+            lo, hi = files.span(g, fb)
             _, vals = list_offsets_values(t, "vals")
-            summed = vals.reshape(t.num_rows, -1).sum(axis=0).reshape(len(outs), -1, len(sub))
-            block, new = summed[0], {}
-            if precond:                            # M = 1 + a x (loss part of diag H)
-                new[precond[0]] = 1.0 + precond[1] * summed[1]
-                files.write(fs, job, precond[0], g, fb, sub, new[precond[0]])
-            off, lv = list_offsets_values(t, "loss")
-            loss = lv.reshape(-1, len(sub)).sum(axis=0) if len(lv) else np.zeros(len(sub))
-            if kind == "fg":                       # + w and 0.5 ||w||^2 (this block's share)
-                wb = files.terms(fs, w, g, fb, sub)
-                block = block + wb
-                loss = loss + 0.5 * np.einsum("ij,ij->j", wb, wb)
-            else:                                  # + v
-                block = block + files.terms(fs, ones, g, fb, sub)
-            files.write(fs, job, out, g, fb, sub, block)
-            new[out] = block
-            return pa.Table.from_batches([_scalars(g, fb, loss, _dots(new, files, fs, dots, g, fb, sub))])
+            summed = vals.reshape(t.num_rows, -1).sum(axis=0)
+            _, lv = list_offsets_values(t, "loss")
+            lsum = lv.reshape(t.num_rows, -1).sum(axis=0) if len(lv) else None     # on block 0 only
+            at, lat, losses, dvals = 0, 0, [], []
+            for op in plan:
+                if g not in op.sub:
+                    continue
+                sub = op.sub[g]
+                size = op.n_out * (hi - lo) * len(sub)
+                blocks = summed[at:at + size].reshape(op.n_out, hi - lo, len(sub))
+                at += size
+                block, new = blocks[0], {}
+                if op.kind == "fg":                # + w and 0.5 ||w||^2 (this block's share)
+                    wb = files.terms(fs, op.w, g, fb, sub)
+                    block = block + wb
+                    loss = 0.5 * np.einsum("ij,ij->j", wb, wb)
+                    if lsum is not None:
+                        loss = loss + lsum[lat:lat + len(sub)]
+                    lat += len(sub)
+                    losses.append(loss)
+                    if op.pre is not None:         # M = 1 + a x (loss part of diag H)
+                        new[op.pre[0]] = 1.0 + op.pre[1] * blocks[1]
+                        files.write(fs, job, op.pre[0], g, fb, sub, new[op.pre[0]])
+                else:                              # + v
+                    block = block + files.terms(fs, op.v, g, fb, sub)
+                files.write(fs, job, op.out, g, fb, sub, block)
+                new[op.out] = block
+                dvals.append(_dots(new, files, fs, op.dots, g, fb, sub))
+            return pa.Table.from_batches([_scalars(g, fb, np.concatenate(losses + [np.zeros(0)]),
+                                                   np.concatenate(dvals + [np.zeros(0)]))])
 
-        n_keys = sum(files.blocks(g) for g in subs)
-        nodes = [int(g) for g in subs]
+        n_keys = sum(files.blocks(g) for g in nodes)
         df = self.rows if len(nodes) == len(self.node_ptr) - 1 else self.rows.where(F.col("node").isin(nodes))
         reducers = _parallel(self.par, n_keys)
         pieces = df.mapInArrow(partial, PIECE_SCHEMA)
@@ -396,41 +448,55 @@ class SharedSpace:
                             "part": pa.array([-1], pa.int32()), "loss": pa.array([[]], pa.list_(pa.float64())),
                             "vals": pa.array([[]], pa.list_(pa.float64()))})
             pieces = pieces.unionByName(self._tasks(len(extra)).mapInArrow(empty, PIECE_SCHEMA))
-        writes = {g: list(outs) for g in subs}
+        writes: Dict[int, list] = {}
+        for op in plan:
+            for g in op.sub:
+                writes.setdefault(g, []).extend([op.out] + ([op.pre[0]] if op.pre else []))
         for g in pnodes:
             writes[g] = writes.get(g, []) + list(self.pending[0])
         self.pending = None
         scalars = grouped_apply(pieces.repartition(reducers, "g", "fb"), ["g", "fb"], reduce, SCALAR_SCHEMA)
-        return self._finish(scalars, job, writes, cols, dots)
+        return self._finish(scalars, job, writes, [(kind, cols, dots) for kind, cols, _, _, _, dots, _ in ops])
 
-    def _finish(self, scalars: DataFrame, job: int, writes: Dict[int, list], cols, dots):
+    def _finish(self, scalars: DataFrame, job: int, writes: Dict[int, list], ops):
         """Collect the scalars, summed over a node's blocks by the tasks (one row per node
-        reaches the driver, whatever the number of features), in ``cols``' order; record the
-        job's vectors (``writes``: node -> the vectors it wrote), delete the versions they replace."""
+        reaches the driver, whatever the number of features); return [(loss, dots)] per
+        operation of ``ops`` = [(kind, cols, dots)] in its ``cols``' order (a node's row holds the
+        ``fg`` operations' losses, then every operation's dots, each over the node's classifiers
+        in it); record the job's vectors (``writes``: node -> the vectors it wrote), delete the
+        versions they replace."""
         # at most the default parallelism's tasks, whatever spark.sql.shuffle.partitions is (64
         # without coalescing made this step alone 2.5-3.6 s a query at 250K); the groupBy reuses it
         nodes = len(writes) if writes else 1
         t = to_arrow(grouped_apply(scalars.repartition(_parallel(self.par, nodes), "g"), ["g"], _sum_per_node,
                                    SCALAR_SCHEMA))
         self.driver_bytes += t.nbytes
-        subs = self._subs(cols)
-        pos = np.full(self.K, -1, np.int64)
-        pos[np.asarray(cols, np.int64)] = np.arange(len(cols))
-        loss, D = np.zeros(len(cols)), np.zeros((len(dots), len(cols)))
+        subs, res, pos = [], [], []
+        for _, cols, dots in ops:
+            subs.append(self._subs(cols))
+            res.append((np.zeros(len(cols)), np.zeros((len(dots), len(cols)))))
+            p = np.full(self.K, -1, np.int64)
+            p[np.asarray(cols, np.int64)] = np.arange(len(cols))
+            pos.append(p)
         loff, lv = list_offsets_values(t, "loss")
         doff, dv = list_offsets_values(t, "dots")
         for r, g in enumerate(t.column("g").to_numpy()):
-            if int(g) not in subs:
-                continue
-            at = pos[self.node_ptr[g] + subs[int(g)]]
-            if loff[r + 1] > loff[r]:
-                loss[at] += lv[loff[r]:loff[r + 1]]
-            if len(dots):
-                D[:, at] += dv[doff[r]:doff[r + 1]].reshape(len(dots), len(at))
+            g = int(g)
+            la, da = loff[r], doff[r]
+            for (kind, _, dots), s, (loss, D), p in zip(ops, subs, res, pos):
+                if g not in s:
+                    continue
+                at = p[self.node_ptr[g] + s[g]]
+                if kind == "fg" and loff[r + 1] > loff[r]:
+                    loss[at] += lv[la:la + len(at)]
+                    la += len(at)
+                if len(dots):
+                    D[:, at] += dv[da:da + len(dots) * len(at)].reshape(len(dots), len(at))
+                    da += len(dots) * len(at)
         for g, names in writes.items():
             for name in names:
                 old = self.where.get((name, g))
                 self.where[(name, g)] = job
                 if old is not None:             # the version this job replaced
                     self.fs.delete_dir(version_dir(self.fs_root, name, g, old))
-        return loss, D
+        return res
