@@ -114,6 +114,13 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
         for u, w in zip(a, b):
             np.testing.assert_allclose(w, u, rtol=1e-9, atol=1e-12)
     both("combine", {"S": [(1.0, "S"), (0.3, "D")], "D": [(1.0, "R/M"), (0.5, "D")]}, allc)
+    step(("W", "D", "HD", H, [("D", "HD")]), None)
+    # a deferred combination that leaves some vectors as they are on some classifiers (W on H) or
+    # on all (G): only the rest are rewritten, and what reads them still sees the update
+    HE = np.r_[H, E]
+    both("combine", {"W": [(1.0, "W"), (np.r_[np.zeros(len(H)), np.full(len(E), 0.5)], "S")], "G": [(1.0, "G")],
+                     "R": [(-1.0, "G")]}, HE)
+    assert set(got.pending[0]) == {"W", "R"} and not got.pending[1]["W"][H].any() and got.pending[1]["W"][E].all()
     step(("W", "D", "HD", H, [("D", "HD"), ("R", "HD/M"), ("S", "S*M")]),
          ([(1.0, "W"), (1.0, "S")], "Gn", E, [("G", "S"), ("Gn", "Gn"), ("Gn", "Gn/Mn")], ("Mn", 0.2)))
     step(("W", "D", "HD", sub, [("D", "HD")]), None)

@@ -67,7 +67,7 @@ class _Files:
 
     def __init__(self, uri: str, base: str, d: int, node_ptr: np.ndarray, where: Dict, pending=None):
         self.uri, self.base, self.d, self.node_ptr, self.where = uri, base, d, node_ptr, dict(where)
-        self.pending = pending              # a deferred combine: ({name: terms}, mask of its classifiers)
+        self.pending = pending              # a deferred combine: ({name: terms}, {name: mask of its classifiers})
         self.k = np.diff(node_ptr)
         self.fb_rows = np.maximum(1, BLOCK // np.maximum(self.k, 1))
 
@@ -110,9 +110,9 @@ class _Files:
         lo, hi = self.span(g, fb)
         out = np.zeros((hi - lo, len(sub)))
         for coef, name in terms:
-            if all((n, g) in self.where for n in tron.components(name)):
-                out += coef[self.node_ptr[g] + sub] * tron.elementwise(
-                    name, lambda n: self.load(fs, n, g, fb)[:, sub])
+            c = coef[self.node_ptr[g] + sub]
+            if c.any() and all((n, g) in self.where for n in tron.components(name)):
+                out += c * tron.elementwise(name, lambda n: self.load(fs, n, g, fb)[:, sub])
         return out
 
     def terms(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
@@ -120,28 +120,30 @@ class _Files:
         the classifiers it covers."""
         if self.pending is None:
             return self.stored(fs, terms, g, fb, sub)
-        upd, mask = self.pending
+        upd, masks = self.pending
         cols = self.node_ptr[g] + sub
         lo, hi = self.span(g, fb)
         out = np.zeros((hi - lo, len(sub)))
 
         def current(name):
-            value = self.stored(fs, [(np.ones(len(mask)), name)], g, fb, sub)
-            if name in upd and mask[cols].any():
-                value = np.where(mask[cols], self.stored(fs, upd[name], g, fb, sub), value)
+            value = self.stored(fs, [(np.ones(self.node_ptr[-1]), name)], g, fb, sub)
+            if name in upd and masks[name][cols].any():
+                value = np.where(masks[name][cols], self.stored(fs, upd[name], g, fb, sub), value)
             return value
         for coef, name in terms:
             out += coef[cols] * tron.elementwise(name, current)
         return out
 
     def apply_pending(self, fs, job: int, g: int, fb: int) -> None:
-        """Write block fb of node g of every vector the deferred combine updates."""
-        upd, mask = self.pending
-        psub = np.flatnonzero(mask[self.node_ptr[g]:self.node_ptr[g + 1]])
-        if len(psub):
-            new = {name: self.stored(fs, terms, g, fb, psub) for name, terms in upd.items()}
-            for name, block in new.items():
-                self.write(fs, job, name, g, fb, psub, block)
+        """Write block fb of node g of every vector the deferred combine updates there."""
+        upd, masks = self.pending
+        new = {}
+        for name, terms in upd.items():
+            psub = np.flatnonzero(masks[name][self.node_ptr[g]:self.node_ptr[g + 1]])
+            if len(psub):
+                new[name] = (psub, self.stored(fs, terms, g, fb, psub))
+        for name, (psub, block) in new.items():          # all read before any write
+            self.write(fs, job, name, g, fb, psub, block)
 
     def whole(self, fs, terms, g: int, sub: np.ndarray) -> np.ndarray:
         """The d x len(sub) matrix of ``terms`` of node g (all its blocks)."""
@@ -252,15 +254,27 @@ class SharedSpace:
         if not len(dots):
             mask = np.zeros(self.K, bool)
             mask[cols] = True
-            self.pending = (upd, mask)
+            # a vector is rewritten only where its update is not itself (coefficient 1 on it, 0 on
+            # the rest): the trust-region loop sets W, G, M only for classifiers ending a step
+            masks = {}
+            for name, terms in upd.items():
+                same = np.ones(self.K, bool)
+                for coef, v in terms:
+                    same &= coef == (1.0 if v == name else 0.0)
+                if not any(v == name for _, v in terms):
+                    same[:] = False
+                if (mask & ~same).any():
+                    masks[name] = mask & ~same
+            if masks:
+                self.pending = ({n: upd[n] for n in masks}, masks)
             return np.zeros((0, len(cols)))
         return self._combine_job(upd, cols, dots)
 
     def flush(self) -> None:
         """Run the deferred combination as a job of its own."""
         if self.pending is not None:
-            (upd, mask), self.pending = self.pending, None
-            self._combine_job(upd, np.flatnonzero(mask), ())
+            (upd, masks), self.pending = self.pending, None
+            self._combine_job(upd, np.flatnonzero(np.any(list(masks.values()), axis=0)), ())
 
     def _combine_job(self, upd, cols, dots):
         files, job, subs = self._files(), self._next_job(), self._subs(cols)
@@ -340,7 +354,8 @@ class SharedSpace:
         files, job, unpack, node_ptr = self._files(), self._next_job(), self.unpack, self.node_ptr
         subs = [self._subs(op[1]) for op in ops]
         nodes = sorted({g for s in subs for g in s})
-        pnodes = [] if self.pending is None else [int(g) for g in np.unique(self.col_node[self.pending[1]])]
+        pnodes = [] if self.pending is None else sorted({int(g) for m in self.pending[1].values()
+                                                          for g in np.unique(self.col_node[m])})
         extra = [(g, fb) for g in pnodes if g not in nodes for fb in range(files.blocks(g))]
         plan = [_Op(kind, sub, w, [(np.ones(self.K), v)] if v else [], out, dots, pre)
                 for (kind, _, w, v, out, dots, pre), sub in zip(ops, subs)]
@@ -453,7 +468,8 @@ class SharedSpace:
             for g in op.sub:
                 writes.setdefault(g, []).extend([op.out] + ([op.pre[0]] if op.pre else []))
         for g in pnodes:
-            writes[g] = writes.get(g, []) + list(self.pending[0])
+            writes[g] = writes.get(g, []) + [n for n, m in self.pending[1].items()
+                                             if m[self.node_ptr[g]:self.node_ptr[g + 1]].any()]
         self.pending = None
         scalars = grouped_apply(pieces.repartition(reducers, "g", "fb"), ["g", "fb"], reduce, SCALAR_SCHEMA)
         return self._finish(scalars, job, writes, [(kind, cols, dots) for kind, cols, _, _, _, dots, _ in ops])
