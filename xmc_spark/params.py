@@ -360,9 +360,9 @@ class TrainParams(BaseParams):
     max_node_rows: str = "auto"
     tron_eps: float = 0.01          # distributed solver: stop at ||grad|| <= tron_eps * ||grad at 0||
     tron_max_iter: int = 50         # distributed solver: Newton steps at most
-    # distributed solver: diagonal preconditioner M = (1 - a) I + a diag(H) for its CG (LIBLINEAR's
-    # a = 0.01); 0 = plain CG
-    tron_pcg: float = 0.01
+    # distributed solver: diagonal preconditioner M = (1 - a) I + a diag(H) for its CG (LIBLINEAR
+    # uses a = 0.01); 0 = plain CG, the default (bibtex at n/4: 44 passes plain, 51 at a = 0.01)
+    tron_pcg: float = 0.0
     # distributed solver: its vectors (features x big-node classifiers, float64) stay on the
     # driver up to this size; above, in files under the run folder's _scratch, read and written by
     # the tasks, with only per-classifier scalars reaching the driver. 0 (default): always in

@@ -296,7 +296,7 @@ def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted
     Weighted: sample and label weights and a bias of 0.5, the solver's vectors in files
     (`train.tron_driver_mb` 0, the default; the scratch folder is left empty); unweighted (no
     weight columns): the vectors on the driver (64 MB). So files and driver give the same weights.
-    The CG is preconditioned: LIBLINEAR's a = 0.01 (the default) in files, a = 1 on the driver."""
+    The CG: plain (the default) in files, preconditioned with a = 1 on the driver."""
     samples, Xl, Yl = problem
     if weighted:
         Yw, sw = _weighted(Yl)
