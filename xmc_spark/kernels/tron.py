@@ -14,12 +14,14 @@ With the active set I = {i : 1 - y_ik w^T x_i > 0} (Lin, Weng and Keerthi 2008; 
     H_k(w) v        = v + 2 X_I^T (C_I (X_I v))          (generalized Hessian)
 
 :func:`tron_space` is the driver loop, vectorized across the K classifiers (W is d x K): every
-classifier keeps its own iterate, trust region and conjugate-gradient state, and the CG steps
-of all classifiers still running are taken together, so one call of the oracle serves all of
-them. The oracle is two callables,
+classifier keeps its own iterate, trust region and conjugate-gradient state, and each data pass
+gives every classifier still running its next operation (a Hessian-vector product inside its CG,
+the gradient at its trial point once the CG ended), so one pass serves all of them and none
+waits for the others. The oracle is two callables,
 
 - ``fun_grad(W, cols) -> (f, G)``: objective (len(cols),) and gradient (d x len(cols)) of the
-  classifiers ``cols`` at W (d x len(cols));
+  classifiers ``cols`` at W (d x len(cols)); ``fun_grad(W, cols, True)`` also returns the loss
+  part of the Hessian's diagonal (the optional preconditioner's);
 - ``hess_vec(W, V, cols) -> HV``: generalized Hessian at W times V for those classifiers,
 
 so the same loop runs with a local oracle (:func:`local_oracle`, the tests) and with the Spark

@@ -12,14 +12,16 @@ loop, O(nodes x vectors + classifiers).
 
 Jobs:
 
-- ``fun_grad`` / ``hess_vec``: the tasks over the persisted big-node rows (as
+- ``fun_grad`` / ``hess_vec`` / ``step`` (both at once, for two sets of classifiers: the
+  out-of-step loop's data pass): the tasks over the persisted big-node rows (as
   :class:`..stages.node_training.SparkOracle`'s) read the current W (and the direction) of the
   nodes they hold from the files, add up their rows' partial sums per node, and emit them cut
   into the same (node, block) pieces; ``groupBy(node, block).applyInArrow`` sums each piece,
   adds the regularizer, writes it as the new vector's block and returns only that block's
   share of the loss and of the inner products the loop asked for;
 - ``combine``: the linear combinations (per-classifier coefficients) of the CG step and the
-  trust-region step ask for no inner product, so they are deferred into the next job: its
+  trust-region step ask for no inner product, so they are deferred into the next job (a vector
+  only on the classifiers whose update is not the vector itself): its
   tasks read an updated vector through its terms, its reduce tasks (and one task per block of a
   node it would not otherwise touch) write it. One Spark job per CG step. A combination that
   asks for inner products, or meets one already deferred, is a job of its own over the
