@@ -213,6 +213,27 @@ def test_classifiers_out_of_step_take_their_own_iterates(prob, pcg):
         assert (ik.steps[0], ik.cg_steps[0]) == (info.steps[k], info.cg_steps[k])
 
 
+def test_one_pass_for_both_requests_equals_each_alone():
+    """Gradients of some classifiers and Hessian products of others in one pass over rows of two
+    nodes interleaved (each request spanning both nodes): the same sums, to the bit, as the two
+    requests made apart; brute force checks each alone (above)."""
+    X1, Y1, w1 = weighted_problem(n=200, d=30, K=3, seed=3, bias=1.0)
+    X2, Y2, w2 = weighted_problem(n=150, d=30, K=3, seed=4, bias=1.0)
+    node_ptr = np.array([0, 3, 6])
+    order = np.random.default_rng(5).permutation(350)
+    rows = tron.RowBlock(sp.vstack([X1, X2], format="csr")[order], np.repeat([0, 1], [200, 150])[order],
+                         np.r_[w1, w2][order], sp.block_diag([Y1, Y2], format="csr")[order])
+    rng = np.random.default_rng(0)
+    W, V = rng.normal(0, 0.3, (31, 6)), rng.normal(0, 1, (31, 6))
+    cf, ch = np.array([0, 4, 5]), np.array([1, 2, 3])
+    (loss, G, L), HV = tron.partial_pass(rows, node_ptr, W[:, cf], cf, W[:, ch], V[:, ch], ch, diag=True)
+    alone = tron.partial_fun_grad(rows, node_ptr, W[:, cf], cf, diag=True)
+    for a, b in zip((loss, G, L), alone):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(HV, tron.partial_hess_vec(rows, node_ptr, W[:, ch], V[:, ch], ch))
+    assert np.abs(HV).sum(axis=0).min() > 0 and np.abs(G).sum(axis=0).min() > 0
+
+
 def test_nodes_mixed_in_one_block_are_solved_apart():
     """Rows of two nodes interleaved: each node's classifiers see only its rows."""
     X1, Y1, w1 = weighted_problem(n=200, d=30, K=2, seed=3, bias=1.0)

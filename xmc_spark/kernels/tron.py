@@ -32,9 +32,10 @@ vectors in memory, what :func:`tron` uses), so a space that keeps them elsewhere
 (:class:`..stages.shared_vectors.SharedSpace`) runs the same loop with only per-classifier
 scalars coming back.
 
-The partial sums are numba loops (:func:`_fun_grad_rows`, :func:`_hess_vec_rows`): one pass
-over a node's rows computes x W (and x V), the active set and the scatter x^T coef, with no
-n x K temporaries and no copy of the rows, so a task's memory is its rows plus d x K.
+The partial sums are one numba loop (:func:`_pass_rows`): one pass over a node's rows computes
+x W (and x V), the active set and the scatter x^T coef, for the gradient's classifiers and the
+Hessian products' at once, with no n x K temporaries and no copy of the rows, so a task's
+memory is its rows plus d x K.
 
 Rows of several nodes are mixed: each row belongs to one node (``RowBlock.node``) and only
 that node's classifiers (columns ``node_ptr[j]:node_ptr[j + 1]``) see it. The partial sums
@@ -85,20 +86,20 @@ class RowBlock:
                              f"pos {self.pos.shape[0]}")
 
 
-def _node_parts(rows: RowBlock, node_ptr: np.ndarray, cols: np.ndarray):
-    """For every node with a requested classifier and rows: (row ids, global classifier ids,
-    their positions in ``cols``)."""
+def _node_parts(rows: RowBlock, node_ptr: np.ndarray, cf: np.ndarray, ch: np.ndarray):
+    """For every node with rows and a requested classifier (of either request): (row ids, the
+    node's global classifier ids in ``cf`` and their positions there, the same for ``ch``)."""
     node_ptr = np.asarray(node_ptr, np.int64)
-    cols = np.asarray(cols, np.int64)
-    col_node = np.searchsorted(node_ptr, cols, side="right") - 1
+    cf, ch = np.asarray(cf, np.int64), np.asarray(ch, np.int64)
+    nf, nh = np.searchsorted(node_ptr, cf, side="right") - 1, np.searchsorted(node_ptr, ch, side="right") - 1
     order = np.argsort(rows.node, kind="stable")
     nodes_sorted = np.asarray(rows.node)[order]
-    for j in np.unique(col_node):
+    for j in np.unique(np.concatenate([nf, nh])):
         lo, hi = np.searchsorted(nodes_sorted, [j, j + 1])
         if hi == lo:
             continue
-        p = np.flatnonzero(col_node == j)
-        yield order[lo:hi], cols[p], p
+        pf, ph = np.flatnonzero(nf == j), np.flatnonzero(nh == j)
+        yield order[lo:hi], cf[pf], pf, ch[ph], ph
 
 
 @njit()
@@ -115,69 +116,92 @@ def _row_labels(i, pos_ptr, pos_idx, pos_val, slot, cost_i, y, cm):
 
 
 @njit()
-def _fun_grad_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot, W, loss, G, Dg, diag):
-    """One pass over ``rows``: z = x W, the squared-hinge loss and 2 C (z - y) on the active
-    set, scattered back as x^T coef; ``loss`` and ``G`` (d x k) are added to in place, and with
-    ``diag`` the loss part of the Hessian's diagonal, sum over the active set of 2 C x_j^2, to
-    ``Dg`` (d x k)."""
-    k = W.shape[1]
-    z, y, cm, h = np.empty(k), np.empty(k), np.empty(k), np.empty(k)
+def _pass_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot_f, W, loss, G, Dg, diag,
+               slot_h, Wh, Vh, HV):
+    """One pass over ``rows`` for two sets of classifiers (either may be empty):
+
+    - the first (``slot_f``, W: d x kf): z = x W, the squared-hinge loss and 2 C (z - y) on the
+      active set, scattered back as x^T coef; ``loss`` and ``G`` (d x kf) are added to in place,
+      and with ``diag`` the loss part of the Hessian's diagonal, sum over the active set of
+      2 C x_j^2, to ``Dg`` (d x kf);
+    - the second (``slot_h``, Wh, Vh: d x kh): z = x Wh and u = x Vh, then x^T (D u) with D = 2 C
+      on the active set (y z < 1), added to ``HV`` (d x kh) in place.
+
+    Each row's features are read once for both (the out-of-step loop's pass)."""
+    kf, kh = W.shape[1], Wh.shape[1]
+    z, y, cm, h = np.empty(kf), np.empty(kf), np.empty(kf), np.empty(kf)
+    zh, u, yh, cmh = np.empty(kh), np.empty(kh), np.empty(kh), np.empty(kh)
     for i in rows:
         z[:] = 0.0
-        for jj in range(x_ptr[i], x_ptr[i + 1]):
-            f, v = x_idx[jj], x_val[jj]
-            for q in range(k):
-                z[q] += v * W[f, q]
-        _row_labels(i, pos_ptr, pos_idx, pos_val, slot, cost[i], y, cm)
-        for q in range(k):
-            m = 1.0 - y[q] * z[q]
-            if m > 0.0:
-                loss[q] += cm[q] * m * m
-                z[q] = 2.0 * cm[q] * (z[q] - y[q])
-                h[q] = 2.0 * cm[q]
-            else:
-                z[q] = 0.0
-                h[q] = 0.0
-        for jj in range(x_ptr[i], x_ptr[i + 1]):
-            f, v = x_idx[jj], x_val[jj]
-            for q in range(k):
-                G[f, q] += v * z[q]
-            if diag:
-                vv = np.float64(v) * np.float64(v)
-                for q in range(k):
-                    Dg[f, q] += vv * h[q]
-
-
-@njit()
-def _hess_vec_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot, W, V, HV):
-    """One pass over ``rows``: z = x W and u = x V, then x^T (D u) with D = 2 C on the active
-    set (y z < 1), added to ``HV`` (d x k) in place."""
-    k = W.shape[1]
-    z, u, y, cm = np.empty(k), np.empty(k), np.empty(k), np.empty(k)
-    for i in rows:
-        z[:] = 0.0
+        zh[:] = 0.0
         u[:] = 0.0
         for jj in range(x_ptr[i], x_ptr[i + 1]):
             f, v = x_idx[jj], x_val[jj]
-            for q in range(k):
+            for q in range(kf):
                 z[q] += v * W[f, q]
-                u[q] += v * V[f, q]
-        _row_labels(i, pos_ptr, pos_idx, pos_val, slot, cost[i], y, cm)
-        for q in range(k):
-            u[q] = 2.0 * cm[q] * u[q] if y[q] * z[q] < 1.0 else 0.0
+            for q in range(kh):
+                zh[q] += v * Wh[f, q]
+                u[q] += v * Vh[f, q]
+        if kf:
+            _row_labels(i, pos_ptr, pos_idx, pos_val, slot_f, cost[i], y, cm)
+            for q in range(kf):
+                m = 1.0 - y[q] * z[q]
+                if m > 0.0:
+                    loss[q] += cm[q] * m * m
+                    z[q] = 2.0 * cm[q] * (z[q] - y[q])
+                    h[q] = 2.0 * cm[q]
+                else:
+                    z[q] = 0.0
+                    h[q] = 0.0
+        if kh:
+            _row_labels(i, pos_ptr, pos_idx, pos_val, slot_h, cost[i], yh, cmh)
+            for q in range(kh):
+                u[q] = 2.0 * cmh[q] * u[q] if yh[q] * zh[q] < 1.0 else 0.0
         for jj in range(x_ptr[i], x_ptr[i + 1]):
             f, v = x_idx[jj], x_val[jj]
-            for q in range(k):
+            for q in range(kf):
+                G[f, q] += v * z[q]
+            if diag:
+                vv = np.float64(v) * np.float64(v)
+                for q in range(kf):
+                    Dg[f, q] += vv * h[q]
+            for q in range(kh):
                 HV[f, q] += v * u[q]
 
 
-def _kernel_args(rows: RowBlock, r: np.ndarray, c: np.ndarray):
-    """The CSR arrays of a block and the classifier -> request position map of ``c``."""
-    X, P = rows.X, rows.pos
-    slot = np.full(P.shape[1], -1, np.int64)
+def _slot(rows: RowBlock, c: np.ndarray) -> np.ndarray:
+    """classifier -> position in the request ``c`` (-1: not requested)."""
+    slot = np.full(rows.pos.shape[1], -1, np.int64)
     slot[c] = np.arange(len(c))
-    return (np.asarray(r, np.int64), X.indptr, X.indices, X.data, np.asarray(rows.cost, np.float64),
-            P.indptr, P.indices, P.data, slot)
+    return slot
+
+
+def partial_pass(rows: RowBlock, node_ptr, W: np.ndarray, cf, Wh: np.ndarray, Vh: np.ndarray, ch,
+                 out_f=None, out_h=None, diag: bool = False) -> Tuple:
+    """Both partial sums below in one pass over ``rows``: :func:`partial_fun_grad` of the
+    classifiers ``cf`` at W and :func:`partial_hess_vec` of ``ch`` at Wh times Vh (disjoint, or
+    either empty); returns (its ``out_f``, its ``out_h``), allocated when not given."""
+    cf, ch = np.asarray(cf, np.int64), np.asarray(ch, np.int64)
+    X, P, d = rows.X, rows.pos, rows.X.shape[1]
+    if out_f is None:
+        out_f = (np.zeros(len(cf)), np.zeros((d, len(cf)))) + ((np.zeros((d, len(cf))),) if diag else ())
+    if out_h is None:
+        out_h = np.zeros((d, len(ch)))
+    for r, c, p, c2, p2 in _node_parts(rows, node_ptr, cf, ch):
+        lp, Gp, Hp = np.zeros(len(p)), np.zeros((d, len(p))), np.zeros((d, len(p2)))
+        Dp = np.zeros((d, len(p)) if diag else (1, 1))
+        _pass_rows(np.asarray(r, np.int64), X.indptr, X.indices, X.data, np.asarray(rows.cost, np.float64),
+                   P.indptr, P.indices, P.data, _slot(rows, c), np.ascontiguousarray(W[:, p], np.float64),
+                   lp, Gp, Dp, diag, _slot(rows, c2), np.ascontiguousarray(Wh[:, p2], np.float64),
+                   np.ascontiguousarray(Vh[:, p2], np.float64), Hp)
+        if len(p):
+            out_f[0][p] += lp
+            out_f[1][:, p] += Gp
+            if diag:
+                out_f[2][:, p] += Dp
+        if len(p2):
+            out_h[:, p2] += Hp
+    return out_f, out_h
 
 
 def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols, out=None, diag: bool = False) -> Tuple:
@@ -190,32 +214,16 @@ def partial_fun_grad(rows: RowBlock, node_ptr, W: np.ndarray, cols, out=None, di
     columns of the nodes with rows here are touched) and returned: a caller summing many row
     blocks of few nodes each pays for those nodes' columns, not for a d x len(cols) matrix per
     block."""
-    cols = np.asarray(cols, np.int64)
     d = rows.X.shape[1]
-    if out is None:
-        out = (np.zeros(len(cols)), np.zeros((d, len(cols)))) + ((np.zeros((d, len(cols))),) if diag else ())
-    for r, c, p in _node_parts(rows, node_ptr, cols):
-        lp, Gp = np.zeros(len(p)), np.zeros((d, len(p)))
-        Dp = np.zeros((d, len(p)) if diag else (1, 1))
-        _fun_grad_rows(*_kernel_args(rows, r, c), np.ascontiguousarray(W[:, p], np.float64), lp, Gp, Dp, diag)
-        out[0][p] += lp
-        out[1][:, p] += Gp
-        if diag:
-            out[2][:, p] += Dp
-    return out
+    none = np.zeros((d, 0))
+    return partial_pass(rows, node_ptr, W, cols, none, none, [], out_f=out, diag=diag)[0]
 
 
 def partial_hess_vec(rows: RowBlock, node_ptr, W: np.ndarray, V: np.ndarray, cols, out=None) -> np.ndarray:
     """Loss part of the generalized Hessian at W times V over ``rows``: 2 X_I^T (C_I (X_I V));
     added to ``out`` (d x len(cols)) in place when given, as :func:`partial_fun_grad`."""
-    cols = np.asarray(cols, np.int64)
-    HV = np.zeros((rows.X.shape[1], len(cols))) if out is None else out
-    for r, c, p in _node_parts(rows, node_ptr, cols):
-        Hp = np.zeros((HV.shape[0], len(p)))
-        _hess_vec_rows(*_kernel_args(rows, r, c), np.ascontiguousarray(W[:, p], np.float64),
-                       np.ascontiguousarray(V[:, p], np.float64), Hp)
-        HV[:, p] += Hp
-    return HV
+    d = rows.X.shape[1]
+    return partial_pass(rows, node_ptr, np.zeros((d, 0)), [], W, V, cols, out_h=out)[1]
 
 
 def regularized(loss: np.ndarray, G: np.ndarray, W: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

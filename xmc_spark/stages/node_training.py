@@ -654,9 +654,9 @@ class SparkOracle:
             Wfl, Whl, Vhl = _unpack_matrix(Wfp), _unpack_matrix(Whp), _unpack_matrix(Vhp)
 
             def part(rows, acc):
-                tron.partial_fun_grad(rows, node_ptr, Wfl, cf, diag=diag, out=(acc[:m],) + tuple(
-                    acc[m + i * d * m:m + (i + 1) * d * m].reshape(d, m) for i in range(k)))
-                tron.partial_hess_vec(rows, node_ptr, Whl, Vhl, ch, out=acc[m + k * d * m:].reshape(d, n))
+                tron.partial_pass(rows, node_ptr, Wfl, cf, Whl, Vhl, ch, diag=diag, out_f=(acc[:m],) + tuple(
+                    acc[m + i * d * m:m + (i + 1) * d * m].reshape(d, m) for i in range(k)),
+                    out_h=acc[m + k * d * m:].reshape(d, n))
             return part
 
         flat = self._reduce(make, m + k * d * m + d * n, np.concatenate([cf, ch]))

@@ -72,6 +72,7 @@ class _Files:
         self.pending = pending              # a deferred combine: ({name: terms}, {name: mask of its classifiers})
         self.k = np.diff(node_ptr)
         self.fb_rows = np.maximum(1, BLOCK // np.maximum(self.k, 1))
+        self._cache_key, self._cache = None, {}     # the blocks of one (node, block) read so far
 
     def blocks(self, g: int) -> int:
         return -(-self.d // int(self.fb_rows[g]))
@@ -84,13 +85,20 @@ class _Files:
         return f"{version_dir(self.base, name, g, job)}/{fb}"
 
     def load(self, fs, name: str, g: int, fb: int) -> np.ndarray:
-        """Block fb of vector ``name`` of node g: (rows, K_g), all of the node's classifiers."""
-        lo, hi = self.span(g, fb)
-        job = self.where.get((name, g))
-        if job is None:
-            return np.zeros((hi - lo, int(self.k[g])))
-        with fs.open_input_stream(self.path(job, name, g, fb)) as f:
-            return np.frombuffer(f.read(), np.float64).reshape(hi - lo, int(self.k[g]))
+        """Block fb of vector ``name`` of node g: (rows, K_g), all of the node's classifiers (read
+        once per task while it works on that block: a job reads only the versions ``where``
+        names, never one it writes, so a repeated read returns the same values)."""
+        if self._cache_key != (g, fb):
+            self._cache_key, self._cache = (g, fb), {}
+        if name not in self._cache:
+            lo, hi = self.span(g, fb)
+            job = self.where.get((name, g))
+            if job is None:
+                self._cache[name] = np.zeros((hi - lo, int(self.k[g])))
+            else:
+                with fs.open_input_stream(self.path(job, name, g, fb)) as f:
+                    self._cache[name] = np.frombuffer(f.read(), np.float64).reshape(hi - lo, int(self.k[g]))
+        return self._cache[name]
 
     def save(self, fs, job: int, name: str, g: int, fb: int, block: np.ndarray) -> None:
         """Write a block whole or not at all: on a file system, a temporary file renamed into
@@ -149,7 +157,16 @@ class _Files:
 
     def whole(self, fs, terms, g: int, sub: np.ndarray) -> np.ndarray:
         """The d x len(sub) matrix of ``terms`` of node g (all its blocks)."""
-        return np.vstack([self.terms(fs, terms, g, fb, sub) for fb in range(self.blocks(g))])
+        return self.wholes(fs, [(terms, sub)], g)[0]
+
+    def wholes(self, fs, wanted, g: int) -> list:
+        """:meth:`whole` of each (terms, sub) of ``wanted``, block by block (a block is read
+        once for all of them)."""
+        parts = [[] for _ in wanted]
+        for fb in range(self.blocks(g)):
+            for out, (terms, sub) in zip(parts, wanted):
+                out.append(self.terms(fs, terms, g, fb, sub))
+        return [np.vstack(p) for p in parts]
 
     def write(self, fs, job: int, name: str, g: int, fb: int, sub: np.ndarray, block: np.ndarray) -> None:
         """Set the classifiers ``sub`` of block fb of ``name`` (the others keep their values)."""
@@ -207,6 +224,19 @@ class _Op(NamedTuple):
     @property
     def n_out(self) -> int:
         return 1 + (self.kind == "fg" and self.pre is not None)
+
+
+def _pass_args(plan, vecs, accs, first: int, d: int, g: int) -> dict:
+    """:func:`..kernels.tron.partial_pass`'s arguments for node g (its first classifier ``first``)
+    from its operations' vectors and accumulators (at most one operation of each kind)."""
+    none = np.zeros((d, 0))
+    kw = dict(W=none, cf=[], Wh=none, Vh=none, ch=[], out_f=None, out_h=None, diag=False)
+    for op, vec, acc in zip(plan, vecs, accs):
+        if acc is not None and op.kind == "fg":
+            kw.update(W=vec[0], cf=first + op.sub[g], out_f=acc, diag=op.pre is not None)
+        elif acc is not None:
+            kw.update(Wh=vec[0], Vh=vec[1], ch=first + op.sub[g], out_h=acc[1])
+    return kw
 
 
 class SharedSpace:
@@ -394,20 +424,18 @@ class SharedSpace:
                         if cur is not None:
                             yield from node_pieces(cur, accs, part)
                         cur, vecs, accs = g, [], []
+                        wanted = []
+                        for op in plan:
+                            if g in op.sub:
+                                wanted += [(op.w, op.sub[g])] + ([(op.v, op.sub[g])] if op.v else [])
+                        got = iter(files.wholes(fs, wanted, g))
                         for op in plan:
                             sub = op.sub.get(g)
-                            vecs.append(None if sub is None else (files.whole(fs, op.w, g, sub),
-                                                                  files.whole(fs, op.v, g, sub) if op.v else None))
+                            vecs.append(None if sub is None else (next(got), next(got) if op.v else None))
                             accs.append(None if sub is None else (np.zeros(len(sub)),) + tuple(
                                 np.zeros((files.d, len(sub))) for _ in range(op.n_out)))
-                    for op, vec, acc in zip(plan, vecs, accs):
-                        if acc is None:
-                            continue
-                        cols = node_ptr[g] + op.sub[g]
-                        if op.kind == "fg":
-                            tron.partial_fun_grad(rb, node_ptr, vec[0], cols, out=acc, diag=op.pre is not None)
-                        else:
-                            tron.partial_hess_vec(rb, node_ptr, vec[0], vec[1], cols, out=acc[1])
+                        call = _pass_args(plan, vecs, accs, node_ptr[g], files.d, g)
+                    tron.partial_pass(rb, node_ptr, **call)       # one pass over the rows for both kinds
             if cur is not None:
                 yield from node_pieces(cur, accs, part)
 
