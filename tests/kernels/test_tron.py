@@ -234,6 +234,97 @@ def test_one_pass_for_both_requests_equals_each_alone():
     assert np.abs(HV).sum(axis=0).min() > 0 and np.abs(G).sum(axis=0).min() > 0
 
 
+def _liblinear_tron(fg, hv, d, eps, max_iter, a):
+    """One classifier by LIBLINEAR 2.2x's TRON (tron.cpp: trpcg with the diagonal preconditioner
+    when a > 0), written out on dense vectors: (w, trust-region steps, CG steps, rejected steps)."""
+    w = np.zeros(d)
+    f, g, L = fg(w)
+    M = 1.0 + a * L
+    gnorm0 = gnorm = np.linalg.norm(g)
+    delta = np.sqrt(g @ (M * g))
+    steps = cg = rejected = 0
+    adjusted = False
+    while True:
+        s, r = np.zeros(d), -g
+        z = r / M
+        dv, zr = z.copy(), z @ r
+        cgtol, boundary, n = 0.1 * np.sqrt(zr), False, 0
+        while np.sqrt(zr) > cgtol and n < max(d, 5):
+            n += 1
+            Hd = hv(w, dv)
+            alpha = zr / (dv @ Hd)
+            if np.sqrt((s + alpha * dv) @ (M * (s + alpha * dv))) > delta:
+                boundary = True
+                sd, ss, dd = s @ (M * dv), s @ (M * s), dv @ (M * dv)
+                rad = np.sqrt(sd * sd + dd * (delta ** 2 - ss))
+                tau = (delta ** 2 - ss) / (sd + rad) if sd >= 0 else (rad - sd) / dd
+                s, r = s + tau * dv, r - tau * Hd
+                break
+            s, r = s + alpha * dv, r - alpha * Hd
+            z = r / M
+            beta = (z @ r) / zr
+            dv, zr = z + beta * dv, z @ r
+        cg += n
+        fn, gn, Ln = fg(w + s)
+        gs = g @ s
+        prered, actred, snorm = -0.5 * (gs - s @ r), f - fn, np.sqrt(s @ (M * s))
+        if not adjusted:
+            delta, adjusted = min(delta, snorm), True
+        alpha = tron.SIGMA3 if fn - f - gs <= 0 else max(tron.SIGMA1, -0.5 * gs / (fn - f - gs))
+        if actred < tron.ETA0 * prered:
+            delta = min(alpha * snorm, tron.SIGMA2 * delta)
+        elif actred < tron.ETA1 * prered:
+            delta = max(tron.SIGMA1 * delta, min(alpha * snorm, tron.SIGMA2 * delta))
+        elif actred < tron.ETA2 * prered:
+            delta = max(tron.SIGMA1 * delta, min(alpha * snorm, tron.SIGMA3 * delta))
+        else:
+            delta = tron.SIGMA3 * delta if boundary else max(delta, min(alpha * snorm, tron.SIGMA3 * delta))
+        steps += 1
+        if actred > tron.ETA0 * prered:
+            w, f, g, M = w + s, fn, gn, 1.0 + a * Ln
+            gnorm = np.linalg.norm(g)
+        else:
+            rejected += 1
+        if gnorm <= eps * gnorm0 or steps >= max_iter or prered <= 0 or (
+                abs(actred) <= 1e-12 * abs(f) and abs(prered) <= 1e-12 * abs(f)):
+            return w, steps, cg, rejected
+
+
+@pytest.mark.parametrize("pcg", [0.0, 0.5])
+def test_each_classifier_follows_liblinears_tron(pcg):
+    """A steep smooth objective (quartic, so that trust-region steps get rejected and the radius
+    shrinks), K classifiers in one out-of-step loop against LIBLINEAR's TRON written out for one
+    classifier: the same trust-region and CG step counts and the same w."""
+    rng = np.random.default_rng(7)
+    n, d, K = 60, 12, 4
+    X, C = rng.normal(0, 1, (n, d)), rng.uniform(1, 8, (n, K))
+    B = X.T @ (np.sign(rng.normal(0, 1, (n, K))) * C)
+
+    def one(k):
+        def fg(w):
+            z = X @ w
+            return (0.5 * w @ w + 0.01 * C[:, k] @ z ** 4 - B[:, k] @ w, w + 0.04 * X.T @ (C[:, k] * z ** 3) - B[:, k],
+                    0.12 * (X ** 2).T @ (C[:, k] * z ** 2))
+        return fg, lambda w, v: v + 0.12 * X.T @ (C[:, k] * (X @ w) ** 2 * (X @ v))
+
+    def fun_grad(W, cols, diag=False):
+        out = [one(k)[0](W[:, j]) for j, k in enumerate(cols)]
+        f, G, L = np.array([o[0] for o in out]), np.stack([o[1] for o in out], 1), np.stack([o[2] for o in out], 1)
+        return (f, G, L) if diag else (f, G)
+
+    def hess_vec(W, V, cols):
+        return np.stack([one(k)[1](W[:, j], V[:, j]) for j, k in enumerate(cols)], 1)
+    eps = np.array([1e-2, 1e-4, 1e-6, 1e-3])
+    W, info = tron.tron(fun_grad, hess_vec, d, K, eps=eps, max_iter=30, pcg=pcg)
+    rejected = 0
+    for k in range(K):
+        w, steps, cg, rej = _liblinear_tron(*one(k), d, eps[k], 30, pcg)
+        rejected += rej
+        assert (info.steps[k], info.cg_steps[k]) == (steps, cg), k
+        np.testing.assert_allclose(W[:, k], w, rtol=1e-7, atol=1e-10)
+    assert rejected > 0
+
+
 def test_nodes_mixed_in_one_block_are_solved_apart():
     """Rows of two nodes interleaved: each node's classifiers see only its rows."""
     X1, Y1, w1 = weighted_problem(n=200, d=30, K=2, seed=3, bias=1.0)

@@ -126,6 +126,22 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     step(("W", "D", "HD", sub, [("D", "HD")]), None)
     step(None, ([(1.0, "W")], "Gn", rest, [("Gn", "Gn")], None))
 
+    # the whole loop with the preconditioner (restarts, masks, M and Mn): the same iterates and steps
+    fg_, hv_ = tron.local_oracle(whole, node_ptr)
+    loop = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path))
+    mem = tron.NumpySpace(fg_, hv_, d, K)
+    a = tron.tron_space(mem, d, K, eps=1e-3, max_iter=4, pcg=0.5)
+    b = tron.tron_space(loop, d, K, eps=1e-3, max_iter=4, pcg=0.5)
+    assert (a.steps == b.steps).all() and (a.cg_steps == b.cg_steps).all() and a.passes == b.passes == loop.jobs
+    assert a.steps.max() > 1 and a.passes < a.fun_grad_calls + a.hess_vec_calls     # kinds shared passes
+    np.testing.assert_allclose(b.f, a.f, rtol=1e-9)
+    loop.flush()
+    files = loop._files()
+    for g in range(len(node_ptr) - 1):
+        Wg = files.whole(loop.fs, [(np.ones(K), "W")], g, np.arange(node_ptr[g + 1] - node_ptr[g]))
+        np.testing.assert_allclose(Wg, mem.result()[:, node_ptr[g]:node_ptr[g + 1]], rtol=1e-8, atol=1e-11)
+    loop.close()
+
     def emit(g, Wg):
         return pa.table({"col": pa.array(node_ptr[g] + np.arange(Wg.shape[1])),
                          "w": pa.array(list(Wg.T), pa.list_(pa.float64()))})

@@ -300,9 +300,9 @@ Terms = Sequence[Tuple[object, str]]
 
 
 class NumpySpace:
-    """The d x K vectors TRON works on (named: W, G, S, R, D, HD, Gn), held in memory, with the
-    oracle ``fun_grad(W, cols) -> (f, G)`` / ``hess_vec(W, V, cols) -> HV`` of the module
-    docstring. :func:`tron_space` talks to its vectors only through the four methods below, so a
+    """The d x K vectors TRON works on (named: W, G, S, R, D, HD, Gn; M, Mn), held in memory,
+    with the oracle ``fun_grad(W, cols) -> (f, G)`` / ``hess_vec(W, V, cols) -> HV`` of the module
+    docstring. :func:`tron_space` talks to its vectors only through the methods below, so a
     space whose vectors live elsewhere (:class:`..stages.shared_vectors.SharedSpace`: files on
     storage every Spark task sees) runs the same loop with only scalars reaching the caller.
 
@@ -516,8 +516,9 @@ def tron_space(space, d: int, K: int, eps=0.01, max_iter: int = 50, eps_cg: floa
     ``eps``: one tolerance or one per classifier (:func:`liblinear_eps` scales it as LIBLINEAR).
     ``max_cg_iter`` bounds the CG steps of one trust-region step (default max(d, 5), as
     LIBLINEAR). ``log(msg)``, when given, receives one line per pass that ends trust-region steps.
-    ``pcg`` = a in (0, 1]: preconditioned CG with M = (1 - a) I + a diag(H(w)) (LIBLINEAR's
-    trust-region PCG, which uses a = 0.01; Hsia, Chiang and Lin 2018), M recomputed at every
+    ``pcg`` = a in (0, 1]: preconditioned CG with M = (1 - a) I + a diag(H(w)) (the trust-region
+    PCG of LIBLINEAR 2.20-2.30, which uses a = 0.01; Hsia, Chiang and Lin 2018; later versions
+    replaced TRON by a line-search Newton), M recomputed at every
     accepted iterate by the same data pass as the gradient, the trust region in the M-norm
     (delta_0 = sqrt(g^T M g), as LIBLINEAR); 0 = plain CG. The stopping test is ||grad|| either way.
     """

@@ -22,17 +22,18 @@ few nodes), packed into CSR blocks of at most the bound's rows in binary columns
 (:func:`_pack_rows`) and persisted. The solver's queries read them one packed block per Arrow
 batch (:class:`_solver_session`), so a task's Python worker holds one block of at most the bound's
 rows at a time, whatever its partition's size. Then
-one TRON loop runs on the driver for all big nodes' classifiers at once: every function /
-gradient evaluation and every Hessian-vector product of a CG step is one Spark query over the
-persisted rows (``mapInArrow``: per-partition partial sums, cut into blocks of
+one TRON loop runs on the driver for all big nodes' classifiers at once, out of step: every data
+pass gives each running classifier its next operation (a Hessian-vector product inside its CG,
+the gradient at its trial point after it) and is one Spark query over the persisted rows
+(``mapInArrow``: per-partition partial sums, cut into blocks of
 :data:`BLOCK` doubles -> ``groupBy(block).applyInArrow(sum)`` -> collect), so the driver
 receives one summed vector per query, of size (features + 1) x (classifiers still running),
 and never a row. W and the CG direction travel to the tasks inside the query's closure (no
 ``SparkContext``: also Spark Connect). A classifier stops at ||g|| <= eps_k ||g(0)|| with
 eps_k = ``train.tron_eps`` x max(min(#pos, #neg), 1) / #rows (LIBLINEAR's scaling: unscaled,
 classifiers with few positives stop far from the optimum) or after ``train.tron_max_iter``
-trust-region steps. Queries per Newton step: one function/gradient evaluation plus one per CG
-step (the most any running classifier needs), for all big nodes together. Weights are pruned by
+trust-region steps. Passes: 1 + the largest classifier's own count of CG and trust-region steps,
+for all big nodes together. Weights are pruned by
 ``train.threshold`` as the kernel prunes them and become rows of the returned DataFrame (same
 schema as the grouped path's).
 

@@ -2,7 +2,8 @@
 reaching the driver.
 
 :func:`..kernels.tron.tron_space` runs the trust-region loop against a vector space of named
-d x K vectors (W, G, S, R, D, HD, Gn: d = features + bias, K = the big nodes' classifiers).
+d x K vectors (W, G, S, R, D, HD, Gn, and M, Mn with the preconditioner: d = features + bias,
+K = the big nodes' classifiers).
 :class:`SharedSpace` keeps those vectors in files under a scratch folder that every task and the
 driver see (the run's folder: local disk in local mode, a ``/Volumes`` or ``/dbfs`` mount, or
 ``s3://``/``gs://``/``abfss://`` through pyarrow), one file per (vector, node, block of
@@ -23,7 +24,7 @@ Jobs:
   trust-region step ask for no inner product, so they are deferred into the next job (a vector
   only on the classifiers whose update is not the vector itself): its
   tasks read an updated vector through its terms, its reduce tasks (and one task per block of a
-  node it would not otherwise touch) write it. One Spark job per CG step. A combination that
+  node it would not otherwise touch) write it. One Spark job per data pass. A combination that
   asks for inner products, or meets one already deferred, is a job of its own over the
   (node, block) keys.
 
@@ -178,7 +179,8 @@ class _Files:
 
 
 def _sum_per_node(t: pa.Table) -> pa.Table:
-    """One node's per-block scalar rows summed (the loss sits on block 0 only; a block the
+    """One node's per-block scalar rows summed (the data loss sits on block 0, each block adds
+    its share of the regularizer; a block the
     job only wrote for a deferred combination has none)."""
     def total(col):
         off, v = list_offsets_values(t, col)
@@ -254,14 +256,14 @@ class SharedSpace:
         self.fs, self.fs_root = client_fs(self.root)
         self.fs.create_dir(self.fs_root, recursive=True)
         self.where: Dict = {}
-        self.pending = None                 # (updates with per-classifier coefficients, classifiers)
+        self.pending = None                 # (updates with per-classifier coefficients, {name: classifier mask})
         self.jobs = 0
         self.driver_bytes = 0               # bytes of the scalar rows collected so far
         self.col_node = np.repeat(np.arange(len(self.node_ptr) - 1), np.diff(self.node_ptr))
         # read once (on Spark Connect it may cost a job); the caller may pass what it already read
         self.par = default_parallelism(rows.sparkSession) if par is None else int(par)
 
-    # ---- the four methods tron_space calls -------------------------------------------------------
+    # ---- the five methods tron_space calls -------------------------------------------------------
 
     def fun_grad(self, w, out: str, cols, dots=(), precond=None):
         return self._oracle([("fg", cols, self._coefs(w, cols), None, out, dots, precond)])[0]
@@ -381,6 +383,8 @@ class SharedSpace:
         operation (``fg``: f, the regularizer included)."""
         ops = [(kind, np.asarray(cols, np.int64), w, v, out, dots, pre) for kind, cols, w, v, out, dots, pre in ops]
         outs = [o for op in ops for o in [op[4]] + ([op[6][0]] if op[6] else [])]
+        if len(set(outs)) < len(outs):
+            raise ValueError(f"SharedSpace: one data pass writes each vector once (got {outs})")
         if self.pending is not None and any(o in self.pending[0] for o in outs):
             self.flush()
         files, job, unpack, node_ptr = self._files(), self._next_job(), self.unpack, self.node_ptr
@@ -543,6 +547,6 @@ class SharedSpace:
             for name in names:
                 old = self.where.get((name, g))
                 self.where[(name, g)] = job
-                if old is not None:             # the version this job replaced
+                if old is not None and old != job:      # the version this job replaced
                     self.fs.delete_dir(version_dir(self.fs_root, name, g, old))
         return res
