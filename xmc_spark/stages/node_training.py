@@ -619,30 +619,13 @@ class SparkOracle:
         self.par = default_parallelism(packed.sparkSession)   # once: on Spark Connect it may cost a job
 
     def fun_grad(self, W: np.ndarray, cols: np.ndarray, diag: bool = False):
-        """(f, G) at W, and with ``diag`` the loss part of the Hessian's diagonal (d x m)."""
-        m, d, node_ptr, Wp = len(cols), self.d, self.node_ptr, _pack(W)
-
-        def make():
-            Wl = _unpack_matrix(Wp)
-
-            def part(rows, acc):
-                tron.partial_fun_grad(rows, node_ptr, Wl, cols, diag=diag,
-                                      out=(acc[:m], acc[m:m + d * m].reshape(d, m))
-                                      + ((acc[m + d * m:].reshape(d, m),) if diag else ()))
-            return part
-
-        flat = self._reduce(make, m + d * m * (2 if diag else 1), cols)
-        f, G = tron.regularized(flat[:m], flat[m:m + d * m].reshape(d, m), W)
-        return (f, G, flat[m + d * m:].reshape(d, m)) if diag else (f, G)
+        """(f, G) at W, and with ``diag`` the loss part of the Hessian's diagonal (d x m): one query."""
+        none, no = np.zeros((self.d, 0)), np.zeros(0, np.int64)
+        return self.mixed(W, np.asarray(cols, np.int64), diag, none, none, no)[0]
 
     def hess_vec(self, W: np.ndarray, V: np.ndarray, cols: np.ndarray):
-        node_ptr, Wp, Vp = self.node_ptr, _pack(W), _pack(V)
-
-        def make():
-            Wl, Vl = _unpack_matrix(Wp), _unpack_matrix(Vp)
-            return lambda rows, acc: tron.partial_hess_vec(rows, node_ptr, Wl, Vl, cols, out=acc.reshape(-1, len(cols)))
-
-        return V + self._reduce(make, self.d * len(cols), cols).reshape(self.d, len(cols))
+        """H(W) V: one query."""
+        return self.mixed(np.zeros((self.d, 0)), np.zeros(0, np.int64), False, W, V, np.asarray(cols, np.int64))[1]
 
     def mixed(self, Wf: np.ndarray, cf: np.ndarray, diag: bool, Wh: np.ndarray, Vh: np.ndarray, ch: np.ndarray):
         """:meth:`fun_grad` of classifiers ``cf`` and :meth:`hess_vec` of ``ch`` in one query:
