@@ -203,10 +203,11 @@ def ingest_stage(ctx: StageContext) -> StageResult:
             agg = aggregated.read(spark, ctx.train, p.ingest)
             info = agg.info
         else:
-            train_df, info = ingest.read_samples(spark, ctx.train, p.ingest)
+            train_df, info = ingest.read_samples(spark, ctx.train, p.ingest, count_labels=True)
         if ctx.test:
+            seen = info.label_counts > 0 if agg is None and info.label_counts is not None else None
             test_df, tinfo = ingest.read_samples(spark, ctx.test, p.ingest, expect_features=info.n_features,
-                                                 expect_labels=info.n_labels)
+                                                 expect_labels=info.n_labels, seen_labels=seen)
         if train_df is not None:                 # every input is valid: write
             tables.write("train", train_df)
         if test_df is not None:
@@ -216,17 +217,26 @@ def ingest_stage(ctx: StageContext) -> StageResult:
              "n_test": tinfo.n_samples if tinfo else None, **(agg.stats if agg is not None else {})}
     if agg is not None:
         ctx.memo["aggregated"] = agg
-    elif test_df is not None:
-        facts.update(_unseen(ctx, info.n_labels))
+    elif info.label_counts is not None:       # the tree stage's label frequencies, in this process
+        ctx.memo["label_counts"] = info.label_counts
+    if agg is None and test_df is not None:
+        facts.update(_unseen(ctx, info, tinfo))
     return StageResult(facts)
 
 
-def _unseen(ctx: StageContext, n_labels: int) -> Dict[str, int]:
+def _unseen(ctx: StageContext, info, tinfo) -> Dict[str, int]:
     """Counts of test labels that never occur in the training table (reported, never fatal),
-    from the training label counts, which the tree stage then reuses (``ctx.memo``, O(labels))."""
-    counts = evaluation.label_counts(ctx.tables.read("train"), n_labels)
+    from the training label counts, which the tree stage then reuses (``ctx.memo``, O(labels)).
+    Text inputs had both counted by ingest's check jobs (no further job); other inputs are
+    counted from the written tables."""
+    counts = info.label_counts
+    if counts is None:
+        counts = evaluation.label_counts(ctx.tables.read("train"), info.n_labels)
     ctx.memo["label_counts"] = counts
-    unseen = evaluation.unseen_labels(counts, ctx.tables.read("test"))
+    if tinfo.label_counts is not None and tinfo.rows_with_unseen is not None:
+        unseen = evaluation.unseen_from_counts(counts, tinfo.label_counts, tinfo.rows_with_unseen)
+    else:
+        unseen = evaluation.unseen_labels(counts, ctx.tables.read("test"))
     if unseen["test_unseen_labels"]:
         log.warning("%d test labels never occur in training (%d positives in %d test rows): they count as "
                     "misses in every metric", unseen["test_unseen_labels"], unseen["test_unseen_positives"],

@@ -41,3 +41,8 @@ def test_unseen_labels_counts(spark):
         "test_unseen_labels": 3, "test_unseen_positives": 4, "test_rows_with_unseen": 3}
     assert evaluation.unseen_labels(counts, train) == {
         "test_unseen_labels": 0, "test_unseen_positives": 0, "test_rows_with_unseen": 0}
+    # the same from the test's label counts and its rows having an unseen label (ingest counts both)
+    test_counts = evaluation.label_counts(test, 8)
+    for train_counts, rows in ((counts, 2), (np.array([1, 1]), 2), (np.array([1, 0, 1]), 3)):
+        assert evaluation.unseen_from_counts(train_counts, test_counts, rows) == \
+            evaluation.unseen_labels(train_counts, test)

@@ -149,3 +149,43 @@ def test_the_numba_path_gives_the_rows_of_the_sql_path(spark, tmp_path, monkeypa
     df2, info2 = ingest.read_samples(spark, str(f), IngestParams())
     assert got == _rows(df2) and info == info2
     assert info.n_samples == 300 and info.n_rows_merged_features > 0
+
+
+@pytest.mark.connect
+@pytest.mark.parametrize("fmt,splits", [("xc", "one"), ("xc", "many"), ("svmlight", "many")])
+def test_the_check_job_counts_labels_as_the_written_table_has_them(spark, tmp_path, fmt, splits):
+    """count_labels / seen_labels: the check job's per-label row counts and rows with an unseen
+    label equal evaluation's jobs over the parsed rows (a label repeated in a line counts once,
+    a row without labels counts nowhere, lines spread over input partitions or in one)."""
+    from xmc_spark.stages import evaluation
+
+    rng = np.random.default_rng(3)
+    lines = [] if fmt == "svmlight" else ["120 30 12"]
+    for i in range(120):
+        labels = list(rng.choice(12, rng.integers(0, 4)))
+        if i % 10 == 0 and labels:
+            labels.append(labels[0])                        # a repeated label
+        lines.append(f"{','.join(map(str, labels))} {i % 30 + (fmt == 'svmlight')}:1")
+    f = tmp_path / "data.txt"
+    f.write_text("\n".join(lines) + "\n")
+    old = spark.conf.get("spark.sql.files.maxPartitionBytes")
+    if splits == "many":
+        spark.conf.set("spark.sql.files.maxPartitionBytes", "256")
+    try:
+        assert (_partitions(ingest.text_lines(spark, str(f))) > 1) == (splits == "many")
+        p = IngestParams(num_labels=12) if fmt == "svmlight" else IngestParams()
+        df, info = ingest.read_samples(spark, str(f), p, count_labels=True)
+        want = evaluation.label_counts(df, 12)
+        assert want.sum() > 0 and info.rows_with_unseen is None
+        np.testing.assert_array_equal(info.label_counts, want)
+        seen = np.arange(10) % 3 != 0                       # labels 0, 3, 6, 9 and 10, 11 (past it) unseen
+        df2, info2 = ingest.read_samples(spark, str(f), p, seen_labels=seen)
+        np.testing.assert_array_equal(info2.label_counts, want)
+        expect = evaluation.unseen_labels(seen.astype(np.int64), df2)
+        assert expect["test_rows_with_unseen"] > 0
+        assert evaluation.unseen_from_counts(seen.astype(np.int64), info2.label_counts,
+                                             info2.rows_with_unseen) == expect
+    finally:
+        spark.conf.set("spark.sql.files.maxPartitionBytes", old)
+    _, info3 = ingest.read_samples(spark, str(f), p)            # not asked: no counts, no extra work
+    assert info3.label_counts is None and info3.rows_with_unseen is None

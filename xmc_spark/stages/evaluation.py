@@ -54,6 +54,18 @@ def unseen_labels(train_counts: np.ndarray, test: DataFrame) -> Dict[str, int]:
             "test_rows_with_unseen": rows}
 
 
+def unseen_from_counts(train_counts: np.ndarray, test_counts: np.ndarray, rows_with_unseen: int) -> Dict[str, int]:
+    """:func:`unseen_labels` from the test table's label counts and its rows having an unseen label
+    (both counted by ingest's check job: ``DatasetInfo``), on the driver, O(labels)."""
+    train_counts, test_counts = np.asarray(train_counts), np.asarray(test_counts)
+    seen = np.zeros(len(test_counts), np.bool_)
+    m = min(len(seen), len(train_counts))
+    seen[:m] = train_counts[:m] > 0
+    miss = (test_counts > 0) & ~seen
+    return {"test_unseen_labels": int(np.count_nonzero(miss)),
+            "test_unseen_positives": int(test_counts[miss].sum()), "test_rows_with_unseen": int(rows_with_unseen)}
+
+
 def run(predictions: DataFrame, test: DataFrame, train_label_counts: np.ndarray, n_train: int,
         params: EvalParams, label_depth: np.ndarray | None = None) -> Dict[str, float]:
     """P@k, nDCG@k, PSP@k, recall@k (percent) and, given leaf depths, expected depth@k.

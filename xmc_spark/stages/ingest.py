@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -47,6 +47,9 @@ class DatasetInfo:
     n_features: int
     n_labels: int
     n_rows_merged_features: int = 0   # rows listing a feature index twice (their values were summed)
+    # per label, the rows carrying it (n_labels long), when the check job counted them (count_labels)
+    label_counts: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
+    rows_with_unseen: Optional[int] = None   # rows with a label outside seen_labels, when given
 
 
 def _detect(spark: SparkSession, path: str):
@@ -166,15 +169,23 @@ class Lines:
     ``one_split`` (see :func:`one_split`) that job is one task with no shuffle (a global
     aggregate over ``coalesce(1)``), checked to have seen one partition, else redone by partition."""
 
-    def __init__(self, df: DataFrame, one_split: bool = False, count: str = "count(1)", **aggs: str):
+    def __init__(self, df: DataFrame, one_split: bool = False, count: str = "count(1)", by_label: bool = False,
+                 **aggs: str):
         exprs = [f"{count} AS _n", "min(_mid) AS _m0", *[f"{c} AS {k}" for k, c in aggs.items()]]
         parts = None
-        if one_split:
+        self.labels: list = []        # with by_label: (label, count) of the rows whose _label is set
+        if one_split and not by_label:
             r = df.coalesce(1).agg(*[F.expr(e) for e in ("min(_pid) AS _pid", "max(_pid) AS _last_pid",
                                                          *exprs)]).collect()[0]
             if r["_pid"] == r["_last_pid"]:
                 parts = [r] if r["_n"] else []
-        if parts is None:
+        if parts is None and by_label:
+            # one job: rows with _label null give the partitions' aggregates, rows with _pid null
+            # the labels' counts (O(partitions + labels) rows)
+            rows = df.groupBy("_pid", "_label").agg(*[F.expr(e) for e in exprs]).collect()
+            parts = [r for r in rows if r["_label"] is None]
+            self.labels = [(r["_label"], r["_n"]) for r in rows if r["_label"] is not None]
+        elif parts is None:
             parts = df.groupBy("_pid").agg(*[F.expr(e) for e in exprs]).collect()
         self.parts = sorted(parts, key=lambda r: r["_pid"])
         self._base, acc = {}, 0
@@ -182,6 +193,15 @@ class Lines:
             self._base[r["_pid"]] = acc - r["_m0"]          # line = base of the partition + _mid + 1
             acc += r["_n"]
         self.n = acc                                         # lines in all
+
+    def label_counts(self, n_labels: int) -> np.ndarray:
+        """The ``by_label`` counts as a vector of ``n_labels`` (labels at or above it are dropped)."""
+        counts = np.zeros(n_labels, np.int64)
+        if self.labels:
+            lab, n = (np.array(v, np.int64) for v in zip(*self.labels))
+            keep = lab < n_labels
+            counts[lab[keep]] = n[keep]
+        return counts
 
     def values(self, name: str) -> list:
         """The non-null per-partition values of aggregate ``name``."""
@@ -339,11 +359,13 @@ def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
 
 def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
               expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
-              header: Optional[str] = None):
+              header: Optional[str] = None, count_labels: bool = False, seen_labels=None):
     """Parse and validate an XC or svmlight text file; returns (DataFrame, DatasetInfo).
 
     One Spark job validates every line and counts the lines of each input partition; line
-    numbers (for errors) and sample ids (line order) follow from those counts.
+    numbers (for errors) and sample ids (line order) follow from those counts. On the fast path
+    the same job gives ``info.label_counts`` (``count_labels``) and ``info.rows_with_unseen``
+    (``seen_labels``: a boolean vector over labels); see :func:`read_samples`.
     """
     header_n = None
     d = params.num_features or expect_features
@@ -365,11 +387,16 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         one_based = params.svmlight_one_based
     is_data = "_mid != 0" if fmt == "xc" else "true"     # the XC header is the first line of the first split
     with _read_errors(path):
-        lines = _fast_lines(spark, path, is_data, one_based, d, L)
+        lines = _fast_lines(spark, path, is_data, one_based, d, L, count_labels, seen_labels)
     if lines is not None:          # every line in the plain forms: parsed by the numba kernel
         data = text_lines(spark, path).where(is_data).select(
             "value", (lines.line() - 1 - (1 if fmt == "xc" else 0)).alias("sample_id"))
-        return _fast_finish(data, path, one_based, params.normalize), _info(path, fmt, lines, header_n, d, L)
+        info = _info(path, fmt, lines, header_n, d, L)
+        if count_labels or seen_labels is not None:
+            info.label_counts = lines.label_counts(info.n_labels)
+        if seen_labels is not None:
+            info.rows_with_unseen = int(sum(lines.values("unseen")))
+        return _fast_finish(data, path, one_based, params.normalize), info
     # a blank line is an error, not an empty sample (a final newline makes no line at all)
     # the full checks run only on the lines the compiled screen rejects
     err = _error_sql(d, L, first=_token_error_sql(one_based))
@@ -410,7 +437,7 @@ def _info(path: str, fmt: str, lines: Lines, header_n: Optional[int], d: Optiona
 
 # ---- the fast path: numba over each Arrow batch of lines ----------------------------------------
 FAST_SCHEMA = ("_pid int, _mid long, n long, bad long, max_label long, max_feature long, n_rep long, "
-               "rep long")
+               "rep long, unseen long, _label long")
 
 
 def _line_bytes(col: pa.Array):
@@ -421,13 +448,21 @@ def _line_bytes(col: pa.Array):
 
 
 def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d: Optional[int],
-                L: Optional[int]) -> Optional[Lines]:
+                L: Optional[int], count_labels: bool = False, seen=None) -> Optional[Lines]:
     """:class:`Lines` of a text input whose every data line :func:`~..kernels.text_parse.parse_lines`
     parses (one Spark job, a summary row per Arrow batch), with ids in range; None otherwise (the
-    SQL checks then find and name the problem, or accept the unusual forms)."""
+    SQL checks then find and name the problem, or accept the unusual forms).
+
+    ``count_labels``: the same job counts the rows carrying each label (a row's labels counted
+    once, as the samples table keeps them: :meth:`Lines.label_counts`); ``seen`` (a boolean
+    vector over labels) also counts the rows with a label it does not hold (``unseen``)."""
+    from ..compat import share
     from ..kernels.text_parse import parse_lines
+    shared = share(spark, np.asarray(seen, np.bool_), name="the seen labels") if seen is not None else None
+    by_label = count_labels or seen is not None
 
     def screen(batches):
+        known = shared.value if shared is not None else None
         for b in batches:
             if not b.num_rows:
                 continue
@@ -435,21 +470,45 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
             data = b.column("_data").to_numpy(zero_copy_only=False)
             mid = b.column("_mid").to_numpy()
             ok, rep, lp, lab, fp, fidx, _ = parse_lines(buf, off, data, int(one_based))
+            unseen = None
+            if by_label and len(lab):
+                Y = csr_from_lists(lp, lab, None, int(lab.max()) + 1)     # each row's labels, distinct
+                lab = Y.indices
+                if known is not None:
+                    miss = lab >= len(known)
+                    miss[~miss] = ~known[lab[~miss]]
+                    cum = np.concatenate([[0], np.cumsum(miss)])
+                    unseen = int(np.count_nonzero(cum[Y.indptr[1:]] - cum[Y.indptr[:-1]]))
+            pid = b.column("_pid")[0].as_py()
             yield pa.RecordBatch.from_pydict({
-                "_pid": pa.array([b.column("_pid")[0].as_py()], pa.int32()),
+                "_pid": pa.array([pid], pa.int32()),
                 "_mid": pa.array([int(mid.min())], pa.int64()), "n": pa.array([b.num_rows], pa.int64()),
                 "bad": pa.array([int(np.count_nonzero(data & ~ok))], pa.int64()),
                 "max_label": pa.array([int(lab.max()) if len(lab) else -1], pa.int64()),
                 "max_feature": pa.array([int(fidx.max()) if len(fidx) else -1], pa.int64()),
                 "n_rep": pa.array([int(np.count_nonzero(rep))], pa.int64()),
-                "rep": pa.array([int(mid[rep].min()) if rep.any() else None], pa.int64())})
+                "rep": pa.array([int(mid[rep].min()) if rep.any() else None], pa.int64()),
+                "unseen": pa.array([unseen if known is not None else None], pa.int64()),
+                "_label": pa.array([None], pa.int64())})
+            if by_label and len(lab):
+                u, c = np.unique(lab, return_counts=True)
+                none = pa.nulls(len(u), pa.int64())
+                yield pa.RecordBatch.from_pydict({
+                    "_pid": pa.nulls(len(u), pa.int32()), "_mid": none, "n": pa.array(c, pa.int64()),
+                    "bad": none, "max_label": none, "max_feature": none, "n_rep": none, "rep": none,
+                    "unseen": none, "_label": pa.array(u, pa.int64())})
             worker_progress("ingest (check)", rows=b.num_rows)
 
     summary = text_lines(spark, path, f"{is_data} AS _data").select("value", "_pid", "_mid", "_data") \
         .mapInArrow(screen, FAST_SCHEMA)
-    lines = Lines(summary, one_split(spark, path), count="sum(n)", bad="sum(bad)", max_label="max(max_label)",
-                  max_feature="max(max_feature)", n_rep="sum(n_rep)",
-                  rep="min(CASE WHEN rep IS NOT NULL THEN struct(rep AS mid, true AS value) END)")
+    try:
+        lines = Lines(summary, one_split(spark, path), count="sum(n)", by_label=by_label, bad="sum(bad)",
+                      max_label="max(max_label)", max_feature="max(max_feature)", n_rep="sum(n_rep)",
+                      unseen="sum(unseen)",
+                      rep="min(CASE WHEN rep IS NOT NULL THEN struct(rep AS mid, true AS value) END)")
+    finally:
+        if shared is not None:
+            shared.unpersist()
     if (sum(lines.values("bad")) or max(lines.values("max_label"), default=-1) >= _id_end(L)
             or max(lines.values("max_feature"), default=-1) >= _id_end(d)):
         return None
@@ -533,15 +592,22 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
 
 
 def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Optional[str] = None,
-                 expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
-    """Any supported input as a validated samples DataFrame plus its sizes."""
+                 expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
+                 count_labels: bool = False, seen_labels=None):
+    """Any supported input as a validated samples DataFrame plus its sizes.
+
+    ``count_labels``: where the check job can (plain XC or svmlight text), it also counts the
+    rows carrying each label (``info.label_counts``, as :func:`~.evaluation.label_counts` of the
+    written table); ``seen_labels`` (a boolean vector over labels): likewise the rows having a
+    label it does not hold (``info.rows_with_unseen``). Otherwise both stay None."""
     first = None
     if fmt is None:
         fmt, first = _detect(spark, path)
     elif not _exists(spark, path):
         raise IngestError(f"{path}: no such file or directory")
     if fmt in ("xc", "svmlight"):
-        return read_text(spark, path, fmt, params, expect_features, expect_labels, header=first)
+        return read_text(spark, path, fmt, params, expect_features, expect_labels, header=first,
+                         count_labels=count_labels, seen_labels=seen_labels)
     if fmt in ("parquet", "delta"):
         return read_table(spark, path, fmt, params, expect_features, expect_labels)
     raise IngestError(f"{path}: unknown input format {fmt!r}")
