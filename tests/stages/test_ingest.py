@@ -189,3 +189,14 @@ def test_the_check_job_counts_labels_as_the_written_table_has_them(spark, tmp_pa
         spark.conf.set("spark.sql.files.maxPartitionBytes", old)
     _, info3 = ingest.read_samples(spark, str(f), p)            # not asked: no counts, no extra work
     assert info3.label_counts is None and info3.rows_with_unseen is None
+
+
+@pytest.mark.parametrize("label", ["4294967297", "3000000000", "4"])
+def test_counting_labels_keeps_the_range_check(spark, tmp_path, label):
+    """A label id past the declared count, also one past the int range (which would wrap to a
+    small id in an int32 array), is still named as out of range when the check job counts labels."""
+    f = tmp_path / "bad.txt"
+    f.write_text(f"2 5 4\n0 1:1\n{label} 1:1\n")
+    for kw in ({"count_labels": True}, {"seen_labels": np.ones(4, np.bool_)}):
+        with pytest.raises(IngestError, match=rf":3: label id {label} out of range \[0, 4\)"):
+            ingest.read_samples(spark, str(f), IngestParams(), **kw)

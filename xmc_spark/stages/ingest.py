@@ -458,8 +458,8 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
     vector over labels) also counts the rows with a label it does not hold (``unseen``)."""
     from ..compat import share
     from ..kernels.text_parse import parse_lines
-    shared = share(spark, np.asarray(seen, np.bool_), name="the seen labels") if seen is not None else None
     by_label = count_labels or seen is not None
+    shared = None
 
     def screen(batches):
         known = shared.value if shared is not None else None
@@ -470,9 +470,10 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
             data = b.column("_data").to_numpy(zero_copy_only=False)
             mid = b.column("_mid").to_numpy()
             ok, rep, lp, lab, fp, fidx, _ = parse_lines(buf, off, data, int(one_based))
+            max_label = int(lab.max()) if len(lab) else -1    # of the ids as written: the range check's
             unseen = None
-            if by_label and len(lab):
-                Y = csr_from_lists(lp, lab, None, int(lab.max()) + 1)     # each row's labels, distinct
+            if by_label and 0 <= max_label < ID_END:          # (ids past the int range are rejected anyway)
+                Y = csr_from_lists(lp, lab, None, max_label + 1)     # each row's labels, distinct
                 lab = Y.indices
                 if known is not None:
                     miss = lab >= len(known)
@@ -484,13 +485,13 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
                 "_pid": pa.array([pid], pa.int32()),
                 "_mid": pa.array([int(mid.min())], pa.int64()), "n": pa.array([b.num_rows], pa.int64()),
                 "bad": pa.array([int(np.count_nonzero(data & ~ok))], pa.int64()),
-                "max_label": pa.array([int(lab.max()) if len(lab) else -1], pa.int64()),
+                "max_label": pa.array([max_label], pa.int64()),
                 "max_feature": pa.array([int(fidx.max()) if len(fidx) else -1], pa.int64()),
                 "n_rep": pa.array([int(np.count_nonzero(rep))], pa.int64()),
                 "rep": pa.array([int(mid[rep].min()) if rep.any() else None], pa.int64()),
-                "unseen": pa.array([unseen if known is not None else None], pa.int64()),
+                "unseen": pa.array([unseen], pa.int64()),
                 "_label": pa.array([None], pa.int64())})
-            if by_label and len(lab):
+            if by_label and 0 <= max_label < ID_END:
                 u, c = np.unique(lab, return_counts=True)
                 none = pa.nulls(len(u), pa.int64())
                 yield pa.RecordBatch.from_pydict({
@@ -499,9 +500,11 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
                     "unseen": none, "_label": pa.array(u, pa.int64())})
             worker_progress("ingest (check)", rows=b.num_rows)
 
-    summary = text_lines(spark, path, f"{is_data} AS _data").select("value", "_pid", "_mid", "_data") \
-        .mapInArrow(screen, FAST_SCHEMA)
     try:
+        if seen is not None:
+            shared = share(spark, np.asarray(seen, np.bool_), name="the seen labels")
+        summary = text_lines(spark, path, f"{is_data} AS _data").select("value", "_pid", "_mid", "_data") \
+            .mapInArrow(screen, FAST_SCHEMA)
         lines = Lines(summary, one_split(spark, path), count="sum(n)", by_label=by_label, bad="sum(bad)",
                       max_label="max(max_label)", max_feature="max(max_feature)", n_rep="sum(n_rep)",
                       unseen="sum(unseen)",
