@@ -220,20 +220,19 @@ def ingest_stage(ctx: StageContext) -> StageResult:
     elif info.label_counts is not None:       # the tree stage's label frequencies, in this process
         ctx.memo["label_counts"] = info.label_counts
     if agg is None and test_df is not None:
-        facts.update(_unseen(ctx, info, tinfo))
+        facts.update(_unseen(ctx, info.n_labels, info.label_counts, tinfo))
     return StageResult(facts)
 
 
-def _unseen(ctx: StageContext, info, tinfo) -> Dict[str, int]:
+def _unseen(ctx: StageContext, n_labels: int, counts=None, tinfo=None) -> Dict[str, int]:
     """Counts of test labels that never occur in the training table (reported, never fatal),
     from the training label counts, which the tree stage then reuses (``ctx.memo``, O(labels)).
-    Text inputs had both counted by ingest's check jobs (no further job); other inputs are
-    counted from the written tables."""
-    counts = info.label_counts
+    Text inputs had both counted by ingest's check jobs (``counts``, and ``tinfo`` the test's
+    DatasetInfo: no further job); otherwise they are counted from the written tables."""
     if counts is None:
-        counts = evaluation.label_counts(ctx.tables.read("train"), info.n_labels)
+        counts = evaluation.label_counts(ctx.tables.read("train"), n_labels)
     ctx.memo["label_counts"] = counts
-    if tinfo.label_counts is not None and tinfo.rows_with_unseen is not None:
+    if tinfo is not None and tinfo.label_counts is not None and tinfo.rows_with_unseen is not None:
         unseen = evaluation.unseen_from_counts(counts, tinfo.label_counts, tinfo.rows_with_unseen)
     else:
         unseen = evaluation.unseen_labels(counts, ctx.tables.read("test"))
