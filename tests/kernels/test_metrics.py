@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from xmc_spark.kernels.metrics import depth_sums, evaluate, finalize_depth, propensities
+from xmc_spark.kernels.metrics import depth_sums, evaluate, finalize_depth, propensities, unseen
 
 
 def test_hand_computed_metrics():
@@ -57,3 +57,14 @@ def test_inv_prop_must_cover_the_labels():
     Y = sp.csr_matrix(np.array([[0, 0, 1]], dtype=np.float32))
     with pytest.raises(ValueError, match="inv_prop has 2 labels"):
         evaluate(np.array([[0]]), Y, np.ones(2), ks=(1,))
+
+
+def test_unseen_labels_and_rows_against_brute_force():
+    rng = np.random.default_rng(2)
+    rows = [list(rng.choice(9, rng.integers(0, 4), replace=False)) for _ in range(40)]
+    off = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
+    labels = np.array([x for r in rows for x in r], np.int64)
+    seen = rng.random(6) > 0.4                              # labels 6-8 lie past it: unseen
+    miss, n = unseen(off, labels, seen)
+    assert list(miss) == [not (x < 6 and seen[x]) for x in labels]
+    assert n == sum(any(not (x < 6 and seen[x]) for x in r) for r in rows) > 0

@@ -22,6 +22,17 @@ def propensities(label_counts: np.ndarray, n_samples: int, A: float = 0.55, B: f
     return 1.0 / (1.0 + C * np.exp(-A * np.log(counts + B)))
 
 
+def unseen(offsets: np.ndarray, labels: np.ndarray, seen: np.ndarray):
+    """(mask of the ``labels`` outside ``seen`` (a boolean vector over label ids; ids past it are
+    unseen too), number of rows having one); ``offsets`` cut ``labels`` into rows."""
+    labels = np.asarray(labels, np.int64)
+    miss = labels >= len(seen)
+    miss[~miss] = ~seen[labels[~miss]]
+    cum = np.concatenate([[0], np.cumsum(miss)])
+    offsets = np.asarray(offsets, np.int64)
+    return miss, int(np.count_nonzero(cum[offsets[1:]] - cum[offsets[:-1]]))
+
+
 def hits_matrix(pred: np.ndarray, Y: sp.csr_matrix) -> np.ndarray:
     """Boolean (n x k): is pred[i, j] a true label of row i (pred -1 = empty slot)."""
     Y = sp.csr_matrix(Y)

@@ -36,12 +36,8 @@ def unseen_labels(train_counts: np.ndarray, test: DataFrame) -> Dict[str, int]:
         known = seen.value
         for b in batches:
             off, labels = list_offsets_values(pa.Table.from_batches([b]), "label_idx")
-            labels = np.asarray(labels, np.int64)
-            miss = labels >= len(known)
-            miss[~miss] = ~known[labels[~miss]]
-            u, c = np.unique(labels[miss], return_counts=True)
-            cum = np.concatenate([[0], np.cumsum(miss)])
-            rows = np.count_nonzero(cum[off[1:]] - cum[off[:-1]])
+            miss, rows = M.unseen(off, labels, known)
+            u, c = np.unique(np.asarray(labels, np.int64)[miss], return_counts=True)
             yield pa.RecordBatch.from_pydict({"label": pa.array(np.concatenate([u, [-1]]), pa.int64()),
                                               "n": pa.array(np.concatenate([c, [rows]]), pa.int64())})
 

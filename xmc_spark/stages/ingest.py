@@ -195,12 +195,12 @@ class Lines:
         self.n = acc                                         # lines in all
 
     def label_counts(self, n_labels: int) -> np.ndarray:
-        """The ``by_label`` counts as a vector of ``n_labels`` (labels at or above it are dropped)."""
+        """The ``by_label`` counts as a vector of ``n_labels`` (every counted label is below it: the
+        range check passed)."""
         counts = np.zeros(n_labels, np.int64)
         if self.labels:
             lab, n = (np.array(v, np.int64) for v in zip(*self.labels))
-            keep = lab < n_labels
-            counts[lab[keep]] = n[keep]
+            counts[lab] = n
         return counts
 
     def values(self, name: str) -> list:
@@ -457,6 +457,7 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
     once, as the samples table keeps them: :meth:`Lines.label_counts`); ``seen`` (a boolean
     vector over labels) also counts the rows with a label it does not hold (``unseen``)."""
     from ..compat import share
+    from ..kernels.metrics import unseen as unseen_rows
     from ..kernels.text_parse import parse_lines
     by_label = count_labels or seen is not None
     shared = None
@@ -471,15 +472,12 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
             mid = b.column("_mid").to_numpy()
             ok, rep, lp, lab, fp, fidx, _ = parse_lines(buf, off, data, int(one_based))
             max_label = int(lab.max()) if len(lab) else -1    # of the ids as written: the range check's
-            unseen = None
+            unseen = u = None
             if by_label and 0 <= max_label < ID_END:          # (ids past the int range are rejected anyway)
                 Y = csr_from_lists(lp, lab, None, max_label + 1)     # each row's labels, distinct
-                lab = Y.indices
+                u, c = np.unique(Y.indices, return_counts=True)
                 if known is not None:
-                    miss = lab >= len(known)
-                    miss[~miss] = ~known[lab[~miss]]
-                    cum = np.concatenate([[0], np.cumsum(miss)])
-                    unseen = int(np.count_nonzero(cum[Y.indptr[1:]] - cum[Y.indptr[:-1]]))
+                    unseen = unseen_rows(Y.indptr, Y.indices, known)[1]
             pid = b.column("_pid")[0].as_py()
             yield pa.RecordBatch.from_pydict({
                 "_pid": pa.array([pid], pa.int32()),
@@ -491,8 +489,7 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
                 "rep": pa.array([int(mid[rep].min()) if rep.any() else None], pa.int64()),
                 "unseen": pa.array([unseen], pa.int64()),
                 "_label": pa.array([None], pa.int64())})
-            if by_label and 0 <= max_label < ID_END:
-                u, c = np.unique(lab, return_counts=True)
+            if u is not None:
                 none = pa.nulls(len(u), pa.int64())
                 yield pa.RecordBatch.from_pydict({
                     "_pid": pa.nulls(len(u), pa.int32()), "_mid": none, "n": pa.array(c, pa.int64()),
