@@ -383,6 +383,36 @@ def test_row_bound(spark, problem):
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="1000")) == 1000
 
 
+def test_row_bound_under_a_memory_cap():
+    """spark.executor.pyspark.memory caps each Python worker's address space at cap / executor
+    cores: the bound is 0.3 x (that - 768 MiB) / bytes per row, and in local mode never above the
+    uncapped bound; a cap that leaves a worker almost nothing for rows is refused by name."""
+    bound, mib = node_training.row_bound_for, 2 ** 20
+    local = {"spark.master": "local[2]", "spark.executor.pyspark.memory": "1200m"}
+    assert bound(local, 1000, ram="24g") == int(0.3 * (1200 - 768) * mib / 1000)
+    # the cap is per worker in local mode (executor cores default to 1), not per local[2] slot
+    assert bound(dict(local, **{"spark.executor.pyspark.memory": "8g"}), 1000, ram="24g") == int(
+        0.3 * (8192 - 768) * mib / 1000)
+    # a cap above the machine: the machine's share per task still bounds it
+    assert bound(dict(local, **{"spark.executor.pyspark.memory": "64g"}), 1000, ram="4g") == int(
+        0.5 * 4096 * mib / (2 * 1000))
+    cluster = {"spark.master": "yarn", "spark.executor.cores": "4", "spark.executor.memory": "16g",
+               "spark.executor.pyspark.memory": "8g"}
+    assert bound(cluster, 1000) == int(0.3 * (2048 - 768) * mib / 1000)
+    # without the cap: half the executor's memory over its concurrent tasks (task.cpus 2 -> 2 tasks)
+    assert bound({**cluster, "spark.executor.pyspark.memory": None, "spark.task.cpus": "2"}, 1000) == int(
+        0.5 * 16 * 1024 * mib / (2 * 1000))
+    with pytest.raises(ValueError, match=r"spark.executor.pyspark.memory=600m .* 600 MiB .* at least 0.9g"):
+        bound(dict(local, **{"spark.executor.pyspark.memory": "600m"}), 1000, ram="24g")
+    # the distributed solver's task holds ~16 (features + 1) x classifiers doubles for its node:
+    # 50,000 features x 79 classifiers need 768 + 482 MiB, over a 1200m cap, under a 1300m one
+    check = node_training.check_solver_memory
+    with pytest.raises(ValueError, match=r"1200m .* node 7 \(79 classifiers x 50,001 features\) needs about 1250 MiB"):
+        check(local, 50000, 7, 79)
+    check(dict(local, **{"spark.executor.pyspark.memory": "1300m"}), 50000, 7, 79)
+    check({"spark.master": "local[2]"}, 10 ** 9, 7, 100)         # no cap: the machine's memory, not checked
+
+
 def _cli_run(bibtex, tmp_path, name, *sets):
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / name

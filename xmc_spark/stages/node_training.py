@@ -104,6 +104,9 @@ ROUTED_SCHEMA = ddl("negatives")
 BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
 PACK_ROWS = 1 << 15             # rows per packed block of one node
 MEMORY_FRACTION = 0.5
+CAPPED_FRACTION = 0.3           # of a worker's address-space cap, less WORKER_BYTES, for rows
+WORKER_BYTES = 768 * 2**20      # address space a Python worker maps before any row (~640 MiB measured)
+SOLVER_VECTORS = 16             # features x classifiers float64 arrays a solver task may hold for a node
 RANGE_FILL = 0.9                # big-node partitions hold this share of their rows' bound on average
 PART_BOUNDS = 4                 # a big-node partition holds up to this many bounds of rows (streamed)
 BYTES_PER_NNZ = 80
@@ -371,18 +374,70 @@ def row_bytes(mean_nnz: float) -> int:
     return int(ROW_BYTES + BYTES_PER_NNZ * (float(mean_nnz) + 1))
 
 
+CONF_KEYS = ("spark.master", "spark.executor.cores", "spark.task.cpus", "spark.executor.memory",
+             "spark.executor.pyspark.memory")
+
+
 def auto_row_bound(spark, bytes_per_row: int) -> int:
     """``auto`` value of ``train.max_node_rows`` for this session and rows of ``bytes_per_row``."""
-    master = str(_conf(spark, "spark.master", "") or "")
+    return row_bound_for({k: _conf(spark, k) for k in CONF_KEYS}, bytes_per_row)
+
+
+def row_bound_for(conf: dict, bytes_per_row: int, ram: Optional[str] = None) -> int:
+    """``auto`` bound for Spark settings ``conf`` (:data:`CONF_KEYS`; missing = Spark's default)
+    and a machine of ``ram`` (default: this one's; local mode only): a share of the memory the
+    concurrent tasks' Python workers share, or, when ``spark.executor.pyspark.memory`` caps each
+    worker's address space, of one worker's cap less what a worker maps before it holds a row."""
+    master = str(conf.get("spark.master") or "")
     local = master.startswith("local")
-    mem = _conf(spark, "spark.executor.pyspark.memory") or (
-        physical_memory() if local else _conf(spark, "spark.executor.memory", "1g"))
+    cores = max(1, int(conf.get("spark.executor.cores") or 1))
     if local:
         m = re.match(r"local\[(\*|\d+)", master)
         tasks = 1 if not m else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
     else:
-        tasks = int(_conf(spark, "spark.executor.cores", "1") or 1) // max(1, int(_conf(spark, "spark.task.cpus", "1")))
-    return max(1, int(MEMORY_FRACTION * memory_bytes(mem) / (max(tasks, 1) * max(1, int(bytes_per_row)))))
+        tasks = cores // max(1, int(conf.get("spark.task.cpus") or 1))
+    tasks, per_row = max(tasks, 1), max(1, int(bytes_per_row))
+    ram = ram or physical_memory()
+    cap = conf.get("spark.executor.pyspark.memory")
+    if not cap:
+        mem = ram if local else (conf.get("spark.executor.memory") or "1g")
+        return max(1, int(MEMORY_FRACTION * memory_bytes(mem) / (tasks * per_row)))
+    # Spark gives each Python worker cap / spark.executor.cores (1 unless set, also in local mode)
+    # as its address-space limit (RLIMIT_AS): virtual memory, of which the grouped kernel's rows
+    # use about twice their resident bytes (README, "The bound under a memory cap").
+    worker = memory_bytes(cap) // cores
+    room = worker - WORKER_BYTES
+    if room < WORKER_BYTES // 4:
+        raise ValueError(
+            f"spark.executor.pyspark.memory={cap} gives each Python worker {worker / 2**20:.0f} MiB of address "
+            f"space; a worker maps about {WORKER_BYTES / 2**20:.0f} MiB (Python, pyarrow, numpy, scipy, numba and "
+            f"the kernels) before it holds any row, which leaves too little for training: set it to at least "
+            f"{(WORKER_BYTES + WORKER_BYTES // 4) * cores / 2**30:.1f}g, or leave it unset")
+    bound = CAPPED_FRACTION * room / per_row
+    if local:                                   # the workers still share the machine
+        bound = min(bound, MEMORY_FRACTION * memory_bytes(ram) / (tasks * per_row))
+    return max(1, int(bound))
+
+
+def check_solver_memory(conf: dict, n_features: int, node: int, classifiers: int) -> None:
+    """Refuse, by name, a memory cap under which a task of the distributed solver cannot hold the
+    vectors of big node ``node`` (the one with the most classifiers): about
+    :data:`SOLVER_VECTORS` arrays of (features + 1) x classifiers doubles (W, the CG direction,
+    the accumulated gradient, diagonal and Hessian product, and their per-block copies) besides
+    the worker's own :data:`WORKER_BYTES`. Without ``spark.executor.pyspark.memory`` nothing
+    is checked: the workers then share the machine, whose limit is not one process's."""
+    cap = conf.get("spark.executor.pyspark.memory")
+    if not cap:
+        return
+    worker = memory_bytes(cap) // max(1, int(conf.get("spark.executor.cores") or 1))
+    need = WORKER_BYTES + SOLVER_VECTORS * 8 * (int(n_features) + 1) * int(classifiers)
+    if need > worker:
+        raise ValueError(
+            f"spark.executor.pyspark.memory={cap} gives each Python worker {worker / 2**20:.0f} MiB of address "
+            f"space, but the distributed solver's task for node {node} ({classifiers} classifiers x "
+            f"{n_features + 1:,} features) needs about {need / 2**20:.0f} MiB: set it to at least "
+            f"{need * max(1, int(conf.get('spark.executor.cores') or 1)) / 2**30:.1f}g, or raise "
+            "train.max_node_rows so that the node trains in one task")
 
 
 def node_row_bound(spark, params: TrainParams, samples: Optional[DataFrame] = None,
@@ -752,6 +807,8 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     spark = samples.sparkSession
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
+    widest = int(np.argmax(np.diff(node_ptr)))
+    check_solver_memory({k: _conf(spark, k) for k in CONF_KEYS}, n_features, int(big[widest]), len(kids[widest]))
     is_leaf = np.isin(big, index.leaves)
     # range-partitioned by (node, row hash): a node's rows fill consecutive partitions of about
     # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
