@@ -385,20 +385,20 @@ def test_row_bound(spark, problem):
 
 def test_row_bound_under_a_memory_cap():
     """spark.executor.pyspark.memory caps each Python worker's address space at cap / executor
-    cores: the bound is 0.3 x (that - 768 MiB) / bytes per row, and in local mode never above the
+    cores: the bound is 0.5 x (that - 768 MiB) / bytes per row, and in local mode never above the
     uncapped bound; a cap that leaves a worker almost nothing for rows is refused by name."""
     bound, mib = node_training.row_bound_for, 2 ** 20
     local = {"spark.master": "local[2]", "spark.executor.pyspark.memory": "1200m"}
-    assert bound(local, 1000, ram="24g") == int(0.3 * (1200 - 768) * mib / 1000)
+    assert bound(local, 1000, ram="24g") == int(0.5 * (1200 - 768) * mib / 1000)
     # the cap is per worker in local mode (executor cores default to 1), not per local[2] slot
     assert bound(dict(local, **{"spark.executor.pyspark.memory": "8g"}), 1000, ram="24g") == int(
-        0.3 * (8192 - 768) * mib / 1000)
+        0.5 * (8192 - 768) * mib / 1000)
     # a cap above the machine: the machine's share per task still bounds it
     assert bound(dict(local, **{"spark.executor.pyspark.memory": "64g"}), 1000, ram="4g") == int(
         0.5 * 4096 * mib / (2 * 1000))
     cluster = {"spark.master": "yarn", "spark.executor.cores": "4", "spark.executor.memory": "16g",
                "spark.executor.pyspark.memory": "8g"}
-    assert bound(cluster, 1000) == int(0.3 * (2048 - 768) * mib / 1000)
+    assert bound(cluster, 1000) == int(0.5 * (2048 - 768) * mib / 1000)
     # without the cap: half the executor's memory over its concurrent tasks (task.cpus 2 -> 2 tasks)
     assert bound({**cluster, "spark.executor.pyspark.memory": None, "spark.task.cpus": "2"}, 1000) == int(
         0.5 * 16 * 1024 * mib / (2 * 1000))

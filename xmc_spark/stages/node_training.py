@@ -104,8 +104,7 @@ ROUTED_SCHEMA = ddl("negatives")
 BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
 PACK_ROWS = 1 << 15             # rows per packed block of one node
 MEMORY_FRACTION = 0.5
-CAPPED_FRACTION = 0.3           # of a worker's address-space cap, less WORKER_BYTES, for rows
-WORKER_BYTES = 768 * 2**20      # address space a Python worker maps before any row (~640 MiB measured)
+WORKER_BYTES = 768 * 2**20      # address space a Python worker maps before any row (~700 MiB measured)
 SOLVER_VECTORS = 16             # features x classifiers float64 arrays a solver task may hold for a node
 RANGE_FILL = 0.9                # big-node partitions hold this share of their rows' bound on average
 PART_BOUNDS = 4                 # a big-node partition holds up to this many bounds of rows (streamed)
@@ -403,8 +402,8 @@ def row_bound_for(conf: dict, bytes_per_row: int, ram: Optional[str] = None) -> 
         mem = ram if local else (conf.get("spark.executor.memory") or "1g")
         return max(1, int(MEMORY_FRACTION * memory_bytes(mem) / (tasks * per_row)))
     # Spark gives each Python worker cap / spark.executor.cores (1 unless set, also in local mode)
-    # as its address-space limit (RLIMIT_AS): virtual memory, of which the grouped kernel's rows
-    # use about twice their resident bytes (README, "The bound under a memory cap").
+    # as its address-space limit (RLIMIT_AS), which counts what the worker maps before any row
+    # (README, "Under a Python memory cap").
     worker = memory_bytes(cap) // cores
     room = worker - WORKER_BYTES
     if room < WORKER_BYTES // 4:
@@ -413,7 +412,7 @@ def row_bound_for(conf: dict, bytes_per_row: int, ram: Optional[str] = None) -> 
             f"space; a worker maps about {WORKER_BYTES / 2**20:.0f} MiB (Python, pyarrow, numpy, scipy, numba and "
             f"the kernels) before it holds any row, which leaves too little for training: set it to at least "
             f"{(WORKER_BYTES + WORKER_BYTES // 4) * cores / 2**30:.1f}g, or leave it unset")
-    bound = CAPPED_FRACTION * room / per_row
+    bound = MEMORY_FRACTION * room / per_row
     if local:                                   # the workers still share the machine
         bound = min(bound, MEMORY_FRACTION * memory_bytes(ram) / (tasks * per_row))
     return max(1, int(bound))
