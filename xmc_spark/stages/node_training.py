@@ -52,17 +52,27 @@ pruned and emitted by tasks reading W's files.
     auto = floor(MEMORY_FRACTION * memory / (concurrent tasks * bytes per row))
     bytes per row = ROW_BYTES + BYTES_PER_NNZ * (mean non-zeros of a training row + 1)
 
-with ``memory`` = ``spark.executor.pyspark.memory`` if set, else ``spark.executor.memory``
-(in local mode the machine's RAM: the Python workers are processes of their own), concurrent
-tasks = ``spark.executor.cores`` / ``spark.task.cpus`` (local[N]: N), :data:`MEMORY_FRACTION`
-= 0.5, :data:`BYTES_PER_NNZ` = 80 (the grouped kernel holds a node's rows about five times:
-Arrow input, sorted copy, CSR with the bias, float64/int64 local copy, solver state) and
-:data:`ROW_BYTES` = 1 KiB (sample id, weight, label list, the dual variables of up to ~100
-classifiers). The mean is one aggregation over the training rows, run only when there are more
-rows than the bound could be for rows without features (nothing can be big below that). The
-synthetic sets (~20 non-zeros a row) get ~2.7 KiB a row: on this 24 GiB machine with local[2]
-about 2.3M rows, so every set up to 2M samples trains grouped; rows of ~200 non-zeros (16 KiB)
-give ~380,000 rows.
+with ``memory`` = ``spark.executor.memory`` (in local mode the machine's RAM: the Python workers
+are processes of their own), concurrent tasks = ``spark.executor.cores`` / ``spark.task.cpus``
+(local[N]: N), :data:`MEMORY_FRACTION` = 0.5, :data:`BYTES_PER_NNZ` = 80 (the grouped kernel
+holds a node's rows about five times: Arrow input, sorted copy, CSR with the bias, float64/int64
+local copy, solver state) and :data:`ROW_BYTES` = 1 KiB (sample id, weight, label list, the dual
+variables of up to ~100 classifiers). The mean is one aggregation over the training rows, run
+only when there are more rows than the bound could be for rows without features (nothing can be
+big below that). The synthetic sets (~20 non-zeros a row) get ~2.7 KiB a row: on this 24 GiB
+machine with local[2] about 2.3M rows, so every set up to 2M samples trains grouped; rows of ~200
+non-zeros (16 KiB) give ~380,000 rows.
+
+**Under a Python memory cap** (``spark.executor.pyspark.memory``) Spark limits each Python
+worker's address space (``RLIMIT_AS``) to cap / ``spark.executor.cores`` (1 unless set, also in
+local mode), and ``auto`` = floor(MEMORY_FRACTION * (that - :data:`WORKER_BYTES`) / bytes per
+row), where :data:`WORKER_BYTES` = 768 MiB is what a worker maps before it holds a row (Python,
+pyarrow, numpy, scipy, numba and the kernels: ~700 MiB measured), never above the uncapped
+bound in local mode. A cap leaving less than a quarter of that for rows is refused by name, and
+so is one under which a distributed-solver task cannot hold its widest big node's vectors
+(:func:`check_solver_memory`). The session gives the workers Arrow's system allocator under a
+cap (:func:`..session.capped_python_conf`): mimalloc, pyarrow's default, reserves a 1 GiB arena
+of address space at its first allocation.
 """
 from __future__ import annotations
 
