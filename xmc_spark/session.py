@@ -36,7 +36,9 @@ def capped_python_conf(conf: dict) -> dict:
     room for one (measured: a worker's virtual size 0.55 -> 1.6 GiB after one Arrow array under a
     1.8 GiB cap, with 0.2 GiB resident), so the kernels' numpy arrays fail long before the
     memory is used. With the cap set the workers' Arrow buffers use the system allocator, unless
-    the configuration chooses one (``spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL``)."""
+    the configuration chooses one (``spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL``). Under
+    spark-submit, or a cap from the cluster's defaults, :func:`get_spark` warns instead, naming
+    the setting to add; a ``spark.remote`` session's workers are the server's."""
     return {ARROW_POOL_ENV: "system"} if conf.get("spark.executor.pyspark.memory") else {}
 
 
@@ -79,7 +81,9 @@ def get_spark(params: SparkParams | None = None):
     builder = SparkSession.builder.appName(params.app_name)
     if params.master:
         builder = builder.master(params.master)
-    for k, v in {**DELTA_CONF, **capped_python_conf(params.conf), **params.conf}.items():
+    # under spark-submit its --conf may already choose the pool: only the warning below then
+    capped = {} if under_spark_submit() else capped_python_conf(params.conf)
+    for k, v in {**DELTA_CONF, **capped, **params.conf}.items():
         builder = builder.config(k, str(v))
     if params.delta_from_maven:
         from delta import configure_spark_with_delta_pip
@@ -94,6 +98,12 @@ def get_spark(params: SparkParams | None = None):
         return spark
     spark.sparkContext.setLogLevel(params.log_level)
     log.info("Spark %s session ready (master=%s)", spark.version, spark.sparkContext.master)
+    live = spark.sparkContext.getConf()
+    if live.get("spark.executor.pyspark.memory") and not live.get(ARROW_POOL_ENV):
+        log.warning("spark.executor.pyspark.memory=%s caps each Python worker's address space, and pyarrow's "
+                    "default allocator reserves 1 GiB of it at its first allocation: add --conf %s=system "
+                    "(xmc-spark sets it itself when the cap is in its own configuration)",
+                    live.get("spark.executor.pyspark.memory"), ARROW_POOL_ENV)
     return spark
 
 

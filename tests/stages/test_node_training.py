@@ -19,7 +19,7 @@ from xmc_spark.kernels.sparse import append_bias
 from xmc_spark.kernels.squared_hinge import train_node
 from xmc_spark.kernels.tree import TreeIndex, build_tree
 from xmc_spark.model import train_all_groups
-from xmc_spark.params import TrainParams
+from xmc_spark.params import ConfigError, TrainParams
 from xmc_spark.schemas import check_table
 from xmc_spark.stages import node_training
 
@@ -402,14 +402,17 @@ def test_row_bound_under_a_memory_cap():
     # without the cap: half the executor's memory over its concurrent tasks (task.cpus 2 -> 2 tasks)
     assert bound({**cluster, "spark.executor.pyspark.memory": None, "spark.task.cpus": "2"}, 1000) == int(
         0.5 * 16 * 1024 * mib / (2 * 1000))
-    with pytest.raises(ValueError, match=r"spark.executor.pyspark.memory=600m .* 600 MiB .* at least 0.9g"):
+    with pytest.raises(ConfigError, match=r"spark.executor.pyspark.memory=600m .* 600 MiB .* at least 960m,"):
         bound(dict(local, **{"spark.executor.pyspark.memory": "600m"}), 1000, ram="24g")
-    # the distributed solver's task holds ~16 (features + 1) x classifiers doubles for its node:
-    # 50,000 features x 79 classifiers need 768 + 482 MiB, over a 1200m cap, under a 1300m one
+    # a solver task holds ~16 d x classifiers doubles: 50,001 x 79 need 768 + 482.2 MiB, over a
+    # 1200m cap, under a 1251m one (the hint rounds up to whole MiB: Spark refuses fractions)
     check = node_training.check_solver_memory
-    with pytest.raises(ValueError, match=r"1200m .* node 7 \(79 classifiers x 50,001 features\) needs about 1250 MiB"):
-        check(local, 50000, 7, 79)
-    check(dict(local, **{"spark.executor.pyspark.memory": "1300m"}), 50000, 7, 79)
+    with pytest.raises(ConfigError, match=r"1200m .* node 7's vectors \(79 classifiers x 50,001 weights\) needs "
+                                          r"about 1250 MiB: set it to at least 1251m,"):
+        check(local, 50001, 7, 79)
+    check(dict(local, **{"spark.executor.pyspark.memory": "1251m"}), 50001, 7, 79)
+    with pytest.raises(ConfigError, match=r"the big nodes' vectors \(300 classifiers"):
+        check(dict(local, **{"spark.executor.pyspark.memory": "1251m"}), 50001, -1, 300)
     check({"spark.master": "local[2]"}, 10 ** 9, 7, 100)         # no cap: the machine's memory, not checked
 
 

@@ -95,7 +95,7 @@ from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
 from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth
 from ..model import add_pairs, train_group
-from ..params import TrainParams
+from ..params import ConfigError, TrainParams
 from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA, ddl
 from .shared_vectors import SharedSpace, _parallel
@@ -413,40 +413,47 @@ def row_bound_for(conf: dict, bytes_per_row: int, ram: Optional[str] = None) -> 
         return max(1, int(MEMORY_FRACTION * memory_bytes(mem) / (tasks * per_row)))
     # Spark gives each Python worker cap / spark.executor.cores (1 unless set, also in local mode)
     # as its address-space limit (RLIMIT_AS), which counts what the worker maps before any row
-    # (README, "Under a Python memory cap").
+    # (module docstring, "Under a Python memory cap").
     worker = memory_bytes(cap) // cores
     room = worker - WORKER_BYTES
     if room < WORKER_BYTES // 4:
-        raise ValueError(
+        raise ConfigError(
             f"spark.executor.pyspark.memory={cap} gives each Python worker {worker / 2**20:.0f} MiB of address "
             f"space; a worker maps about {WORKER_BYTES / 2**20:.0f} MiB (Python, pyarrow, numpy, scipy, numba and "
             f"the kernels) before it holds any row, which leaves too little for training: set it to at least "
-            f"{(WORKER_BYTES + WORKER_BYTES // 4) * cores / 2**30:.1f}g, or leave it unset")
+            f"{_mib_up((WORKER_BYTES + WORKER_BYTES // 4) * cores)}, or leave it unset")
     bound = MEMORY_FRACTION * room / per_row
     if local:                                   # the workers still share the machine
         bound = min(bound, MEMORY_FRACTION * memory_bytes(ram) / (tasks * per_row))
     return max(1, int(bound))
 
 
-def check_solver_memory(conf: dict, n_features: int, node: int, classifiers: int) -> None:
-    """Refuse, by name, a memory cap under which a task of the distributed solver cannot hold the
-    vectors of big node ``node`` (the one with the most classifiers): about
-    :data:`SOLVER_VECTORS` arrays of (features + 1) x classifiers doubles (W, the CG direction,
-    the accumulated gradient, diagonal and Hessian product, and their per-block copies) besides
-    the worker's own :data:`WORKER_BYTES`. Without ``spark.executor.pyspark.memory`` nothing
-    is checked: the workers then share the machine, whose limit is not one process's."""
+def check_solver_memory(conf: dict, d: int, node: int, classifiers: int) -> None:
+    """Refuse, by name, a memory cap under which one task of the distributed solver cannot hold
+    the vectors it works on: about :data:`SOLVER_VECTORS` arrays of d (features, + 1 with a
+    bias) x ``classifiers`` doubles (W, the CG direction, the accumulated gradient and Hessian
+    product, their per-block copies) besides the worker's own :data:`WORKER_BYTES`. With the
+    vectors in shared files a task holds one node's (``node``: the one with the most
+    classifiers); on the driver path every task gets all big nodes' (``node`` -1). Without
+    ``spark.executor.pyspark.memory`` nothing is checked: the workers then share the machine."""
     cap = conf.get("spark.executor.pyspark.memory")
     if not cap:
         return
-    worker = memory_bytes(cap) // max(1, int(conf.get("spark.executor.cores") or 1))
-    need = WORKER_BYTES + SOLVER_VECTORS * 8 * (int(n_features) + 1) * int(classifiers)
+    cores = max(1, int(conf.get("spark.executor.cores") or 1))
+    worker = memory_bytes(cap) // cores
+    need = WORKER_BYTES + SOLVER_VECTORS * 8 * int(d) * int(classifiers)
     if need > worker:
-        raise ValueError(
+        what = f"node {node}'s" if node >= 0 else "the big nodes'"
+        raise ConfigError(
             f"spark.executor.pyspark.memory={cap} gives each Python worker {worker / 2**20:.0f} MiB of address "
-            f"space, but the distributed solver's task for node {node} ({classifiers} classifiers x "
-            f"{n_features + 1:,} features) needs about {need / 2**20:.0f} MiB: set it to at least "
-            f"{need * max(1, int(conf.get('spark.executor.cores') or 1)) / 2**30:.1f}g, or raise "
-            "train.max_node_rows so that the node trains in one task")
+            f"space, but a task of the distributed solver holding {what} vectors ({classifiers} classifiers x "
+            f"{d:,} weights) needs about {need / 2**20:.0f} MiB: set it to at least {_mib_up(need * cores)}, "
+            "or leave it unset")
+
+
+def _mib_up(nbytes: int) -> str:
+    """A Spark memory setting of at least ``nbytes`` (whole MiB: Spark refuses fractions)."""
+    return f"{-(-int(nbytes) // 2**20)}m"
 
 
 def node_row_bound(spark, params: TrainParams, samples: Optional[DataFrame] = None,
@@ -816,8 +823,11 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     spark = samples.sparkSession
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
+    d_vec, n_cls = n_features + (1 if params.bias > 0 else 0), int(node_ptr[-1])
+    in_files = d_vec * n_cls * 8 > params.tron_driver_mb * 2 ** 20 and scratch_root(spark, scratch) is not None
     widest = int(np.argmax(np.diff(node_ptr)))
-    check_solver_memory({k: _conf(spark, k) for k in CONF_KEYS}, n_features, int(big[widest]), len(kids[widest]))
+    check_solver_memory({k: _conf(spark, k) for k in CONF_KEYS}, d_vec, int(big[widest]) if in_files else -1,
+                        len(kids[widest]) if in_files else n_cls)
     is_leaf = np.isin(big, index.leaves)
     # range-partitioned by (node, row hash): a node's rows fill consecutive partitions of about
     # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
