@@ -371,14 +371,19 @@ def test_row_bound(spark, problem):
     assert ram > 2 ** 30
     assert node_training.auto_row_bound(spark, 16 * 1024) == int(0.5 * ram / (2 * 16 * 1024))
     assert node_training.node_row_bound(spark, TrainParams()) == int(0.5 * ram / (2 * 16 * 1024))
-    # from the data: rows of mean m non-zeros weigh 1 KiB + 80 (m + 1) bytes; below the bound
-    # for rows without features nothing can be big, and the mean is not computed
+    # from the data: rows of mean m non-zeros weigh 1 KiB + 80 (m + 1) bytes; within the bound
+    # for rows holding all d features nothing can be big, and the mean is not computed
     samples, Xl, _ = problem
-    most = int(0.5 * ram / (2 * (1024 + 80)))
-    assert node_training.node_row_bound(spark, TrainParams(), samples, 10) == most
+    d = Xl.shape[1]
+    least = int(0.5 * ram / (2 * (1024 + 80 * (d + 1))))
+    assert node_training.node_row_bound(spark, TrainParams(), samples, 10, d) == least
     mean = Xl.nnz / Xl.shape[0]
-    assert node_training.node_row_bound(spark, TrainParams(), samples, most + 1) == int(
-        0.5 * ram / (2 * int(1024 + 80 * (mean + 1))))
+    by_mean = int(0.5 * ram / (2 * int(1024 + 80 * (mean + 1))))
+    assert least < by_mean
+    # above it the mean decides, also below the bound rows without features would have (the
+    # shortcut's old test, which let such sets skip the mean and train everything grouped)
+    assert node_training.node_row_bound(spark, TrainParams(), samples, least + 1, d) == by_mean
+    assert node_training.node_row_bound(spark, TrainParams(), samples, by_mean + 1) == by_mean
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="off")) == 0
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="1000")) == 1000
 

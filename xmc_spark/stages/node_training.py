@@ -58,8 +58,8 @@ are processes of their own), concurrent tasks = ``spark.executor.cores`` / ``spa
 holds a node's rows about five times: Arrow input, sorted copy, CSR with the bias, float64/int64
 local copy, solver state) and :data:`ROW_BYTES` = 1 KiB (sample id, weight, label list, the dual
 variables of up to ~100 classifiers). The mean is one aggregation over the training rows, run
-only when there are more rows than the bound could be for rows without features (nothing can be
-big below that). The synthetic sets (~20 non-zeros a row) get ~2.7 KiB a row: on this 24 GiB
+only when there are more rows than the bound for rows holding every feature (no row is heavier,
+so nothing can be big below that). The synthetic sets (~20 non-zeros a row) get ~2.7 KiB a row: on this 24 GiB
 machine with local[2] about 2.3M rows, so every set up to 2M samples trains grouped; rows of ~200
 non-zeros (16 KiB) give ~380,000 rows.
 
@@ -158,7 +158,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
 
     if n_samples is None and params.node_row_bound() != 0:
         n_samples = samples.count()
-    bound = node_row_bound(samples.sparkSession, params, samples, n_samples)
+    bound = node_row_bound(samples.sparkSession, params, samples, n_samples, n_features)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples)
     cuts = unit_cuts(index, default_parallelism(samples.sparkSession), big)
     grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else ""))
@@ -457,19 +457,21 @@ def _mib_up(nbytes: int) -> str:
 
 
 def node_row_bound(spark, params: TrainParams, samples: Optional[DataFrame] = None,
-                   n_samples: Optional[int] = None) -> int:
+                   n_samples: Optional[int] = None, n_features: Optional[int] = None) -> int:
     """Rows above which a node is trained across tasks; 0 = never. ``auto`` sizes a row from the
-    mean non-zeros of ``samples`` (one aggregation, only when ``n_samples`` exceeds the bound for
-    rows without features); without ``samples``, rows of 16 KiB (~200 non-zeros)."""
+    mean non-zeros of ``samples`` (one aggregation, skipped when ``n_samples`` is within the bound
+    for rows holding all ``n_features`` features: no row is heavier, so nothing can be big);
+    without ``samples``, rows of 16 KiB (~200 non-zeros)."""
     b = params.node_row_bound()
     if b is not None:
         return b
     if samples is None:
         return auto_row_bound(spark, 16 * 1024)
-    most = auto_row_bound(spark, row_bytes(0))
     n = samples.count() if n_samples is None else int(n_samples)
-    if n <= most:
-        return most
+    if n_features is not None:
+        least = auto_row_bound(spark, row_bytes(n_features))
+        if n <= least:
+            return least
     mean = samples.select(F.avg(F.size("feature_idx"))).first()[0] or 0.0
     bound = auto_row_bound(spark, row_bytes(mean))
     log.info("train: auto node bound %d rows (%.1f features a row)", bound, mean)
