@@ -387,9 +387,18 @@ CONF_KEYS = ("spark.master", "spark.executor.cores", "spark.task.cpus", "spark.e
              "spark.executor.pyspark.memory")
 
 
+def session_conf(spark) -> dict:
+    """The settings of :data:`CONF_KEYS` in this session (None where unset)."""
+    return {k: _conf(spark, k) for k in CONF_KEYS}
+
+
+def _executor_cores(conf: dict) -> int:
+    return max(1, int(conf.get("spark.executor.cores") or 1))
+
+
 def auto_row_bound(spark, bytes_per_row: int) -> int:
     """``auto`` value of ``train.max_node_rows`` for this session and rows of ``bytes_per_row``."""
-    return row_bound_for({k: _conf(spark, k) for k in CONF_KEYS}, bytes_per_row)
+    return row_bound_for(session_conf(spark), bytes_per_row)
 
 
 def row_bound_for(conf: dict, bytes_per_row: int, ram: Optional[str] = None) -> int:
@@ -399,7 +408,7 @@ def row_bound_for(conf: dict, bytes_per_row: int, ram: Optional[str] = None) -> 
     worker's address space, of one worker's cap less what a worker maps before it holds a row."""
     master = str(conf.get("spark.master") or "")
     local = master.startswith("local")
-    cores = max(1, int(conf.get("spark.executor.cores") or 1))
+    cores = _executor_cores(conf)
     if local:
         m = re.match(r"local\[(\*|\d+)", master)
         tasks = 1 if not m else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
@@ -439,7 +448,7 @@ def check_solver_memory(conf: dict, d: int, node: int, classifiers: int) -> None
     cap = conf.get("spark.executor.pyspark.memory")
     if not cap:
         return
-    cores = max(1, int(conf.get("spark.executor.cores") or 1))
+    cores = _executor_cores(conf)
     worker = memory_bytes(cap) // cores
     need = WORKER_BYTES + SOLVER_VECTORS * 8 * int(d) * int(classifiers)
     if need > worker:
@@ -828,7 +837,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     d_vec, n_cls = n_features + (1 if params.bias > 0 else 0), int(node_ptr[-1])
     in_files = d_vec * n_cls * 8 > params.tron_driver_mb * 2 ** 20 and scratch_root(spark, scratch) is not None
     widest = int(np.argmax(np.diff(node_ptr)))
-    check_solver_memory({k: _conf(spark, k) for k in CONF_KEYS}, d_vec, int(big[widest]) if in_files else -1,
+    check_solver_memory(session_conf(spark), d_vec, int(big[widest]) if in_files else -1,
                         len(kids[widest]) if in_files else n_cls)
     is_leaf = np.isin(big, index.leaves)
     # range-partitioned by (node, row hash): a node's rows fill consecutive partitions of about
