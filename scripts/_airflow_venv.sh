@@ -14,6 +14,6 @@ if ! .venv-airflow/bin/python -c "import airflow, sys; sys.exit(airflow.__versio
         .venv-airflow/bin/python -m pip install -q "uv>=0.5"
         UV=(.venv-airflow/bin/python -m uv)
     fi
-    "${UV[@]}" pip install -q --python .venv-airflow/bin/python -c scripts/airflow-constraints.txt \
+    "${UV[@]}" pip install -q --compile-bytecode --python .venv-airflow/bin/python -c scripts/airflow-constraints.txt \
         "apache-airflow==$AIRFLOW_VERSION" "apache-airflow-providers-apache-spark==$AIRFLOW_SPARK_PROVIDER"
 fi

@@ -78,3 +78,37 @@ def test_sqlite_lock_is_exclusive(tmp_path):
     free = subprocess.run([sys.executable, "-c", code, str(tmp_path / "sub" / "m.db.lock")],
                           capture_output=True, text=True).stdout.strip()
     assert (held, free) == ("held", "free")
+
+
+def test_prepare_sets_the_store_up_before_the_first_tracker(params, monkeypatch):
+    """The CLI's background preparation: the store and experiment exist once it is done, and the
+    first Tracker waits for it (one setup of the store, never two at once)."""
+    import threading
+
+    import mlflow
+
+    from xmc_spark import tracking
+    calls = []
+    real = Tracker._setup_locked
+
+    def counted(self, ml, uri):
+        calls.append(threading.current_thread().name)
+        return real(self, ml, uri)
+
+    monkeypatch.setattr(Tracker, "_setup_locked", counted)
+    tracking.prepare(params, imports=("xmc_spark.pipeline",))
+    with Tracker(params).run(run_name="after") as r:
+        assert mlflow.get_run(r.run_id).info.status == "RUNNING"
+    assert calls[0] == "xmc-spark-prepare"              # the background thread set the store up first
+    assert mlflow.get_experiment_by_name(params.experiment) is not None
+    assert not tracking._prepared                         # waited for and forgotten
+
+
+def test_a_store_that_fails_in_the_background_fails_in_the_trackers_thread(params, tmp_path):
+    from xmc_spark import tracking
+    (tmp_path / "file").write_text("")
+    bad = params.__class__(**{**params.to_dict(), "tracking_uri": f"sqlite:///{tmp_path}/file/sub/db"})
+    tracking.prepare(bad)                                # logs at debug, raises nothing there
+    with pytest.raises(NotADirectoryError):             # the store's folder lies under a file
+        with Tracker(bad).run(run_name="x"):
+            pass

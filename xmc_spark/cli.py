@@ -115,6 +115,10 @@ def main(argv=None) -> int:
                 model = load(args.model)     # the tree model, with PRIME when the folder has prime/
         from pyspark.sql import SparkSession
         owner = SparkSession.getActiveSession() is None     # stop only a session this call started
+        if args.cmd in ("run", "sweep", "stage"):
+            # the pipeline's imports and MLflow's store, while the JVM starts (~10 s together)
+            from .tracking import prepare
+            prepare(params.mlflow, imports=("xmc_spark.pipeline", "xmc_spark.runner"))
         spark = get_spark(params.spark)
     except XmcError as e:
         print(f"xmc-spark: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from contextlib import contextmanager
 from typing import Any, Dict, Optional
 
@@ -11,6 +12,33 @@ from .params import MlflowParams
 from .secrets import redact
 
 log = logging.getLogger("xmc_spark.tracking")
+
+_prepared: Dict[tuple, threading.Thread] = {}
+
+
+def _store_key(params: MlflowParams) -> tuple:
+    return (params.tracking_uri, params.registry_uri, params.experiment, params.artifact_location)
+
+
+def prepare(params: MlflowParams, imports=()) -> None:
+    """Import ``imports`` (module names) and set MLflow's store up in a background thread, so that
+    the ~5 s of importing mlflow and the store's first connection (seconds more when it creates
+    its tables) overlap with what the caller does meanwhile (the CLI: starting the JVM). The first
+    :class:`Tracker` of the same store waits for it; a failure there is left to that Tracker,
+    which raises it in the caller's thread."""
+    def work():
+        try:
+            import importlib
+            for name in imports:
+                importlib.import_module(name)
+            if params.enabled:
+                Tracker(params)._setup()
+        except Exception as e:  # noqa: BLE001 - raised again, where it belongs, by the caller's Tracker
+            log.debug("preparing MLflow in the background failed (the run's tracker will retry): %s", e)
+
+    t = threading.Thread(target=work, name="xmc-spark-prepare", daemon=True)
+    _prepared[_store_key(params)] = t
+    t.start()
 
 
 class Tracker:
@@ -33,6 +61,10 @@ class Tracker:
             yield self
 
     def _setup(self):
+        pending = _prepared.get(_store_key(self.params))
+        if pending is not None and pending is not threading.current_thread():
+            pending.join()
+            _prepared.pop(_store_key(self.params), None)
         import mlflow
 
         self._mlflow = mlflow

@@ -1,17 +1,50 @@
-"""numba's ``njit`` with the on-disk cache when the code lives in real files.
+"""numba's ``njit`` with the on-disk cache when the code lives in real files, and pickled by name.
 
 Imported from a zip or wheel (``spark-submit --py-files xmc_spark-*.whl``) numba has nowhere
 to write its cache, so functions are compiled per process instead.
+
+numba pickles a dispatcher by value (its Python function, rebuilt into a new dispatcher), and the
+copy it rebuilds has no disk cache: a Spark task whose function refers to a kernel directly (not
+through its module) made every Python worker compile that kernel again, seconds to tens of
+seconds before its first row. So this package's kernels are pickled by reference (module and
+name, as pickle does for plain functions): the worker imports the module and gets the cached
+dispatcher. Other packages' dispatchers keep numba's own pickling.
 """
 from __future__ import annotations
 
+import copyreg
+import importlib
+import inspect
 import os
+import sys
 
 from numba import njit as _njit
 
 CACHE = os.path.isfile(__file__)
+_PACKAGE = __name__.split(".")[0] + "."
+
+
+def kernel_by_name(module: str, name: str):
+    """The dispatcher ``module.name`` (what a pickled kernel of this package unpickles to)."""
+    return getattr(importlib.import_module(module), name)
+
+
+def _reduce(disp):
+    f = disp.py_func
+    mod = sys.modules.get(f.__module__)
+    if f.__module__.startswith(_PACKAGE) and mod is not None and getattr(mod, f.__qualname__, None) is disp:
+        return kernel_by_name, (f.__module__, f.__qualname__)
+    return disp.__reduce__()
+
+
+def _by_name(disp):
+    copyreg.pickle(type(disp), _reduce)     # keyed by type (CPUDispatcher): idempotent
+    return disp
 
 
 def njit(*args, **kwargs):
     kwargs.setdefault("cache", CACHE)
-    return _njit(*args, **kwargs)
+    if args and inspect.isfunction(args[0]):            # @njit
+        return _by_name(_njit(*args, **kwargs))
+    decorate = _njit(*args, **kwargs)                   # @njit(...)
+    return lambda f: _by_name(decorate(f))
