@@ -1,5 +1,6 @@
 """The MLflow wrapper: runs tagged with their process, orphans of dead processes failed, one
 run per run key, the sqlite store's lock."""
+import contextlib
 import subprocess
 import sys
 
@@ -81,9 +82,10 @@ def test_sqlite_lock_is_exclusive(tmp_path):
 
 
 def test_prepare_sets_the_store_up_before_the_first_tracker(params, monkeypatch):
-    """The CLI's background preparation: the store and experiment exist once it is done, and the
-    first Tracker waits for it (one setup of the store, never two at once)."""
+    """The CLI's background preparation: it sets the store up, and the first Tracker of that store
+    waits for it before its own setup (one at a time, for stores without the sqlite lock too)."""
     import threading
+    import time
 
     import mlflow
 
@@ -92,16 +94,28 @@ def test_prepare_sets_the_store_up_before_the_first_tracker(params, monkeypatch)
     real = Tracker._setup_locked
 
     def counted(self, ml, uri):
-        calls.append(threading.current_thread().name)
+        background = threading.current_thread().name == "xmc-spark-prepare"
+        if background:
+            time.sleep(1.0)                 # slower than the caller: it must wait, not race
+        calls.append(("background" if background else "caller", time.monotonic()))
         return real(self, ml, uri)
 
     monkeypatch.setattr(Tracker, "_setup_locked", counted)
-    tracking.prepare(params, imports=("xmc_spark.pipeline",))
+    monkeypatch.setattr(tracking, "_sqlite_lock", lambda uri: contextlib.nullcontext())   # as a server store
+    tracking.prepare(params)
     with Tracker(params).run(run_name="after") as r:
         assert mlflow.get_run(r.run_id).info.status == "RUNNING"
-    assert calls[0] == "xmc-spark-prepare"              # the background thread set the store up first
-    assert mlflow.get_experiment_by_name(params.experiment) is not None
-    assert not tracking._prepared                         # waited for and forgotten
+    assert [c[0] for c in calls] == ["background", "caller"]
+    assert tracking._store_key(params) not in tracking._prepared         # waited for and forgotten
+
+
+def test_prepare_without_tracking_only_imports(params):
+    from xmc_spark import tracking
+    off = params.__class__(**{**params.to_dict(), "enabled": False})
+    tracking.prepare(off, imports=("xmc_spark.pipeline",))
+    assert tracking._store_key(off) not in tracking._prepared           # nothing will wait for it
+    tracking.settle()
+    assert not tracking._started
 
 
 def test_a_store_that_fails_in_the_background_fails_in_the_trackers_thread(params, tmp_path):
@@ -109,6 +123,8 @@ def test_a_store_that_fails_in_the_background_fails_in_the_trackers_thread(param
     (tmp_path / "file").write_text("")
     bad = params.__class__(**{**params.to_dict(), "tracking_uri": f"sqlite:///{tmp_path}/file/sub/db"})
     tracking.prepare(bad)                                # logs at debug, raises nothing there
+    thread = tracking._prepared[tracking._store_key(bad)]
     with pytest.raises(NotADirectoryError):             # the store's folder lies under a file
         with Tracker(bad).run(run_name="x"):
             pass
+    assert not thread.is_alive() and tracking._store_key(bad) not in tracking._prepared

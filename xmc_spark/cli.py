@@ -102,6 +102,7 @@ def main(argv=None) -> int:
         return 2
     from . import __version__
     from .session import get_spark
+    from .tracking import prepare, settle
     log.info("xmc-spark %s (%s): %s", __version__, __file__.rsplit("/", 2)[0], args.cmd)
     try:
         if args.cmd == "predict":            # a broken model folder stops before Spark starts
@@ -117,12 +118,15 @@ def main(argv=None) -> int:
         owner = SparkSession.getActiveSession() is None     # stop only a session this call started
         if args.cmd in ("run", "sweep", "stage"):
             # the pipeline's imports and MLflow's store, while the JVM starts (~10 s together)
-            from .tracking import prepare
             prepare(params.mlflow, imports=("xmc_spark.pipeline", "xmc_spark.runner"))
         spark = get_spark(params.spark)
     except XmcError as e:
+        settle()             # Spark did not start: let a store being created finish first
         print(f"xmc-spark: error: {e}", file=sys.stderr)
         return 2
+    except BaseException:
+        settle()
+        raise
     try:
         if args.cmd == "run":
             from . import pipeline
@@ -161,6 +165,7 @@ def main(argv=None) -> int:
     finally:
         if owner:
             spark.stop()
+        settle()
     return 0
 
 

@@ -14,6 +14,7 @@ from .secrets import redact
 log = logging.getLogger("xmc_spark.tracking")
 
 _prepared: Dict[tuple, threading.Thread] = {}
+_started: list = []
 
 
 def _store_key(params: MlflowParams) -> tuple:
@@ -37,8 +38,18 @@ def prepare(params: MlflowParams, imports=()) -> None:
             log.debug("preparing MLflow in the background failed (the run's tracker will retry): %s", e)
 
     t = threading.Thread(target=work, name="xmc-spark-prepare", daemon=True)
-    _prepared[_store_key(params)] = t
+    if params.enabled:                  # the store's first Tracker waits for it (and forgets it)
+        _prepared[_store_key(params)] = t
+    _started.append(t)
     t.start()
+
+
+def settle(timeout: float = 120.0) -> None:
+    """Wait (at most ``timeout`` seconds each) for the background preparations started so far:
+    called before the CLI returns, so that an early exit (Spark failed to start) does not kill one
+    half-way through creating the store."""
+    while _started:
+        _started.pop().join(timeout)
 
 
 class Tracker:

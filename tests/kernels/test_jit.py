@@ -58,3 +58,11 @@ def test_decorator_forms():
     assert plain(1) == 2 and called(3) == 6
     # not module attributes: numba's pickling, which still round-trips
     assert pickle.loads(cloudpickle.dumps(called))(4) == 8
+
+
+def test_a_dispatcher_without_a_module_keeps_numbas_pickling():
+    ns = {}
+    exec("def f(x):\n    return x + 1", ns)           # no __name__ in its globals: f.__module__ is None
+    d = numba.njit(ns["f"])
+    assert d.py_func.__module__ is None
+    assert pickle.loads(cloudpickle.dumps(d))(1) == 2

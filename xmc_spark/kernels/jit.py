@@ -30,10 +30,14 @@ def kernel_by_name(module: str, name: str):
 
 
 def _reduce(disp):
-    f = disp.py_func
-    mod = sys.modules.get(f.__module__)
-    if f.__module__.startswith(_PACKAGE) and mod is not None and getattr(mod, f.__qualname__, None) is disp:
-        return kernel_by_name, (f.__module__, f.__qualname__)
+    try:
+        f = disp.py_func
+        name = f.__module__ or ""
+        mod = sys.modules.get(name)
+        if name.startswith(_PACKAGE) and mod is not None and getattr(mod, f.__qualname__, None) is disp:
+            return kernel_by_name, (name, f.__qualname__)
+    except Exception:  # noqa: BLE001 - anything unusual (another package's dispatcher): numba's own pickling
+        pass
     return disp.__reduce__()
 
 
