@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         owner = SparkSession.getActiveSession() is None     # stop only a session this call started
         if args.cmd in ("run", "sweep", "stage"):
             # the pipeline's imports and MLflow's store, while the JVM starts (~10 s together)
-            prepare(params.mlflow, imports=("xmc_spark.pipeline", "xmc_spark.runner"))
+            prepare(params.mlflow, imports=("xmc_spark.pipeline",))     # (it imports the runner)
         spark = get_spark(params.spark)
     except XmcError as e:
         settle()             # Spark did not start: let a store being created finish first

@@ -835,10 +835,12 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     kids = [index.node_problem(int(g), np.zeros(1, np.int64), np.zeros(0, np.int64))[0] for g in big]
     node_ptr = np.concatenate([[0], np.cumsum([len(k) for k in kids])]).astype(np.int64)
     d_vec, n_cls = n_features + (1 if params.bias > 0 else 0), int(node_ptr[-1])
-    in_files = d_vec * n_cls * 8 > params.tron_driver_mb * 2 ** 20 and scratch_root(spark, scratch) is not None
+    root = scratch_root(spark, scratch)
+    wanted = d_vec * n_cls * 8 > params.tron_driver_mb * 2 ** 20        # vectors above the driver's share
+    shared = wanted and root is not None                                 # ... and a folder every task sees
     widest = int(np.argmax(np.diff(node_ptr)))
-    check_solver_memory(session_conf(spark), d_vec, int(big[widest]) if in_files else -1,
-                        len(kids[widest]) if in_files else n_cls)
+    check_solver_memory(session_conf(spark), d_vec, int(big[widest]) if shared else -1,
+                        len(kids[widest]) if shared else n_cls)
     is_leaf = np.isin(big, index.leaves)
     # range-partitioned by (node, row hash): a node's rows fill consecutive partitions of about
     # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
@@ -854,10 +856,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
         with _solver_session(spark):
             oracle = SparkOracle(rows, node_ptr, n_features, params)
             node_rows, positives = oracle.counts()
-            d, K = oracle.d, int(node_ptr[-1])
-            root = scratch_root(spark, scratch)
-            wanted = d * K * 8 > params.tron_driver_mb * 2 ** 20
-            shared = wanted and root is not None
+            d, K = d_vec, n_cls
             if wanted and root is None:
                 log.warning("train: no scratch folder the executors share was given: the solver's vectors stay on "
                             "the driver (%.1f MB each)", d * K * 8 / 2 ** 20)
