@@ -35,3 +35,38 @@ def test_a_python_memory_cap_moves_arrow_to_the_system_allocator():
     assert capped_python_conf({"spark.master": "local[2]"}) == {}
     assert capped_python_conf({"spark.executor.pyspark.memory": "2g"}) == {
         "spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL": "system"}
+
+
+def test_delta_jars_resolved_once_are_reused_from_the_record(tmp_path, monkeypatch):
+    """A local session resolves Delta's packages through Ivy once and records the files; the
+    next one passes those files as spark.jars (no resolution, nothing on the Python path). A
+    missing file, a cluster master or the configuration's own spark.jars* keys mean packages."""
+    from pyspark.sql import SparkSession
+
+    from xmc_spark.session import _delta_jars, cached_jars, delta_package, jars_cache_file, remember_jars
+    monkeypatch.setenv("XMC_SPARK_CACHE", str(tmp_path / "cache"))
+    coords = delta_package()
+    local = SparkParams(master="local[1]")
+
+    b, record = _delta_jars(SparkSession.builder, local)
+    assert b._options["spark.jars.packages"] == coords and "spark.jars" not in b._options
+    assert record == coords                               # nothing recorded yet: resolve, then record
+
+    jars = [tmp_path / "a b.jar", tmp_path / "c.jar"]
+    for j in jars:
+        j.write_bytes(b"PK")
+    listed = ",".join(["file://" + str(jars[0]).replace(" ", "%20"), str(jars[1])])
+    remember_jars(record, listed)
+    assert jars_cache_file(coords).read_text().split() == listed.split(",")
+    assert cached_jars(coords) == listed.split(",")
+    b, record = _delta_jars(SparkSession.builder, local)
+    assert b._options["spark.jars"] == listed and "spark.jars.packages" not in b._options and record is None
+
+    for params in (SparkParams(master="yarn"), SparkParams(master="local[1]", conf={"spark.jars.repositories": "x"})):
+        b, record = _delta_jars(SparkSession.builder, params)
+        assert b._options["spark.jars.packages"] == coords and record is None
+
+    jars[1].unlink()                                      # an emptied Ivy cache: resolve again
+    assert cached_jars(coords) is None
+    b, record = _delta_jars(SparkSession.builder, local)
+    assert b._options["spark.jars.packages"] == coords and record == coords

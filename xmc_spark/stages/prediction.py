@@ -7,7 +7,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 
 from ..arrow_utils import csr_from_table, list_array
-from ..compat import share
+from ..compat import default_parallelism, is_connect, share
 from ..model import XMCModel
 from ..progress import worker_progress
 from ..schemas import PREDICTIONS_SCHEMA
@@ -30,10 +30,24 @@ def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind
     return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(fn, schema)
 
 
+def balanced(samples: DataFrame) -> DataFrame:
+    """``samples`` spread round-robin over twice Spark's default parallelism when they come in
+    fewer partitions. A samples table is read one partition per file, and a test set of a
+    few unequal files (the text's input splits: 14K and 6K rows at 200K samples) was scored by
+    as many tasks, the largest one alone at the end (9.2 s against 4.4 s). Classic Spark only:
+    on Spark Connect counting the partitions would cost a job."""
+    if is_connect(samples):
+        return samples
+    parts = 2 * default_parallelism(samples)
+    return samples if samples.rdd.getNumPartitions() >= parts else samples.repartition(parts)
+
+
 def run(samples: DataFrame, model, beam_size: int, topk: int) -> DataFrame:
     """(sample_id, pred_labels, pred_scores), top-k per sample, best first; a
-    :class:`~.sharded.ShardedModel` is scored layer by layer without a broadcast."""
+    :class:`~.sharded.ShardedModel` is scored layer by layer without a broadcast. The samples
+    are first :func:`balanced` over the task slots."""
     from . import sharded
+    samples = balanced(samples)
     if isinstance(model, sharded.SHARDED):
         return sharded.predict(samples, model, beam_size, topk)
     def score(m, t, X):
