@@ -119,14 +119,16 @@ def slots_frame(index) -> pd.DataFrame:
 
 
 def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
-                      pred: PredictParams, timer: StageTimer, n_samples: Optional[int] = None) -> XMCModel:
+                      pred: PredictParams, timer: StageTimer, n_samples: Optional[int] = None,
+                      label_counts=None) -> XMCModel:
     """Node classifiers for ``index``, then ``clusters.rounds`` of overlapping clusters + retraining
     (the Spark rendering of :meth:`XMCModel.train_local`, same parameters); writes ``weights``
-    and ``slots`` (the label -> leaf assignment the final weights belong to)."""
+    and ``slots`` (the label -> leaf assignment the final weights belong to). ``label_counts``
+    (rows per label, when known) help spread the training units over the tasks."""
     spark = samples.sparkSession
     copies = tp.clusters.copies
     with timer.stage("train"):
-        model = train_weights(samples, index, tables, n_features, tp, pred, n_samples)
+        model = train_weights(samples, index, tables, n_features, tp, pred, n_samples, label_counts)
     for r in range(tp.cluster_rounds):
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
             tables.write("matcher", label_clusters.matcher(samples, model, tp.clusters.beam_size))
@@ -139,22 +141,23 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
                 log.info("overlapping clusters (%d copies): %s", copies,
                          label_clusters.cluster_stats(ix.slot_label, ix.slot_leaf))
         with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
-            model = train_weights(samples, index, tables, n_features, tp, pred, n_samples)
+            model = train_weights(samples, index, tables, n_features, tp, pred, n_samples, label_counts)
     if tp.train.negatives == "tfn+man":
         with timer.stage("negatives"):       # the samples the trained matcher routes to each node
             tables.write("negatives", node_training.routed_nodes(samples, model, pred.beam_size))
         with timer.stage("retrain_man"):
             model = train_weights(node_training.with_routed(samples, tables.read("negatives")), index, tables,
-                                  n_features, tp, pred, n_samples)
+                                  n_features, tp, pred, n_samples, label_counts)
     tables.write("slots", spark.createDataFrame(slots_frame(index)))
     return model
 
 
 def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
-                  pred: PredictParams, n_samples: Optional[int] = None) -> XMCModel:
+                  pred: PredictParams, n_samples: Optional[int] = None, label_counts=None) -> XMCModel:
     """Train every node's classifiers for ``index``; write the weights table; build the model.
     ``n_samples`` (the rows of ``samples``, when known) spares the trainer a count."""
-    w = node_training.run(samples, index, n_features, tp.train, n_samples=n_samples, scratch=tables.scratch).cache()
+    w = node_training.run(samples, index, n_features, tp.train, n_samples=n_samples, scratch=tables.scratch,
+                          label_counts=label_counts).cache()
     tables.write("weights", w)
     w.unpersist()
     return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
@@ -308,12 +311,14 @@ def train_stage(ctx: StageContext) -> StageResult:
     ing, tables, params = ctx.dataset, ctx.tables, ctx.params
     samples = tables.read("train")
     index = tree_index(tables.read("tree").toPandas(), ing.n_labels, params)
+    counts = ctx.memo.get("label_counts")
+    counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     model = train_classifiers(samples, index, tables, ing.n_features, ModelTrainParams.from_pipeline(params),
-                              params.predict, ctx.timer, n_samples=None if ing.aggregated else ing.n_train)
+                              params.predict, ctx.timer, n_samples=None if ing.aggregated else ing.n_train,
+                              label_counts=counts)
     model.meta.update({"train": ing.train, "n_train": ing.n_train,
                        **({"run_key": ctx.run_key} if ctx.run_key else {})})
-    counts = ctx.memo.get("label_counts")
-    model.label_counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
+    model.label_counts = counts
     index = model.index
     facts = {"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)),
              "model_layout": "sharded" if isinstance(model, sharded.SHARDED) else "whole",

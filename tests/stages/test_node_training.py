@@ -171,6 +171,56 @@ def test_training_units_cut_below_the_big_nodes():
     np.testing.assert_array_equal(units, [0, 2, 6, 7, 7, 7, 14])
 
 
+def test_spark_hash_and_partition_keys_match_spark(spark):
+    """spark_hash_int is Spark SQL's hash() of an int, and repartition(n, part) sends each of
+    partition_keys(n) to its own partition r."""
+    ids = np.concatenate([np.arange(-300, 300), [2**31 - 1, -2**31, 123456789]])
+    got = spark.createDataFrame([(int(i),) for i in ids], "v int").selectExpr("v", "hash(v) AS h").collect()
+    np.testing.assert_array_equal(node_training.spark_hash_int([r["v"] for r in got]), [r["h"] for r in got])
+    for n in (1, 7, 64):
+        keys = node_training.partition_keys(n)
+        parts = spark.createDataFrame([(int(k),) for k in keys], "part int").repartition(n, "part") \
+            .rdd.glom().map(lambda rows: [r["part"] for r in rows]).collect()
+        assert parts == [[int(k)] for k in keys]
+
+
+def test_lpt_ranks_balance_and_number_bins_by_load():
+    """Largest first into the least loaded bin; bin 0 the heaviest. 8,7,6,5,4 over 2 bins:
+    {8,5,4} = 17 and {7,6} = 13 (bin 0, 1)."""
+    np.testing.assert_array_equal(node_training.lpt_ranks(np.array([4, 8, 5, 7, 6.0]), 2), [0, 0, 0, 1, 1])
+    ranks = node_training.lpt_ranks(np.array([3.0, 1, 2]), 5)                 # more bins than costs
+    np.testing.assert_array_equal(ranks, [0, 2, 1])
+    assert len(node_training.lpt_ranks(np.zeros(0), 3)) == 0
+
+
+def test_node_costs_and_unit_placement():
+    """A node's cost is its rows (its labels' counts, at most n) times its classifiers; a unit
+    sums its nodes, big nodes weigh nothing, and every unit gets the key of its LPT bin."""
+    ix = TreeIndex(np.arange(8), np.repeat([3, 4, 5, 6], 2), 8, 2)        # depth 2, two labels a leaf
+    counts = np.array([5, 1, 1, 1, 2, 2, 10, 0])
+    nodes, cost = node_training.node_costs(ix, counts, n_samples=15)
+    np.testing.assert_array_equal(nodes, [0, 1, 2, 3, 4, 5, 6])
+    np.testing.assert_array_equal(cost, [15 * 2, 8 * 2, 14 * 2, 6 * 2, 2 * 2, 4 * 2, 10 * 2])
+    units, keys = node_training.unit_placement(ix, 1, np.array([0]), 2, counts, 15)
+    np.testing.assert_array_equal(units, [0, 1, 2])
+    # unit 1 = nodes 1, 3, 4 (16 + 12 + 4 = 32), unit 2 = 2, 5, 6 (28 + 8 + 20 = 56), the root 0
+    p0, p1 = node_training.partition_keys(2)
+    np.testing.assert_array_equal(keys, [p1, p1, p0])
+    np.testing.assert_array_equal(node_training.unit_parts(np.array([2, 0, 2]), units, keys), [p0, p1, p0])
+    with pytest.raises(ValueError, match="training unit 9 is not a node"):
+        node_training.unit_parts(np.array([9]), units, keys)
+
+
+def test_grouped_training_shuffles_once(problem, index):
+    """The units are repartitioned by their part key and grouped by (part, group) with no
+    second exchange."""
+    samples, _, _ = problem
+    plan = node_training.run(samples, index, D, TrainParams(max_node_rows="off"))._jdf.queryExecution() \
+        .executedPlan().toString()
+    above_fan_out = plan.split("MapInArrow expand")[0]          # (the input's own plan is below it)
+    assert above_fan_out.count("Exchange") == 1 and "Exchange hashpartitioning(part" in above_fan_out
+
+
 def test_big_row_partitions(spark):
     """As many partitions as tasks run at once, more only where one would exceed PART_BOUNDS
     bounds of rows."""

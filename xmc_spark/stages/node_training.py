@@ -76,6 +76,7 @@ of address space at its first allocation.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import re
@@ -90,7 +91,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
-from ..compat import default_parallelism, share
+from ..compat import default_parallelism, share, shuffle_partitions
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
 from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth
@@ -123,7 +124,7 @@ ROW_BYTES = 1024
 
 
 def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainParams,
-        n_samples: Optional[int] = None, scratch: Optional[str] = None) -> DataFrame:
+        n_samples: Optional[int] = None, scratch: Optional[str] = None, label_counts=None) -> DataFrame:
     """(is_leaf, key, w_idx, w_val): one row per classifier (key = node id, or slot id at leaves).
 
     A ``label_weight`` column (array<float> aligned with ``label_idx``, e.g. EAGLE's soft
@@ -132,13 +133,17 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     counted when it exceeds the bound. Big nodes are trained here (Spark jobs run before this
     returns); the small nodes' training runs when the result is computed. ``scratch``: a folder
     every task sees, for the solver's vectors above ``train.tron_driver_mb`` (:func:`scratch_root`).
+    ``label_counts`` (rows per label, when known) sharpen the estimate of each training unit's
+    work by which the units are spread over the tasks (:func:`unit_placement`).
     """
     bindex = share(samples, index, name="the tree index")
     weighted = "label_weight" in samples.columns
 
     def expand(batches):
         for t, off, labels, rows, groups in _fan_out(bindex, batches):
-            yield from _pack_units(t, off, labels, rows, groups, training_units(bindex.value, groups, cuts), weighted)
+            for b in _pack_units(t, off, labels, rows, groups, training_units(bindex.value, groups, cuts), weighted):
+                part = unit_parts(b.column("group").to_numpy(), unit_ids, unit_keys)
+                yield pa.RecordBatch.from_arrays([*b.columns, pa.array(part, pa.int32())], [*b.schema.names, "part"])
 
     def train(t: pa.Table) -> pa.Table:
         ix = bindex.value
@@ -158,16 +163,125 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
 
     if n_samples is None and params.node_row_bound() != 0:
         n_samples = samples.count()
-    bound = node_row_bound(samples.sparkSession, params, samples, n_samples, n_features)
+    spark = samples.sparkSession
+    bound = node_row_bound(spark, params, samples, n_samples, n_features)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples)
-    cuts = unit_cuts(index, default_parallelism(samples.sparkSession), big)
-    grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else ""))
+    cuts = unit_cuts(index, default_parallelism(spark), big)
+    n_parts = shuffle_partitions(spark)
+    unit_ids, unit_keys = unit_placement(index, cuts, big, n_parts, label_counts, n_samples)
+    grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else "") + ", part int")
     if not len(big):
-        return grouped_apply(grouped, ["group"], train, WEIGHTS_SCHEMA)
+        return _train_units(grouped, n_parts, train)
     small = grouped.where(~F.col("group").isin([int(g) for g in big]))
-    parts = big_row_partitions(samples.sparkSession, int(big_rows.sum()), bound)
+    parts = big_row_partitions(spark, int(big_rows.sum()), bound)
     big_weights = train_big_nodes(samples, index, bindex, big, n_features, params, parts, scratch, bound)
-    return grouped_apply(small, ["group"], train, WEIGHTS_SCHEMA).unionByName(big_weights)
+    return _train_units(small, n_parts, train).unionByName(big_weights)
+
+
+def _train_units(grouped: DataFrame, n_parts: int, train) -> DataFrame:
+    """``train`` on each unit's records, the units placed by their ``part`` key
+    (:func:`unit_placement`): one shuffle (the grouping by (part, group) reuses the hash
+    partitioning on part), ``n_parts`` tasks, the heaviest first."""
+    return grouped_apply(grouped.repartition(n_parts, "part"), ["part", "group"], train, WEIGHTS_SCHEMA)
+
+
+def spark_hash_int(values) -> np.ndarray:
+    """Spark SQL's ``hash()`` of int values (Murmur3 x86_32, seed 42), the hash
+    ``repartition(n, col)`` takes modulo n (``pmod``) to choose an int column's partition."""
+    k = np.asarray(values, np.int64).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        k = k * np.uint32(0xcc9e2d51)
+        k = (k << np.uint32(15)) | (k >> np.uint32(17))
+        k = k * np.uint32(0x1b873593)
+        h = np.uint32(42) ^ k
+        h = (h << np.uint32(13)) | (h >> np.uint32(19))
+        h = h * np.uint32(5) + np.uint32(0xe6546b64)
+        h ^= np.uint32(4)
+        h ^= h >> np.uint32(16)
+        h = h * np.uint32(0x85ebca6b)
+        h ^= h >> np.uint32(13)
+        h = h * np.uint32(0xc2b2ae35)
+        h ^= h >> np.uint32(16)
+    return h.view(np.int32)
+
+
+def partition_keys(n_parts: int) -> np.ndarray:
+    """For each partition r < ``n_parts``, the smallest non-negative int that
+    ``repartition(n_parts, col)`` sends to partition r."""
+    keys = np.full(n_parts, -1, np.int64)
+    lo, step = 0, 16 * n_parts
+    while (keys < 0).any():
+        cand = np.arange(lo, lo + step, dtype=np.int64)
+        part = spark_hash_int(cand).astype(np.int64) % n_parts
+        first, at = np.unique(part, return_index=True)          # the first candidate of each partition
+        new = keys[first] < 0
+        keys[first[new]] = cand[at[new]]
+        lo += step
+    return keys
+
+
+def node_costs(index, label_counts=None, n_samples: Optional[int] = None):
+    """(node ids, or ensemble keys; an estimate of each node's training work): its rows times
+    its classifiers (children holding labels, or a leaf's slots). A node's rows are estimated as
+    the sum of its labels' counts (``label_counts``; 1 each without them), at most ``n_samples``:
+    exact at the root and for labels that share no row, an overestimate where they do."""
+    trees = index.trees if isinstance(index, Forest) else [index]
+    ids, costs = [], []
+    for t, ix in enumerate(trees):
+        w = np.ones(len(ix.slot_label)) if label_counts is None else \
+            np.asarray(label_counts, np.float64)[ix.slot_label]
+        anc = [ancestor_at(ix.slot_leaf, ix.slot_depth, d, ix.B) for d in range(ix.depth + 1)]
+        reach = [ix.slot_depth >= d for d in range(ix.depth + 1)]
+        nodes, inv = np.unique(np.concatenate([a[m] for a, m in zip(anc, reach)]), return_inverse=True)
+        rows = np.bincount(inv, weights=np.concatenate([w[m] for m in reach]), minlength=len(nodes))
+        if n_samples:
+            rows = np.minimum(rows, float(n_samples))
+        kids = np.bincount(np.searchsorted(nodes, (nodes[nodes > 0] - 1) // ix.B),     # every parent is a node
+                           minlength=len(nodes)).astype(np.float64)
+        leaf = np.isin(nodes, ix.leaves)
+        kids[leaf] = (ix.leaf_end - ix.leaf_start)[np.searchsorted(ix.leaves, nodes[leaf])]
+        ids.append(encode_keys(t, nodes) if isinstance(index, Forest) else nodes)
+        costs.append(rows * kids)
+    return np.concatenate(ids), np.concatenate(costs)
+
+
+def lpt_ranks(costs: np.ndarray, n_parts: int) -> np.ndarray:
+    """Longest processing time first: each cost, largest first, goes to the least loaded of
+    ``n_parts`` bins; returns each cost's bin, bins numbered by decreasing load. Spark starts a
+    stage's tasks in partition order, so the heaviest partitions run first and the last wave
+    holds the light ones (the critical path of a few units with most of the work)."""
+    order = np.argsort(-np.asarray(costs, np.float64), kind="stable")
+    heap = [(0.0, b) for b in range(n_parts)]
+    load, where = np.zeros(n_parts), np.empty(len(order), np.int64)
+    for i in order:
+        lo, b = heapq.heappop(heap)
+        where[i] = b
+        load[b] = lo + float(costs[i])
+        heapq.heappush(heap, (load[b], b))
+    rank = np.empty(n_parts, np.int64)
+    rank[np.argsort(-load, kind="stable")] = np.arange(n_parts)
+    return rank[where]
+
+
+def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None, n_samples: Optional[int] = None):
+    """(training units sorted, the ``part`` key of each): units spread over ``n_parts``
+    partitions by :func:`lpt_ranks` of their summed :func:`node_costs`, keyed by
+    :func:`partition_keys` so that ``repartition(n_parts, "part")`` puts each where it was
+    placed. Big nodes (units of their own, above the cut: trained across partitions, their
+    records dropped before the grouping) weigh nothing. O(nodes) on the driver."""
+    nodes, cost = node_costs(index, label_counts, n_samples)
+    cost = np.where(np.isin(nodes, np.asarray(big, np.int64)), 0.0, cost)
+    units, inv = np.unique(training_units(index, nodes, cuts), return_inverse=True)
+    unit_cost = np.bincount(inv, weights=cost, minlength=len(units))
+    return units, partition_keys(n_parts)[lpt_ranks(unit_cost, n_parts)].astype(np.int32)
+
+
+def unit_parts(units: np.ndarray, unit_ids: np.ndarray, unit_keys: np.ndarray) -> np.ndarray:
+    """The ``part`` key of each unit id (:func:`unit_placement`)."""
+    at = np.minimum(np.searchsorted(unit_ids, units), max(len(unit_ids) - 1, 0))
+    if len(units) and (not len(unit_ids) or not (unit_ids[at] == units).all()):
+        raise ValueError(f"training unit {int(units[unit_ids[at] != units][0])} is not a node of the tree")
+    return unit_keys[at]
 
 
 def _fan_out(bindex, batches):
