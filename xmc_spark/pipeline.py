@@ -346,14 +346,15 @@ def keep_model_folder(ctx: StageContext, write) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_predictions(tables: Tables, model: XMCModel, params: PipelineParams, source: str) -> None:
-    """Beam search over table ``source`` (and PRIME when ``model`` carries it): writes
-    ``predictions``; with PRIME also ``tree_predictions``, the tree's own top-k."""
+def write_predictions(tables: Tables, model: XMCModel, params: PipelineParams, source: str,
+                      n_rows: Optional[int] = None) -> None:
+    """Beam search over table ``source`` (``n_rows`` rows, when known) and PRIME when ``model``
+    carries it: writes ``predictions``; with PRIME also ``tree_predictions``, the tree's own top-k."""
     tables.write("predictions", prediction.run(tables.read(source), model, params.predict.beam_size,
-                                               params.predict.topk))
+                                               params.predict.topk, n_rows))
     if isinstance(model, prime_model.PrimedModel):
         tables.write("tree_predictions", prediction.run(tables.read(source), model.tree, params.predict.beam_size,
-                                                        params.predict.topk))
+                                                        params.predict.topk, n_rows))
 
 
 def prime_stage(ctx: StageContext) -> StageResult:
@@ -414,7 +415,7 @@ def predict_stage(ctx: StageContext) -> StageResult:
     if head is not None and ctx.memo.get("prime") is not None:
         ctx.tables.note_read("prime")
     with ctx.timer.stage("predict"):
-        write_predictions(ctx.tables, prime_model.with_head(model, head), ctx.params, "test")
+        write_predictions(ctx.tables, prime_model.with_head(model, head), ctx.params, "test", ing.n_test)
     return StageResult({"n_test": ing.n_test})
 
 
@@ -583,7 +584,7 @@ def predict(spark, model, data: str, out: str, params: PipelineParams) -> Dict:
     info = ingest.run(spark, data, tables.path("input"), ing, expect_features=model.n_features,
                       expect_labels=model.n_labels)
     df = tables.read("input")
-    write_predictions(tables, model, params, "input")
+    write_predictions(tables, model, params, "input", info.n_samples)
     result = {"n_samples": info.n_samples, "predictions": tables.path("predictions")}
     has_labels = df.filter(F.size("label_idx") > 0).limit(1).count() > 0
     if has_labels:

@@ -58,3 +58,13 @@ def test_samples_in_fewer_partitions_than_slots_are_balanced(problem, spark):
     assert sorted(r["sample_id"] for r in spread.select("sample_id").collect()) == list(range(N))
     wide = samples.repartition(parts + 1)
     assert prediction.balanced(wide) is wide
+
+
+def test_too_few_rows_to_share_are_not_shuffled(problem, spark):
+    """Given the row count, fewer rows than one Arrow batch per target partition stay where they are."""
+    samples, _, _ = problem
+    one = samples.coalesce(1)
+    batch = int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000"))
+    parts = 2 * spark.sparkContext.defaultParallelism
+    assert N < parts * batch and prediction.balanced(one, n_rows=N) is one
+    assert prediction.balanced(one, n_rows=parts * batch).rdd.getNumPartitions() == parts
