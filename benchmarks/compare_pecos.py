@@ -69,11 +69,14 @@ def run_xmc(train: str, test: str, out: Path, cores: int, extra, python: str = s
     return m
 
 
-def make_synth(spec: str, work: Path, cores: int) -> tuple:
+def make_synth(spec: str, work: Path, cores: int, python: str = sys.executable) -> tuple:
+    """XC files of ``xmc-spark synth`` (n_train,n_labels,n_features), made once under ``work``
+    by ``python`` (the interpreter with xmc-spark installed: ``--xmc-python`` when this script
+    runs in PECOS's own venv)."""
     n, L, d = (int(x) for x in spec.split(","))
     data = work / f"synth_{n}_{L}_{d}"
     if not (data / "test.txt").exists():
-        cmd = [sys.executable, "-m", "xmc_spark.cli", "synth", "--out", str(data), "--n-train", str(n),
+        cmd = [python, "-m", "xmc_spark.cli", "synth", "--out", str(data), "--n-train", str(n),
                "--n-test", str(max(n // 10, 1000)), "--labels", str(L), "--features", str(d), "--format", "xc",
                "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false"]
         subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     work = Path(args.work)
     if args.synth:
-        train, test, name = make_synth(args.synth, work, args.cores)
+        train, test, name = make_synth(args.synth, work, args.cores, args.xmc_python)
     else:
         train, test, name = str(Path(args.data) / "train.txt"), str(Path(args.data) / "test.txt"), Path(args.data).name
     extra = [x for s in args.set for x in ("--set", s)]
