@@ -209,6 +209,9 @@ def test_node_costs_and_unit_placement():
     np.testing.assert_array_equal(node_training.unit_parts(np.array([2, 0, 2]), units, keys), [p0, p1, p0])
     with pytest.raises(ValueError, match="training unit 9 is not a node"):
         node_training.unit_parts(np.array([9]), units, keys)
+    with pytest.raises(ValueError, match="training unit 9 is not a node"):
+        node_training.unit_parts(np.array([9]), units[:0], keys[:0])
+    assert len(node_training.unit_parts(np.zeros(0, np.int64), units[:0], keys[:0])) == 0
 
 
 def test_grouped_training_shuffles_once(problem, index):

@@ -278,9 +278,13 @@ def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None
 
 def unit_parts(units: np.ndarray, unit_ids: np.ndarray, unit_keys: np.ndarray) -> np.ndarray:
     """The ``part`` key of each unit id (:func:`unit_placement`)."""
-    at = np.minimum(np.searchsorted(unit_ids, units), max(len(unit_ids) - 1, 0))
-    if len(units) and (not len(unit_ids) or not (unit_ids[at] == units).all()):
-        raise ValueError(f"training unit {int(units[unit_ids[at] != units][0])} is not a node of the tree")
+    units = np.asarray(units, np.int64)
+    if not len(units):
+        return np.zeros(0, np.int32)
+    at = np.minimum(np.searchsorted(unit_ids, units), len(unit_ids) - 1)
+    missing = units != unit_ids[at] if len(unit_ids) else np.ones(len(units), bool)
+    if missing.any():
+        raise ValueError(f"training unit {int(units[missing][0])} is not a node of the tree")
     return unit_keys[at]
 
 
