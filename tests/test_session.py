@@ -52,12 +52,12 @@ def test_delta_jars_resolved_once_are_reused_from_the_record(tmp_path, monkeypat
     assert b._options["spark.jars.packages"] == coords and "spark.jars" not in b._options
     assert record == coords                               # nothing recorded yet: resolve, then record
 
-    jars = [tmp_path / "a b.jar", tmp_path / "c.jar"]
+    jars = [tmp_path / "a b.jar", tmp_path / "c d.jar"]
     for j in jars:
         j.write_bytes(b"PK")
-    listed = ",".join(["file://" + str(jars[0]).replace(" ", "%20"), str(jars[1])])
+    listed = ",".join(["file://" + str(jars[0]).replace(" ", "%20"), str(jars[1])])     # a URI, a plain path
     remember_jars(record, listed)
-    assert jars_cache_file(coords).read_text().split() == listed.split(",")
+    assert jars_cache_file(coords).read_text().splitlines() == listed.split(",")
     assert cached_jars(coords) == listed.split(",")
     b, record = _delta_jars(SparkSession.builder, local)
     assert b._options["spark.jars"] == listed and "spark.jars.packages" not in b._options and record is None

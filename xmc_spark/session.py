@@ -77,7 +77,7 @@ def cached_jars(coordinates: str) -> Optional[List[str]]:
     """The jar files an earlier session resolved for ``coordinates`` (:func:`remember_jars`),
     None when none is recorded or one of them is gone (an emptied Ivy cache)."""
     try:
-        jars = jars_cache_file(coordinates).read_text().split()
+        jars = [j.strip() for j in jars_cache_file(coordinates).read_text().splitlines() if j.strip()]
     except OSError:
         return None
     if not jars or not all(os.path.isfile(_local_path(j)) for j in jars):
