@@ -40,7 +40,8 @@ def test_a_python_memory_cap_moves_arrow_to_the_system_allocator():
 def test_delta_jars_resolved_once_are_reused_from_the_record(tmp_path, monkeypatch):
     """A local session resolves Delta's packages through Ivy once and records the files; the
     next one passes those files as spark.jars (no resolution, nothing on the Python path). A
-    missing file, a cluster master or the configuration's own spark.jars* keys mean packages."""
+    list without Delta's artifact is not recorded. A missing file, a cluster master, the
+    configuration's own spark.jars* keys or PYSPARK_SUBMIT_ARGS' --jars mean packages."""
     from pyspark.sql import SparkSession
 
     from xmc_spark.session import _delta_jars, cached_jars, delta_package, jars_cache_file, remember_jars
@@ -52,11 +53,14 @@ def test_delta_jars_resolved_once_are_reused_from_the_record(tmp_path, monkeypat
     assert b._options["spark.jars.packages"] == coords and "spark.jars" not in b._options
     assert record == coords                               # nothing recorded yet: resolve, then record
 
-    jars = [tmp_path / "a b.jar", tmp_path / "c d.jar"]
+    jars = [tmp_path / "io.delta_delta-spark_2.13-9.9 b.jar", tmp_path / "c d.jar"]
     for j in jars:
         j.write_bytes(b"PK")
     listed = ",".join(["file://" + str(jars[0]).replace(" ", "%20"), str(jars[1])])     # a URI, a plain path
+    remember_jars(record, str(jars[1]))                   # no Delta artifact among them: not recorded
+    assert cached_jars(coords) is None and not jars_cache_file(coords).exists()
     remember_jars(record, listed)
+    assert [f.name for f in jars_cache_file(coords).parent.iterdir()] == [jars_cache_file(coords).name]
     assert jars_cache_file(coords).read_text().splitlines() == listed.split(",")
     assert cached_jars(coords) == listed.split(",")
     b, record = _delta_jars(SparkSession.builder, local)
@@ -65,8 +69,25 @@ def test_delta_jars_resolved_once_are_reused_from_the_record(tmp_path, monkeypat
     for params in (SparkParams(master="yarn"), SparkParams(master="local[1]", conf={"spark.jars.repositories": "x"})):
         b, record = _delta_jars(SparkSession.builder, params)
         assert b._options["spark.jars.packages"] == coords and record is None
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--jars /opt/x.jar pyspark-shell")   # the launcher's jars stand
+    b, record = _delta_jars(SparkSession.builder, local)
+    assert b._options["spark.jars.packages"] == coords and "spark.jars" not in b._options and record is None
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")
 
     jars[1].unlink()                                      # an emptied Ivy cache: resolve again
     assert cached_jars(coords) is None
     b, record = _delta_jars(SparkSession.builder, local)
     assert b._options["spark.jars.packages"] == coords and record == coords
+
+
+def test_the_test_session_recorded_its_delta_jars(spark):
+    """The real thing: the tests' local session (get_spark) resolved Delta's packages or used the
+    record; either way the record lists exactly its spark.jars, Delta's own artifact among them,
+    every file present. A builder run beside it records nothing (it hands back this session)."""
+    import os
+
+    from xmc_spark.session import DELTA_JAR_PREFIX, _active_context, _local_path, cached_jars, delta_package
+    live = [j for j in spark.sparkContext.getConf().get("spark.jars", "").split(",") if j]
+    assert cached_jars(delta_package()) == live
+    assert any(os.path.basename(_local_path(j)).startswith(DELTA_JAR_PREFIX) for j in live)
+    assert _active_context()

@@ -216,7 +216,7 @@ class SparkParams(BaseParams):
 
     master: str = "local[*]"
     app_name: str = "xmc-spark"
-    delta_from_maven: bool = True   # add Delta's jars through spark.jars.packages
+    delta_from_maven: bool = True   # add Delta's jars: spark.jars.packages, then the recorded files (session.py)
     log_level: str = "WARN"
     progress_seconds: float = 15.0  # log running Spark stages' task counts this often (0 = off)
     remote: str = ""                # Spark Connect: "sc://host:15002" or "local[2]" (a local server); "" = classic

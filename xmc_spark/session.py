@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import List, Optional
@@ -88,19 +89,36 @@ def cached_jars(coordinates: str) -> Optional[List[str]]:
 def remember_jars(coordinates: str, jars: str) -> None:
     """Record the jar files Spark resolved for ``coordinates`` (its ``spark.jars`` after
     ``spark.jars.packages``) for :func:`cached_jars`; written whole or not at all (a temporary file
-    renamed), and a cache that cannot be written is only logged."""
+    renamed), and a cache that cannot be written is only logged. A list without Delta's own
+    artifact (``io.delta_delta-spark_*.jar``: not what the packages resolved) is not recorded."""
     listed = [j for j in jars.split(",") if j.strip()]
-    if not listed:
+    if not any(os.path.basename(_local_path(j)).startswith(DELTA_JAR_PREFIX) for j in listed):
+        log.info("spark.jars holds no %s*.jar: Delta's resolved jars not recorded", DELTA_JAR_PREFIX)
         return
     f = jars_cache_file(coordinates)
+    tmp = None
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
-        tmp.write_text("\n".join(listed) + "\n")
+        with tempfile.NamedTemporaryFile("w", dir=f.parent, prefix=f.name + ".", suffix=".tmp",
+                                         delete=False) as out:
+            tmp = out.name
+            out.write("\n".join(listed) + "\n")
         os.replace(tmp, f)
     except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         log.info("could not record Delta's jar files in %s (%s): the next local session resolves them again",
                  f, e)
+
+
+DELTA_JAR_PREFIX = "io.delta_delta-spark_"     # Ivy names a resolved jar <org>_<artifact>-<version>.jar
+
+
+def _submit_args_name_jars() -> bool:
+    """Whether ``PYSPARK_SUBMIT_ARGS`` adds jars itself (``--jars``, ``--packages``, ``spark.jars*``):
+    then the launcher's choice stands and no cached list is passed beside it."""
+    args = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
+    return any(flag in args for flag in ("--jars", "--packages", "spark.jars"))
 
 
 def _delta_jars(builder, params: SparkParams):
@@ -112,11 +130,13 @@ def _delta_jars(builder, params: SparkParams):
     folder), ahead of site-packages, so every process scanned them at its first imports (about
     1.7 s less to start the session and 1.3 s less for the first ingest, measured on 2 cores).
     Returns (builder, coordinates to record after start-up, or None). A configuration that sets
-    any ``spark.jars*`` key itself resolves as it says."""
+    any ``spark.jars*`` key itself, or ``PYSPARK_SUBMIT_ARGS`` with ``--jars``, ``--packages`` or
+    ``spark.jars``, resolves as it says."""
     from delta import configure_spark_with_delta_pip
 
     coords = delta_package()
-    if not params.master.startswith("local") or any(k.startswith("spark.jars") for k in params.conf):
+    if (not params.master.startswith("local") or any(k.startswith("spark.jars") for k in params.conf)
+            or _submit_args_name_jars()):
         return configure_spark_with_delta_pip(builder), None
     jars = cached_jars(coords)
     if jars is None:
@@ -124,11 +144,18 @@ def _delta_jars(builder, params: SparkParams):
     return builder.config("spark.jars", ",".join(jars)), None
 
 
+def _active_context() -> bool:
+    from pyspark import SparkContext
+    return SparkContext._active_spark_context is not None
+
+
 def get_spark(params: SparkParams | None = None):
     """SparkSession with Delta Lake configured.
 
     Locally (``spark.master`` set) the Python workers use this interpreter and Delta's jars come
-    from Maven Central through ``spark.jars.packages`` (cached after the first run). Under
+    from Maven Central through ``spark.jars.packages`` the first time; the files it resolved are
+    recorded (:func:`remember_jars`) and later local sessions pass them as ``spark.jars``
+    (:func:`_delta_jars`). Under
     spark-submit on a cluster set ``spark.master: ""`` and ``delta_from_maven: false`` when the
     platform already ships Delta (Databricks).
 
@@ -161,6 +188,8 @@ def get_spark(params: SparkParams | None = None):
                                                  os.environ.get("YARN_CONF_DIR")):
         raise SparkStartError(f"spark.master={params.master} needs HADOOP_CONF_DIR or YARN_CONF_DIR set to the "
                               "cluster's Hadoop configuration folder (or run under spark-submit on the cluster)")
+    if record is not None and _active_context():
+        record = None   # the builder hands back the running session: its jars are not these packages'
     spark = _start(builder, f"master={params.master or 'from spark-submit'}")
     if is_connect(spark):       # the platform's session is Spark Connect (Databricks serverless)
         log.info("Spark %s: the platform's session is Spark Connect", spark.version)

@@ -212,6 +212,10 @@ def test_node_costs_and_unit_placement():
     with pytest.raises(ValueError, match="training unit 9 is not a node"):
         node_training.unit_parts(np.array([9]), units[:0], keys[:0])
     assert len(node_training.unit_parts(np.zeros(0, np.int64), units[:0], keys[:0])) == 0
+    # a leaf of unseen labels still counts one row; counts that miss labels fall back to ones
+    zero = np.array([5, 1, 1, 1, 2, 2, 0, 0])
+    np.testing.assert_array_equal(node_training.node_costs(ix, zero)[1][-1], 1 * 2)
+    np.testing.assert_array_equal(node_training.node_costs(ix, counts[:7])[1], node_training.node_costs(ix)[1])
 
 
 def test_grouped_training_shuffles_once(problem, index):

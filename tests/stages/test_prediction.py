@@ -61,10 +61,33 @@ def test_samples_in_fewer_partitions_than_slots_are_balanced(problem, spark):
 
 
 def test_too_few_rows_to_share_are_not_shuffled(problem, spark):
-    """Given the row count, fewer rows than one Arrow batch per target partition stay where they are."""
+    """Given the row count: one Arrow batch or less stays where it is; one row more is spread over
+    the default parallelism p (whole multiples of p partitions of a batch or more, at most 2p)."""
     samples, _, _ = problem
     one = samples.coalesce(1)
     batch = int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000"))
-    parts = 2 * spark.sparkContext.defaultParallelism
-    assert N < parts * batch and prediction.balanced(one, n_rows=N) is one
-    assert prediction.balanced(one, n_rows=parts * batch).rdd.getNumPartitions() == parts
+    par = spark.sparkContext.defaultParallelism
+    assert N <= batch and prediction.balanced(one, n_rows=N) is one
+    assert prediction.balanced(one, n_rows=batch).rdd.getNumPartitions() == 1
+    assert prediction.balanced(one, n_rows=batch + 1).rdd.getNumPartitions() == par
+    assert prediction.balanced(one, n_rows=2 * par * batch).rdd.getNumPartitions() == 2 * par
+    assert prediction.balanced(one, n_rows=100 * par * batch).rdd.getNumPartitions() == 2 * par
+
+
+@pytest.mark.parametrize("n_rows, parts", [
+    (None, 8), (0, 1), (4096, 1), (4097, 4), (20_000, 8), (4 * 4096, 4), (4 * 4096 + 1, 8), (10**7, 8)])
+def test_spread_parts_closed_form(n_rows, parts):
+    """p = 4, batch 4096: the 200K test set's 20K rows go to 8 partitions (5 batches -> 2p)."""
+    assert prediction._spread_parts(4, 4096, n_rows) == parts
+
+
+def test_shuffled_input_is_left_as_it_is(problem, spark):
+    """A plan with an exchange is not counted (adaptive execution would run its shuffle here);
+    a cached shuffle's output is counted."""
+    samples, _, _ = problem
+    shuffled = samples.repartition(1, "sample_id")
+    assert prediction._has_exchange(shuffled) and not prediction._has_exchange(samples.coalesce(1))
+    assert prediction.balanced(shuffled) is shuffled
+    cached = samples.repartition(1, "sample_id").cache()      # reading the cache shuffles nothing
+    assert not prediction._has_exchange(cached) and prediction.balanced(cached).rdd.getNumPartitions() > 1
+    cached.unpersist()

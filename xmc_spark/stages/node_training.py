@@ -134,7 +134,8 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     returns); the small nodes' training runs when the result is computed. ``scratch``: a folder
     every task sees, for the solver's vectors above ``train.tron_driver_mb`` (:func:`scratch_root`).
     ``label_counts`` (rows per label, when known) sharpen the estimate of each training unit's
-    work by which the units are spread over the tasks (:func:`unit_placement`).
+    work by which the units are spread over the tasks (:func:`unit_placement`); without them
+    (EAGLE's trainer) every label counts one row, which places by label numbers alone.
     """
     bindex = share(samples, index, name="the tree index")
     weighted = "label_weight" in samples.columns
@@ -223,9 +224,15 @@ def partition_keys(n_parts: int) -> np.ndarray:
 def node_costs(index, label_counts=None, n_samples: Optional[int] = None):
     """(node ids, or ensemble keys; an estimate of each node's training work): its rows times
     its classifiers (children holding labels, or a leaf's slots). A node's rows are estimated as
-    the sum of its labels' counts (``label_counts``; 1 each without them), at most ``n_samples``:
-    exact at the root and for labels that share no row, an overestimate where they do."""
+    the sum of its labels' counts (``label_counts``; 1 each without them, or when they do not
+    cover the tree's labels), at most ``n_samples`` and at least 1: exact at the root and for
+    labels that share no row, an overestimate where they do. The estimate only places work on
+    tasks; a wrong one costs balance, never a result."""
     trees = index.trees if isinstance(index, Forest) else [index]
+    if label_counts is not None and len(label_counts) <= max(int(ix.slot_label.max(initial=-1)) for ix in trees):
+        log.warning("%d label counts for a tree of label ids up to %d: training units placed by label "
+                    "numbers alone", len(label_counts), max(int(ix.slot_label.max(initial=-1)) for ix in trees))
+        label_counts = None
     ids, costs = [], []
     for t, ix in enumerate(trees):
         w = np.ones(len(ix.slot_label)) if label_counts is None else \
@@ -236,6 +243,7 @@ def node_costs(index, label_counts=None, n_samples: Optional[int] = None):
         rows = np.bincount(inv, weights=np.concatenate([w[m] for m in reach]), minlength=len(nodes))
         if n_samples:
             rows = np.minimum(rows, float(n_samples))
+        rows = np.maximum(rows, 1.0)            # a node of unseen labels still trains: not free
         kids = np.bincount(np.searchsorted(nodes, (nodes[nodes > 0] - 1) // ix.B),     # every parent is a node
                            minlength=len(nodes)).astype(np.float64)
         leaf = np.isin(nodes, ix.leaves)

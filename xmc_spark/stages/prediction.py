@@ -33,20 +33,55 @@ def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind
 
 
 def balanced(samples: DataFrame, n_rows: Optional[int] = None) -> DataFrame:
-    """``samples`` spread round-robin over twice Spark's default parallelism when they come in
-    fewer partitions. A samples table is read one partition per file, and a test set of a
-    few unequal files (the text's input splits: 14K and 6K rows at 200K samples) was scored by
-    as many tasks, the largest one alone at the end (9.2 s against 4.4 s). ``n_rows`` (when
-    known): fewer rows than one Arrow batch (``spark.sql.execution.arrow.maxRecordsPerBatch``)
-    per target partition are left as they are, since the shuffle would cost more than it
-    shares (bibtex's 2.5K test rows: predict 2.6 -> 3.2 s). Classic Spark only: on Spark
-    Connect counting the partitions would cost a job."""
+    """``samples`` spread round-robin over more partitions when they come in fewer than the task
+    slots can share. A samples table is read one partition per file, and a test set of a few
+    unequal files (the text's input splits: 14K and 6K rows at 200K samples) was scored by as many
+    tasks, the largest one alone at the end (9.2 s against 4.4 s).
+
+    The target is twice Spark's default parallelism ``p``. With ``n_rows`` known, it is cut to
+    whole multiples of ``p`` partitions of at least one Arrow batch
+    (``spark.sql.execution.arrow.maxRecordsPerBatch`` rows) each, and input of at most one batch
+    is left as it is, since the shuffle would cost more than it shares (bibtex's 2.5K test rows:
+    predict 2.6 -> 3.2 s). Input already in as many partitions is left as it is.
+
+    Left as it is too: on Spark Connect (counting the partitions would cost a job), and a plan
+    that holds an exchange (its partition count is known only by running the shuffle, which
+    adaptive execution would do here, eagerly; such input comes out of a shuffle over
+    ``spark.sql.shuffle.partitions`` partitions anyway)."""
     if is_connect(samples):
         return samples
-    parts = 2 * default_parallelism(samples)
-    if n_rows is not None and n_rows < parts * _batch_rows(samples):
+    parts = _spread_parts(default_parallelism(samples), _batch_rows(samples), n_rows)
+    if parts <= 1 or _has_exchange(samples):
         return samples
     return samples if samples.rdd.getNumPartitions() >= parts else samples.repartition(parts)
+
+
+def _spread_parts(par: int, batch: int, n_rows: Optional[int]) -> int:
+    """Partitions to spread ``n_rows`` rows over: ``2 * par``, or fewer whole multiples of
+    ``par`` with one Arrow batch of ``batch`` rows or more each; 1 (leave as is) for one batch."""
+    if n_rows is None:
+        return 2 * par
+    if n_rows <= batch:
+        return 1
+    batches = -(-n_rows // batch)
+    return min(2 * par, par * -(-batches // par))
+
+
+def _has_exchange(df: DataFrame) -> bool:
+    """Whether computing ``df`` runs an exchange (a shuffle or broadcast). Planning only, nothing
+    runs. A cached table's own plan is not walked (reading the cache runs none of it)."""
+    todo = [df._jdf.queryExecution().executedPlan()]
+    while todo:
+        node = todo.pop()
+        name = node.nodeName()
+        if "Exchange" in name:
+            return True
+        if name == "AdaptiveSparkPlan":
+            todo.append(node.inputPlan())
+            continue
+        kids = node.children()
+        todo.extend(kids.apply(i) for i in range(kids.size()))
+    return False
 
 
 def _batch_rows(samples: DataFrame) -> int:
@@ -56,12 +91,13 @@ def _batch_rows(samples: DataFrame) -> int:
 
 def run(samples: DataFrame, model, beam_size: int, topk: int, n_rows: Optional[int] = None) -> DataFrame:
     """(sample_id, pred_labels, pred_scores), top-k per sample, best first; a
-    :class:`~.sharded.ShardedModel` is scored layer by layer without a broadcast. The samples
-    (``n_rows`` of them, when known) are first :func:`balanced` over the task slots."""
+    :class:`~.sharded.ShardedModel` is scored layer by layer without a broadcast (which reads
+    the samples once per layer, so they are not spread first). A broadcast model scores the
+    samples (``n_rows`` of them, when known) :func:`balanced` over the task slots."""
     from . import sharded
-    samples = balanced(samples, n_rows)
     if isinstance(model, sharded.SHARDED):
         return sharded.predict(samples, model, beam_size, topk)
+    samples = balanced(samples, n_rows)
     def score(m, t, X):
         labels, scores = m.predict(X, beam_size=beam_size, topk=topk)
         keep = labels >= 0
