@@ -224,6 +224,7 @@ def test_grouped_training_shuffles_once(problem, index):
     samples, _, _ = problem
     plan = node_training.run(samples, index, D, TrainParams(max_node_rows="off"))._jdf.queryExecution() \
         .executedPlan().toString()
+    assert "MapInArrow expand" in plan
     above_fan_out = plan.split("MapInArrow expand")[0]          # (the input's own plan is below it)
     assert above_fan_out.count("Exchange") == 1 and "Exchange hashpartitioning(part" in above_fan_out
 
