@@ -57,17 +57,22 @@ def random_problem(n=120, d=40, L=12, seed=0, density=0.2):
 CONNECT_ENV = "XMC_TEST_SPARK_REMOTE"
 
 
-@pytest.fixture(scope="session")
-def spark(tmp_path_factory):
+def spark_params(warehouse: str):
+    """The tests' Spark settings (the ``spark`` fixture's), on a local master or the Connect one."""
     from xmc_spark.params import SparkParams
-    from xmc_spark.session import get_spark
 
     # 2 attempts a task (tests/stages/test_faults.py)
     params = SparkParams(master="local[2,2]", remote=os.environ.get(CONNECT_ENV, ""))
     params.conf.update({"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
-                        "spark.driver.memory": "2g",
-                        "spark.sql.warehouse.dir": str(tmp_path_factory.mktemp("warehouse"))})
-    s = get_spark(params)
+                        "spark.driver.memory": "2g", "spark.sql.warehouse.dir": warehouse})
+    return params
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory):
+    from xmc_spark.session import get_spark
+
+    s = get_spark(spark_params(str(tmp_path_factory.mktemp("warehouse"))))
     yield s
     s.stop()
 

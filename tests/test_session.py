@@ -44,7 +44,14 @@ def test_delta_jars_resolved_once_are_reused_from_the_record(tmp_path, monkeypat
     configuration's own spark.jars* keys or PYSPARK_SUBMIT_ARGS' --jars mean packages."""
     from pyspark.sql import SparkSession
 
-    from xmc_spark.session import _delta_jars, cached_jars, delta_package, jars_cache_file, remember_jars
+    from xmc_spark.session import (
+        _delta_jars,
+        cached_jars,
+        delta_package,
+        jars_cache_file,
+        remember_jars,
+        resolved_jar_name,
+    )
     monkeypatch.setenv("XMC_SPARK_CACHE", str(tmp_path / "cache"))
     coords = delta_package()
     local = SparkParams(master="local[1]")
@@ -53,14 +60,18 @@ def test_delta_jars_resolved_once_are_reused_from_the_record(tmp_path, monkeypat
     assert b._options["spark.jars.packages"] == coords and "spark.jars" not in b._options
     assert record == coords                               # nothing recorded yet: resolve, then record
 
-    jars = [tmp_path / "io.delta_delta-spark_2.13-9.9 b.jar", tmp_path / "c d.jar"]
+    (tmp_path / "a b").mkdir()
+    jars = [tmp_path / "a b" / resolved_jar_name(coords), tmp_path / "c d.jar"]
     for j in jars:
         j.write_bytes(b"PK")
     listed = ",".join(["file://" + str(jars[0]).replace(" ", "%20"), str(jars[1])])     # a URI, a plain path
-    remember_jars(record, str(jars[1]))                   # no Delta artifact among them: not recorded
+    other = tmp_path / "io.delta_delta-spark_2.13-0.1.jar"                # another version's jar
+    other.write_bytes(b"PK")
+    remember_jars(record, f"{other},{jars[1]}")           # not the coordinates' own jar: not recorded
     assert cached_jars(coords) is None and not jars_cache_file(coords).exists()
     remember_jars(record, listed)
     assert [f.name for f in jars_cache_file(coords).parent.iterdir()] == [jars_cache_file(coords).name]
+    assert jars_cache_file(coords).stat().st_mode & 0o777 == 0o644
     assert jars_cache_file(coords).read_text().splitlines() == listed.split(",")
     assert cached_jars(coords) == listed.split(",")
     b, record = _delta_jars(SparkSession.builder, local)
@@ -80,14 +91,25 @@ def test_delta_jars_resolved_once_are_reused_from_the_record(tmp_path, monkeypat
     assert b._options["spark.jars.packages"] == coords and record == coords
 
 
-def test_the_test_session_recorded_its_delta_jars(spark):
+def test_resolved_jar_name():
+    from xmc_spark.session import resolved_jar_name
+    assert resolved_jar_name("io.delta:delta-spark_4.2_2.13:4.4.0") == "io.delta_delta-spark_4.2_2.13-4.4.0.jar"
+
+
+def test_the_test_session_recorded_its_delta_jars(spark, tmp_path, monkeypatch):
     """The real thing: the tests' local session (get_spark) resolved Delta's packages or used the
-    record; either way the record lists exactly its spark.jars, Delta's own artifact among them,
-    every file present. A builder run beside it records nothing (it hands back this session)."""
+    record; either way the record lists exactly its spark.jars, Delta's own jar among them, every
+    file present. A get_spark beside it (same settings) hands back this session and records
+    nothing, even with no record yet."""
     import os
 
-    from xmc_spark.session import DELTA_JAR_PREFIX, _active_context, _local_path, cached_jars, delta_package
+    from tests.conftest import spark_params
+    from xmc_spark.session import _local_path, cached_jars, delta_package, jars_cache_file, resolved_jar_name
     live = [j for j in spark.sparkContext.getConf().get("spark.jars", "").split(",") if j]
     assert cached_jars(delta_package()) == live
-    assert any(os.path.basename(_local_path(j)).startswith(DELTA_JAR_PREFIX) for j in live)
-    assert _active_context()
+    assert resolved_jar_name(delta_package()) in {os.path.basename(_local_path(j)) for j in live}
+
+    monkeypatch.setenv("XMC_SPARK_CACHE", str(tmp_path / "empty"))
+    assert cached_jars(delta_package()) is None
+    assert get_spark(spark_params(spark.conf.get("spark.sql.warehouse.dir"))) is spark
+    assert not jars_cache_file(delta_package()).exists()

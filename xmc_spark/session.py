@@ -89,11 +89,14 @@ def cached_jars(coordinates: str) -> Optional[List[str]]:
 def remember_jars(coordinates: str, jars: str) -> None:
     """Record the jar files Spark resolved for ``coordinates`` (its ``spark.jars`` after
     ``spark.jars.packages``) for :func:`cached_jars`; written whole or not at all (a temporary file
-    renamed), and a cache that cannot be written is only logged. A list without Delta's own
-    artifact (``io.delta_delta-spark_*.jar``: not what the packages resolved) is not recorded."""
+    renamed, readable by all), and a cache that cannot be written is only logged. A
+    list without the jar of each coordinate (Ivy's ``<org>_<artifact>-<version>.jar``: not what
+    the packages resolved) is not recorded."""
     listed = [j for j in jars.split(",") if j.strip()]
-    if not any(os.path.basename(_local_path(j)).startswith(DELTA_JAR_PREFIX) for j in listed):
-        log.info("spark.jars holds no %s*.jar: Delta's resolved jars not recorded", DELTA_JAR_PREFIX)
+    names = {os.path.basename(_local_path(j)) for j in listed}
+    wanted = [resolved_jar_name(c) for c in coordinates.split(",") if c.strip()]
+    if not wanted or not all(w in names for w in wanted):
+        log.info("spark.jars does not hold %s: Delta's resolved jars not recorded", ", ".join(wanted))
         return
     f = jars_cache_file(coordinates)
     tmp = None
@@ -103,15 +106,21 @@ def remember_jars(coordinates: str, jars: str) -> None:
                                          delete=False) as out:
             tmp = out.name
             out.write("\n".join(listed) + "\n")
+        os.chmod(tmp, 0o644)        # readable by all, as a plain write under umask 022 (a shared cache)
         os.replace(tmp, f)
+        tmp = None
     except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         log.info("could not record Delta's jar files in %s (%s): the next local session resolves them again",
                  f, e)
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
-DELTA_JAR_PREFIX = "io.delta_delta-spark_"     # Ivy names a resolved jar <org>_<artifact>-<version>.jar
+def resolved_jar_name(coordinate: str) -> str:
+    """The file Ivy resolves a Maven ``org:artifact:version`` to: ``org_artifact-version.jar``."""
+    org, artifact, version = (coordinate.strip().split(":") + ["", ""])[:3]
+    return f"{org}_{artifact}-{version}.jar"
 
 
 def _submit_args_name_jars() -> bool:

@@ -61,8 +61,8 @@ def test_samples_in_fewer_partitions_than_slots_are_balanced(problem, spark):
 
 
 def test_too_few_rows_to_share_are_not_shuffled(problem, spark):
-    """Given the row count: one Arrow batch or less stays where it is; one row more is spread over
-    the default parallelism p (whole multiples of p partitions of a batch or more, at most 2p)."""
+    """Given the row count: one Arrow batch or less stays where it is; up to p batches are spread
+    over the default parallelism p, more over 2p."""
     samples, _, _ = problem
     one = samples.coalesce(1)
     batch = int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000"))
@@ -77,7 +77,7 @@ def test_too_few_rows_to_share_are_not_shuffled(problem, spark):
 @pytest.mark.parametrize("n_rows, parts", [
     (None, 8), (0, 1), (4096, 1), (4097, 4), (20_000, 8), (4 * 4096, 4), (4 * 4096 + 1, 8), (10**7, 8)])
 def test_spread_parts_closed_form(n_rows, parts):
-    """p = 4, batch 4096: the 200K test set's 20K rows go to 8 partitions (5 batches -> 2p)."""
+    """p = 4, batch 4096: the 200K test set's 20K rows (5 batches) go to 2p = 8 partitions."""
     assert prediction._spread_parts(4, 4096, n_rows) == parts
 
 
@@ -88,6 +88,10 @@ def test_shuffled_input_is_left_as_it_is(problem, spark):
     shuffled = samples.repartition(1, "sample_id")
     assert prediction._has_exchange(shuffled) and not prediction._has_exchange(samples.coalesce(1))
     assert prediction.balanced(shuffled) is shuffled
+    # exchanges the planner adds (an aggregation, a join) count as well as a repartition
+    assert samples.rdd.getNumPartitions() > 1
+    assert prediction._has_exchange(samples.dropDuplicates(["sample_id"]))
+    assert prediction._has_exchange(samples.join(samples.select("sample_id"), "sample_id"))
     cached = samples.repartition(1, "sample_id").cache()      # reading the cache shuffles nothing
     assert not prediction._has_exchange(cached) and prediction.balanced(cached).rdd.getNumPartitions() > 1
     cached.unpersist()

@@ -38,16 +38,18 @@ def balanced(samples: DataFrame, n_rows: Optional[int] = None) -> DataFrame:
     unequal files (the text's input splits: 14K and 6K rows at 200K samples) was scored by as many
     tasks, the largest one alone at the end (9.2 s against 4.4 s).
 
-    The target is twice Spark's default parallelism ``p``. With ``n_rows`` known, it is cut to
-    whole multiples of ``p`` partitions of at least one Arrow batch
-    (``spark.sql.execution.arrow.maxRecordsPerBatch`` rows) each, and input of at most one batch
-    is left as it is, since the shuffle would cost more than it shares (bibtex's 2.5K test rows:
-    predict 2.6 -> 3.2 s). Input already in as many partitions is left as it is.
+    The target (:func:`_spread_parts`) is twice Spark's default parallelism ``p``; with
+    ``n_rows`` known, input of at most one Arrow batch
+    (``spark.sql.execution.arrow.maxRecordsPerBatch`` rows) is left as it is, since the shuffle
+    would cost more than it shares (bibtex's 2.5K test rows: predict 2.6 -> 3.2 s), and input of
+    at most ``p`` batches goes to ``p`` partitions. Input already in as many partitions is left
+    as it is.
 
     Left as it is too: on Spark Connect (counting the partitions would cost a job), and a plan
     that holds an exchange (its partition count is known only by running the shuffle, which
     adaptive execution would do here, eagerly; such input comes out of a shuffle over
-    ``spark.sql.shuffle.partitions`` partitions anyway)."""
+    ``spark.sql.shuffle.partitions`` partitions anyway). A cached table counts as read from its
+    cache: counting fills a cache not filled yet, work the scoring then reuses."""
     if is_connect(samples):
         return samples
     parts = _spread_parts(default_parallelism(samples), _batch_rows(samples), n_rows)
@@ -57,27 +59,29 @@ def balanced(samples: DataFrame, n_rows: Optional[int] = None) -> DataFrame:
 
 
 def _spread_parts(par: int, batch: int, n_rows: Optional[int]) -> int:
-    """Partitions to spread ``n_rows`` rows over: ``2 * par``, or fewer whole multiples of
-    ``par`` with one Arrow batch of ``batch`` rows or more each; 1 (leave as is) for one batch."""
+    """Partitions to spread ``n_rows`` rows over: 1 (leave as is) for at most one Arrow batch of
+    ``batch`` rows, ``par`` for at most ``par`` batches, else (and for an unknown count) ``2 * par``."""
     if n_rows is None:
         return 2 * par
     if n_rows <= batch:
         return 1
-    batches = -(-n_rows // batch)
-    return min(2 * par, par * -(-batches // par))
+    return par if -(-n_rows // batch) <= par else 2 * par
+
+
+EXCHANGES = "org.apache.spark.sql.execution.exchange."     # shuffle, broadcast and reused exchanges
 
 
 def _has_exchange(df: DataFrame) -> bool:
     """Whether computing ``df`` runs an exchange (a shuffle or broadcast). Planning only, nothing
-    runs. A cached table's own plan is not walked (reading the cache runs none of it)."""
+    runs. An adaptive plan is walked as first planned (its ``initialPlan``, exchanges already in
+    place); a cached table's own plan is not walked (:func:`balanced`)."""
     todo = [df._jdf.queryExecution().executedPlan()]
     while todo:
         node = todo.pop()
-        name = node.nodeName()
-        if "Exchange" in name:
+        if node.getClass().getName().startswith(EXCHANGES):
             return True
-        if name == "AdaptiveSparkPlan":
-            todo.append(node.inputPlan())
+        if node.nodeName() == "AdaptiveSparkPlan":
+            todo.append(node.initialPlan())
             continue
         kids = node.children()
         todo.extend(kids.apply(i) for i in range(kids.size()))
