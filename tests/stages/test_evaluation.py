@@ -46,3 +46,20 @@ def test_unseen_labels_counts(spark):
     for train_counts, rows in ((counts, 2), (np.array([1, 1]), 2), (np.array([1, 0, 1]), 3)):
         assert evaluation.unseen_from_counts(train_counts, test_counts, rows) == \
             evaluation.unseen_labels(train_counts, test)
+
+
+def _plan(df) -> str:
+    return df._jdf.queryExecution().executedPlan().toString()
+
+
+def test_predictions_are_joined_shuffled_never_broadcast(spark, tmp_path):
+    """A predictions table small on disk goes through a shuffled hash join, not a broadcast (its
+    rows would pass through the driver); the same join without the hint is broadcast here."""
+    spark.createDataFrame([(0, [0]), (1, [1]), (2, [2])], TEST).write.parquet(str(tmp_path / "t"))
+    spark.createDataFrame([(0, [0, 1]), (2, [1])], PRED).write.parquet(str(tmp_path / "p"))
+    test, preds = spark.read.parquet(str(tmp_path / "t")), spark.read.parquet(str(tmp_path / "p"))
+    joined = evaluation.with_predictions(test, preds)
+    plan = _plan(joined)
+    assert "ShuffledHashJoin" in plan and "BroadcastExchange" not in plan
+    assert "BroadcastExchange" in _plan(test.join(preds, "sample_id", "left"))
+    assert sorted((r["sample_id"], r["pred_labels"]) for r in joined.collect()) == [(0, [0, 1]), (1, []), (2, [1])]

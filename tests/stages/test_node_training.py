@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import scipy.sparse as sp
+from pyspark.sql import functions as F
 
 from tests.stages.conftest import D, L, samples_frame
 from xmc_spark.arrow_utils import to_arrow
@@ -216,6 +217,14 @@ def test_node_costs_and_unit_placement():
     zero = np.array([5, 1, 1, 1, 2, 2, 0, 0])
     np.testing.assert_array_equal(node_training.node_costs(ix, zero)[1][-1], 1 * 2)
     np.testing.assert_array_equal(node_training.node_costs(ix, counts[:7])[1], node_training.node_costs(ix)[1])
+
+
+def test_routed_negatives_join_is_never_broadcast(problem):
+    """The routed table (one row a sample) joins the samples shuffled, not broadcast."""
+    samples, _, _ = problem
+    routed = samples.select("sample_id", F.array(F.lit(1).cast("long")).alias("man"))
+    plan = node_training.with_routed(samples, routed)._jdf.queryExecution().executedPlan().toString()
+    assert "ShuffledHashJoin" in plan and "BroadcastExchange" not in plan
 
 
 def test_grouped_training_shuffles_once(problem, index):

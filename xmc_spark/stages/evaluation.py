@@ -62,6 +62,15 @@ def unseen_from_counts(train_counts: np.ndarray, test_counts: np.ndarray, rows_w
             "test_unseen_positives": int(test_counts[miss].sum()), "test_rows_with_unseen": int(rows_with_unseen)}
 
 
+def with_predictions(test: DataFrame, predictions: DataFrame) -> DataFrame:
+    """(sample_id, label_idx, pred_labels) of every test row, [] where it has no prediction. A
+    shuffled hash join: a predictions table small on disk would otherwise be broadcast, every row
+    of it through the driver (O(test samples): 65.5 MiB for the 200K test rows of the 2M set)."""
+    joined = test.select("sample_id", "label_idx").join(
+        predictions.select("sample_id", "pred_labels").hint("shuffle_hash"), "sample_id", "left")
+    return joined.withColumn("pred_labels", F.coalesce("pred_labels", F.array().cast("array<int>")))
+
+
 def run(predictions: DataFrame, test: DataFrame, train_label_counts: np.ndarray, n_train: int,
         params: EvalParams, label_depth: np.ndarray | None = None) -> Dict[str, float]:
     """P@k, nDCG@k, PSP@k, recall@k (percent) and, given leaf depths, expected depth@k.
@@ -99,10 +108,7 @@ def run(predictions: DataFrame, test: DataFrame, train_label_counts: np.ndarray,
             total = M.add_sums(total, s)
         yield pa.RecordBatch.from_arrays([pa.array([json.dumps(total)])], names=["sums"])
 
-    joined = test.select("sample_id", "label_idx").join(
-        predictions.select("sample_id", "pred_labels"), "sample_id", "left")
-    joined = joined.withColumn("pred_labels", F.coalesce("pred_labels", F.array().cast("array<int>")))
-    parts = joined.mapInArrow(sums, "sums string").collect()
+    parts = with_predictions(test, predictions).mapInArrow(sums, "sums string").collect()
     total: Dict[str, float] = {}
     for r in parts:
         total = M.add_sums(total, json.loads(r["sums"]))

@@ -463,7 +463,8 @@ def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
 
 def with_routed(samples: DataFrame, routed: DataFrame) -> DataFrame:
     """``samples`` with the ``man`` column of :func:`routed_nodes` (empty where a sample has none)."""
-    return samples.join(routed, "sample_id", "left").withColumn(
+    # shuffled, never broadcast: the routed table is one row a sample (:func:`~.evaluation.run`)
+    return samples.join(routed.hint("shuffle_hash"), "sample_id", "left").withColumn(
         "man", F.coalesce(F.col("man"), F.array().cast("array<long>")))
 
 
