@@ -229,9 +229,10 @@ def node_costs(index, label_counts=None, n_samples: Optional[int] = None):
     labels that share no row, an overestimate where they do. The estimate only places work on
     tasks; a wrong one costs balance, never a result."""
     trees = index.trees if isinstance(index, Forest) else [index]
-    if label_counts is not None and len(label_counts) <= max(int(ix.slot_label.max(initial=-1)) for ix in trees):
+    top = max((int(ix.slot_label.max(initial=-1)) for ix in trees), default=-1)
+    if label_counts is not None and len(label_counts) <= top:
         log.warning("%d label counts for a tree of label ids up to %d: training units placed by label "
-                    "numbers alone", len(label_counts), max(int(ix.slot_label.max(initial=-1)) for ix in trees))
+                    "numbers alone", len(label_counts), top)
         label_counts = None
     ids, costs = [], []
     for t, ix in enumerate(trees):
@@ -463,7 +464,7 @@ def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
 
 def with_routed(samples: DataFrame, routed: DataFrame) -> DataFrame:
     """``samples`` with the ``man`` column of :func:`routed_nodes` (empty where a sample has none)."""
-    # shuffled, never broadcast: the routed table is one row a sample (:func:`~.evaluation.run`)
+    # shuffled, never broadcast: the routed table is one row a sample (as evaluation.with_predictions)
     return samples.join(routed.hint("shuffle_hash"), "sample_id", "left").withColumn(
         "man", F.coalesce(F.col("man"), F.array().cast("array<long>")))
 
