@@ -57,6 +57,11 @@ def random_problem(n=120, d=40, L=12, seed=0, density=0.2):
 CONNECT_ENV = "XMC_TEST_SPARK_REMOTE"
 
 
+def executed_plan(df) -> str:
+    """The physical plan Spark would run for ``df`` (planning only), as text."""
+    return df._jdf.queryExecution().executedPlan().toString()
+
+
 def spark_params(warehouse: str):
     """The tests' Spark settings (the ``spark`` fixture's), on a local master or the Connect one."""
     from xmc_spark.params import SparkParams

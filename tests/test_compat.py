@@ -74,3 +74,13 @@ def test_range_partitions_is_the_leaf_parallelism(spark):
         assert compat.default_parallelism(spark) == 2     # spark.default.parallelism comes first
     finally:
         spark.conf.unset("spark.sql.leafNodeDefaultParallelism")
+
+
+def test_never_broadcast_joins_shuffled(spark, tmp_path):
+    """A side small enough to be broadcast is shuffled instead (a shuffled hash join)."""
+    from tests.conftest import executed_plan
+    spark.range(3).write.parquet(str(tmp_path / "a"))
+    a = spark.read.parquet(str(tmp_path / "a"))
+    assert "BroadcastExchange" in executed_plan(spark.range(10).join(a, "id"))
+    plan = executed_plan(spark.range(10).join(compat.never_broadcast(a), "id"))
+    assert "ShuffledHashJoin" in plan and "BroadcastExchange" not in plan

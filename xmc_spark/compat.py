@@ -139,3 +139,11 @@ def shuffle_partitions(spark) -> int:
     except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
         v = "auto"
     return int(v) if v.isdigit() else int(default_parallelism(spark))
+
+
+def never_broadcast(df):
+    """``df`` as a join side that is shuffled (a shuffled hash join), never broadcast. For a
+    table of a row per sample: the planner, taking it for small from its compressed files, would
+    otherwise broadcast it, every row through the driver (the 2M run's evaluation join: 65.5 MiB
+    of predictions)."""
+    return df.hint("shuffle_hash")

@@ -3,6 +3,7 @@ training (beyond the training label space) count as misses, with the propensity 
 import numpy as np
 import pytest
 
+from tests.conftest import executed_plan
 from xmc_spark.params import EvalParams
 from xmc_spark.stages import evaluation
 
@@ -48,10 +49,6 @@ def test_unseen_labels_counts(spark):
             evaluation.unseen_labels(train_counts, test)
 
 
-def _plan(df) -> str:
-    return df._jdf.queryExecution().executedPlan().toString()
-
-
 def test_predictions_are_joined_shuffled_never_broadcast(spark, tmp_path):
     """A predictions table small on disk goes through a shuffled hash join, not a broadcast (its
     rows would pass through the driver); the same join without the hint is broadcast here."""
@@ -59,7 +56,7 @@ def test_predictions_are_joined_shuffled_never_broadcast(spark, tmp_path):
     spark.createDataFrame([(0, [0, 1]), (2, [1])], PRED).write.parquet(str(tmp_path / "p"))
     test, preds = spark.read.parquet(str(tmp_path / "t")), spark.read.parquet(str(tmp_path / "p"))
     joined = evaluation.with_predictions(test, preds)
-    plan = _plan(joined)
+    plan = executed_plan(joined)
     assert "ShuffledHashJoin" in plan and "BroadcastExchange" not in plan
-    assert "BroadcastExchange" in _plan(test.join(preds, "sample_id", "left"))
+    assert "BroadcastExchange" in executed_plan(test.join(preds, "sample_id", "left"))
     assert sorted((r["sample_id"], r["pred_labels"]) for r in joined.collect()) == [(0, [0, 1]), (1, []), (2, [1])]

@@ -12,6 +12,7 @@ import pytest
 import scipy.sparse as sp
 from pyspark.sql import functions as F
 
+from tests.conftest import executed_plan
 from tests.stages.conftest import D, L, samples_frame
 from xmc_spark.arrow_utils import to_arrow
 from xmc_spark.kernels import tron
@@ -223,7 +224,7 @@ def test_routed_negatives_join_is_never_broadcast(problem):
     """The routed table (one row a sample) joins the samples shuffled, not broadcast."""
     samples, _, _ = problem
     routed = samples.select("sample_id", F.array(F.lit(1).cast("long")).alias("man"))
-    plan = node_training.with_routed(samples, routed)._jdf.queryExecution().executedPlan().toString()
+    plan = executed_plan(node_training.with_routed(samples, routed))
     assert "ShuffledHashJoin" in plan and "BroadcastExchange" not in plan
 
 
@@ -231,8 +232,7 @@ def test_grouped_training_shuffles_once(problem, index):
     """The units are repartitioned by their part key and grouped by (part, group) with no
     second exchange."""
     samples, _, _ = problem
-    plan = node_training.run(samples, index, D, TrainParams(max_node_rows="off"))._jdf.queryExecution() \
-        .executedPlan().toString()
+    plan = executed_plan(node_training.run(samples, index, D, TrainParams(max_node_rows="off")))
     assert "MapInArrow expand" in plan
     above_fan_out = plan.split("MapInArrow expand")[0]          # (the input's own plan is below it)
     assert above_fan_out.count("Exchange") == 1 and "Exchange hashpartitioning(part" in above_fan_out

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from tests.conftest import executed_plan
 from xmc_spark.arrow_utils import csr_rows_to_arrays
 from xmc_spark.model import ModelTrainParams, XMCModel, is_chunked
 from xmc_spark.params import ClustersParams, TreeParams
@@ -79,7 +80,7 @@ def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, model
     samples, _, _ = problem
     got = sharded.predict(samples, as_sharded(spark, models["plain"], "default"), beam_size=3, topk=4)
     got.collect()                             # the adaptive plan as it ran
-    plan = got._jdf.queryExecution().executedPlan().toString()
+    plan = executed_plan(got)
     assert "isFinalPlan=true" in plan
     joins = re.findall(r"(\w+Join) \[(\w+)#", plan)
     assert models["plain"].index.depth >= 2 and ("ShuffledHashJoin", "sample_id") in joins, joins

@@ -30,7 +30,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply
-from ..compat import share
+from ..compat import never_broadcast, share
 from ..kernels.eagle import (
     Triples,
     assign,
@@ -318,7 +318,7 @@ def training_table(samples: DataFrame, assigned: DataFrame) -> DataFrame:
     (sorted by label); samples without a pair get empty lists."""
     per_sample = assigned.groupBy("sample_id").agg(
         F.sort_array(F.collect_list(F.struct("label_idx", "weight"))).alias("_lw"))
-    return samples.join(per_sample.hint("shuffle_hash"), "sample_id", "left").select(    # never broadcast
+    return samples.join(never_broadcast(per_sample), "sample_id", "left").select(
         "sample_id", "feature_idx", "feature_val",
         F.coalesce(F.transform("_lw", lambda x: x["label_idx"]), F.array().cast("array<int>")).alias("label_idx"),
         "weight",

@@ -11,6 +11,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from ..compat import never_broadcast
 from ..kernels.topk_projection import topk_projection
 from ..kernels.tree import TREE_SHIFT, decode_keys
 from ..model import XMCModel
@@ -48,7 +49,7 @@ def project(samples: DataFrame, matched: DataFrame, current: DataFrame, copies: 
     leaves per tree. A single tree's leaf ids are taken as they are.
     """
     ytm = (samples.select("sample_id", F.explode("label_idx").alias("label_idx"))
-           .join(matched.select("sample_id", "leaf").hint("shuffle_hash"), "sample_id")    # never broadcast
+           .join(never_broadcast(matched.select("sample_id", "leaf")), "sample_id")
            .groupBy("label_idx", "leaf").agg(F.count(F.lit(1)).cast("double").alias("value")))
     tree = F.col("tree").cast("long") if "tree" in current.columns else F.lit(0).cast("long")
     key = F.shiftleft(F.coalesce(tree, F.lit(0).cast("long")), TREE_SHIFT).bitwiseOR(F.col("node"))

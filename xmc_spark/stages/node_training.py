@@ -91,7 +91,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
-from ..compat import default_parallelism, share, shuffle_partitions
+from ..compat import default_parallelism, never_broadcast, share, shuffle_partitions
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
 from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth
@@ -464,8 +464,7 @@ def routed_nodes(samples: DataFrame, model, beam_size: int) -> DataFrame:
 
 def with_routed(samples: DataFrame, routed: DataFrame) -> DataFrame:
     """``samples`` with the ``man`` column of :func:`routed_nodes` (empty where a sample has none)."""
-    # shuffled, never broadcast: the routed table is one row a sample (as evaluation.with_predictions)
-    return samples.join(routed.hint("shuffle_hash"), "sample_id", "left").withColumn(
+    return samples.join(never_broadcast(routed), "sample_id", "left").withColumn(
         "man", F.coalesce(F.col("man"), F.array().cast("array<long>")))
 
 

@@ -47,7 +47,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, list_array, list_offsets_values, to_arrow
-from ..compat import shuffle_partitions
+from ..compat import never_broadcast, shuffle_partitions
 from ..kernels import metrics as M
 from ..kernels import prime as PR
 from ..params import ConfigError, EmbeddingParams, PrimeParams
@@ -224,7 +224,7 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
     fit, val = rows.filter(~held), rows.filter(held)
     with step("prime_shortlist"):           # one beam search over the fitting rows, kept on the executors
         if prm.hard_k:
-            fit = fit.join(shortlist(fit, tree, beam_size, prm.hard_k).hint("shuffle_hash"), "sample_id")
+            fit = fit.join(never_broadcast(shortlist(fit, tree, beam_size, prm.hard_k)), "sample_id")
         else:
             fit = fit.withColumn("cand", F.array().cast("array<int>"))
         fit = fit.localCheckpoint()
@@ -235,7 +235,7 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
             vtree = val_tree_fit(samples.filter(~held))
     with step("prime_weight"):           # re-rank: the held-out rows' candidates, to choose the weight on
         if prm.mode == "rerank":
-            val = val.join(shortlist(val, vtree, beam_size, prm.K).hint("shuffle_hash"), "sample_id")
+            val = val.join(never_broadcast(shortlist(val, vtree, beam_size, prm.K)), "sample_id")
         vt = to_arrow(val.orderBy("sample_id"))
     Xv = csr_from_table(vt, "feature_idx", "feature_val", n_features)
     Yv = csr_from_table(vt, "label_idx", None, n_labels)

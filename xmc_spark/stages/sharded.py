@@ -49,7 +49,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_values, to_arrow
-from ..compat import CONNECT_MAX_MB, is_connect, share
+from ..compat import CONNECT_MAX_MB, is_connect, never_broadcast, share
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys
@@ -337,7 +337,7 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     def rejoin(top: DataFrame) -> DataFrame:
         # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
         # small input table would otherwise be broadcast, its rows through the driver every layer
-        return (top.join(feats.hint("shuffle_hash"), "sample_id")
+        return (top.join(never_broadcast(feats), "sample_id")
                 .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
                 .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
                         F.col("rank").alias("prank"), (-F.col("e.neg")).alias("pscore")))
