@@ -54,3 +54,58 @@ def test_centroids_and_similarities_equal_the_sparse_products():
         np.testing.assert_array_equal(_centroids(Z, a, k), C / n)
         np.testing.assert_array_equal(_similarities(Z.indptr, Z.indices, Z.data, C / n),
                                       np.asarray(Z @ (C / n).T, dtype=np.float64))
+
+
+def _reference_split(Z, k, max_iter, seed):
+    """The balanced split written with scipy products on all d columns: centroids as the
+    membership matrix times Z, similarities Z @ C^T, two children sorted by S0 - S1."""
+    Z = sp.csr_matrix(Z, dtype=np.float32)
+    m = Z.shape[0]
+    rng = np.random.default_rng(seed)
+    base, extra = divmod(m, k)
+    caps = np.full(k, base)
+    caps[:extra] += 1
+    C = np.asarray(Z[rng.choice(m, size=k, replace=False)].todense(), dtype=np.float64)
+    assign = None
+    for _ in range(max_iter):
+        n = np.linalg.norm(C, axis=1, keepdims=True)
+        n[n == 0] = 1.0
+        S = np.asarray(Z @ (C / n).T, dtype=np.float64)
+        if k == 2:
+            new = np.ones(m, dtype=np.int64)
+            new[np.argsort(-(S[:, 0] - S[:, 1]), kind="mergesort")[: caps[0]]] = 0
+        else:                                   # greedy: best (row, child) pairs first, children capped
+            new = -np.ones(m, dtype=np.int64)
+            load = np.zeros(k, dtype=np.int64)
+            for f in np.argsort(-S.ravel(), kind="mergesort"):
+                i, j = divmod(int(f), k)
+                if new[i] < 0 and load[j] < caps[j]:
+                    new[i] = j
+                    load[j] += 1
+        if assign is not None and np.array_equal(new, assign):
+            break
+        assign = new
+        A = sp.csr_matrix((np.ones(m, np.float32), (assign, np.arange(m))), shape=(k, m))
+        C = np.asarray((A @ Z).todense(), dtype=np.float64)
+    return assign
+
+
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_split_equals_the_scipy_reference_and_ignores_unused_columns(k):
+    """The compiled split (the difference projection for two children, the node's own columns
+    only) gives the assignment of the plain scipy iteration over all columns, and empty columns
+    added anywhere change nothing."""
+    for seed in range(4):
+        m, d = 300 + 17 * seed, 60
+        Z = sp.random(m, d, density=0.15, format="csr", random_state=seed, dtype=np.float32)
+        a = balanced_split(Z, nr_splits=k, max_iter=20, seed=seed)
+        np.testing.assert_array_equal(a, _reference_split(Z, k, 20, seed))
+        wide = sp.hstack([sp.csr_matrix((m, 5)), Z[:, :30], sp.csr_matrix((m, 40)), Z[:, 30:]], format="csr")
+        np.testing.assert_array_equal(balanced_split(wide, nr_splits=k, max_iter=20, seed=seed), a)
+
+
+def test_projection_equals_the_sparse_product():
+    from xmc_spark.kernels.balanced_kmeans import _projection
+    Z = sp.random(150, 70, density=0.2, format="csr", random_state=3, dtype=np.float32)
+    v = np.random.default_rng(0).standard_normal(70)
+    np.testing.assert_array_equal(_projection(Z.indptr, Z.indices, Z.data, v), Z @ v)

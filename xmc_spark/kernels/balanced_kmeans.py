@@ -1,7 +1,8 @@
 """Balanced spherical k-means split of one tree node (Parabel / PECOS style).
 
 For two children: alternate (a) centroids = normalized sums of each half and (b) sort the
-labels by v^T (mu+ - mu-) and give the top half to child 0, until the halves stop changing.
+labels by v^T (mu+ - mu-) (one sparse-dense product with the difference of the centroids)
+and give the top half to child 0, until the halves stop changing.
 For B > 2 children, (b) becomes a greedy balanced assignment of labels to the centroids.
 """
 from __future__ import annotations
@@ -49,6 +50,21 @@ def _similarities(ptr, idx, val, C):
 
 
 @njit()
+def _projection(ptr, idx, val, v):
+    """Z @ v for a float32 CSR Z and a dense float64 d-vector, each row's sum taken in the order
+    of its non-zeros (as scipy's CSR x vector product). For two children the split needs only
+    the difference of the two similarities: one gather per non-zero, not two."""
+    m = len(ptr) - 1
+    s = np.zeros(m)
+    for i in range(m):
+        a = 0.0
+        for p in range(ptr[i], ptr[i + 1]):
+            a += np.float64(val[p]) * v[idx[p]]
+        s[i] = a
+    return s
+
+
+@njit()
 def _greedy_balanced(scores, caps):
     """Assign rows to columns by descending score, each column taking at most caps[j] rows."""
     m, k = scores.shape
@@ -69,6 +85,21 @@ def _greedy_balanced(scores, caps):
     return assign
 
 
+def _used_columns(Z: sp.csr_matrix) -> sp.csr_matrix:
+    """Z restricted to the columns its rows use, renumbered in order: the same similarities and
+    centroid entries (a column no row uses is 0 in every centroid), while each iteration's dense
+    centroids are as wide as the node's features, not all d (deep nodes use a few of them)."""
+    d = Z.shape[1]
+    used = np.zeros(d, dtype=bool)
+    used[Z.indices] = True
+    cols = np.flatnonzero(used)
+    if len(cols) == d:
+        return Z
+    lut = np.zeros(d, dtype=Z.indices.dtype)
+    lut[cols] = np.arange(len(cols), dtype=Z.indices.dtype)
+    return sp.csr_matrix((Z.data, lut[Z.indices], Z.indptr), shape=(Z.shape[0], len(cols)))
+
+
 def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, seed: int = 0) -> np.ndarray:
     """Split the rows of Z (label embeddings of one node) into ``nr_splits`` balanced parts.
 
@@ -80,6 +111,7 @@ def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, see
     k = min(nr_splits, m)
     if m <= 1 or k <= 1:
         return np.zeros(m, dtype=np.int64)
+    Z = _used_columns(Z)
     rng = np.random.default_rng(seed)
     base, extra = divmod(m, k)
     caps = np.full(k, base, dtype=np.int64)
@@ -92,14 +124,13 @@ def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, see
     C /= n
     assign = None
     for _ in range(max_iter):
-        S = _similarities(Z.indptr, Z.indices, Z.data, C)           # m x k similarities
-        if k == 2:
-            diff = S[:, 0] - S[:, 1]
+        if k == 2:                                                  # z^T (c0 - c1) = z^T c0 - z^T c1
+            diff = _projection(Z.indptr, Z.indices, Z.data, C[0] - C[1])
             order = np.argsort(-diff, kind="mergesort")
             new = np.ones(m, dtype=np.int64)
             new[order[: caps[0]]] = 0
         else:
-            new = _greedy_balanced(S, caps)
+            new = _greedy_balanced(_similarities(Z.indptr, Z.indices, Z.data, C), caps)   # m x k
         if assign is not None and np.array_equal(new, assign):
             break
         assign = new
