@@ -15,6 +15,7 @@ from ..params import EmbeddingParams
 from ..schemas import EMBEDDING_SCHEMA
 
 log = logging.getLogger("xmc_spark.embedding")
+BLOCK_BYTES = 32 << 20
 PARTIAL_SCHEMA = "bucket int, label_idx int, emb_idx array<int>, emb_val array<float>"
 
 
@@ -26,18 +27,31 @@ def _sparse_rows_table(row_ids: np.ndarray, M: sp.csr_matrix, extra: dict | None
 
 
 def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_labels: int,
-        n_buckets: int = 8) -> DataFrame:
-    """(label_idx, emb_idx, emb_val): L2-normalized Y^T X rows, labels with no sample omitted."""
+        n_buckets: int = 8, block_bytes: int = BLOCK_BYTES) -> DataFrame:
+    """(label_idx, emb_idx, emb_val): L2-normalized Y^T X rows, labels with no sample omitted.
+
+    Each task multiplies blocks of its Arrow batches (``block_bytes`` of Arrow buffers, about
+    ``block_bytes / 8`` feature non-zeros, then the next block) and sums the blocks' products.
+    A product and a sum per batch made the sums (each the size of the growing partial) cost ~6x
+    the products (500K set: 2.4 s against 0.4 s a partition)."""
     normalize_y = params.normalize_y
 
     def partial(batches):
-        acc = None
+        acc, block, held = None, [], 0
+
+        def add(acc, block):
+            t = pa.Table.from_batches(block)
+            P = pifa_partial(csr_from_table(t, "feature_idx", "feature_val", n_features),
+                             csr_from_table(t, "label_idx", None, n_labels), normalize_y)
+            return P if acc is None else acc + P
+
         for b in batches:
-            t = pa.Table.from_batches([b])
-            X = csr_from_table(t, "feature_idx", "feature_val", n_features)
-            Y = csr_from_table(t, "label_idx", None, n_labels)
-            P = pifa_partial(X, Y, normalize_y)
-            acc = P if acc is None else acc + P
+            block.append(b)
+            held += b.get_total_buffer_size()
+            if held >= block_bytes:
+                acc, block, held = add(acc, block), [], 0
+        if block:
+            acc = add(acc, block)
         if acc is None:
             return
         acc = acc.tocsr()
