@@ -34,8 +34,8 @@ def test_labels_without_samples_are_omitted_and_y_unnormalized(problem, spark):
 
 
 def test_blocks_of_batches_sum_to_the_kernel(problem, spark):
-    """Batches of 8 rows (about 6 per task): one block per batch (block_bytes=1), a few batches a
-    block, or all of a task's batches in one block give the kernel's embeddings."""
+    """Batches of 8 rows (about 7 a task): one block per batch (block_bytes=1) or a few batches a
+    block give the kernel's embeddings (one block a task: the test above)."""
     samples, Xl, Yl = problem
     key = "spark.sql.execution.arrow.maxRecordsPerBatch"
     old = spark.conf.get(key)
@@ -44,7 +44,7 @@ def test_blocks_of_batches_sum_to_the_kernel(problem, spark):
         sizes = samples.mapInArrow(lambda bs: ([__import__("pyarrow").RecordBatch.from_pydict(
             {"n": [b.num_rows]}) for b in bs]), "n long").collect()
         assert max(r["n"] for r in sizes) == 8 and len(sizes) >= 3 * 4      # several batches a task
-        for block in (1, 3000, 1 << 30):
+        for block in (1, 3000):
             emb = label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=3,
                                       block_bytes=block)
             Z = to_csr(emb.collect(), "emb_idx", "emb_val", D, id_col="label_idx")
