@@ -32,7 +32,7 @@ def test_worker_progress_totals_first_call_then_throttled(capfd, monkeypatch):
     progress.worker_progress("predict", rows_scored=100)
     progress.worker_progress("predict", rows_scored=50)       # within the interval: counted, not logged
     err = capfd.readouterr().err
-    assert "predict: 100 rows_scored so far in worker" in err and "150" not in err
+    assert "predict: 100 rows_scored so far in worker" in err and "150 rows_scored" not in err
     monkeypatch.setenv(progress.INTERVAL_ENV, "0")
     progress.worker_progress("predict", rows_scored=1)
     assert "predict: 151 rows_scored so far" in capfd.readouterr().err
