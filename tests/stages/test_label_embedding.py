@@ -1,5 +1,6 @@
 """The PIFA stage equals the numpy kernel."""
 import numpy as np
+import pyarrow as pa
 import scipy.sparse as sp
 
 from tests.stages.conftest import D, L, samples_frame, to_csr
@@ -41,8 +42,8 @@ def test_blocks_of_batches_sum_to_the_kernel(problem, spark):
     old = spark.conf.get(key)
     spark.conf.set(key, "8")
     try:
-        sizes = samples.mapInArrow(lambda bs: ([__import__("pyarrow").RecordBatch.from_pydict(
-            {"n": [b.num_rows]}) for b in bs]), "n long").collect()
+        sizes = samples.mapInArrow(lambda bs: ([pa.RecordBatch.from_pydict({"n": [b.num_rows]}) for b in bs]),
+                                   "n long").collect()
         assert max(r["n"] for r in sizes) == 8 and len(sizes) >= 3 * 4      # several batches a task
         for block in (1, 3000):
             emb = label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=3,

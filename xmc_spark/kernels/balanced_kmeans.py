@@ -53,7 +53,9 @@ def _similarities(ptr, idx, val, C):
 def _projection(ptr, idx, val, v):
     """Z @ v for a float32 CSR Z and a dense float64 d-vector, each row's sum taken in the order
     of its non-zeros (as scipy's CSR x vector product). For two children the split needs only
-    the difference of the two similarities: one gather per non-zero, not two."""
+    the difference of the two similarities: one gather per non-zero, not two. It rounds
+    differently from z^T c0 - z^T c1, so rows that tie (or nearly) at the cut may land on the
+    other side than with the two products (binary rows; real-valued embeddings did not differ)."""
     m = len(ptr) - 1
     s = np.zeros(m)
     for i in range(m):
@@ -86,8 +88,9 @@ def _greedy_balanced(scores, caps):
 
 
 def _used_columns(Z: sp.csr_matrix) -> sp.csr_matrix:
-    """Z restricted to the columns its rows use, renumbered in order: the same similarities and
-    centroid entries (a column no row uses is 0 in every centroid), while each iteration's dense
+    """Z restricted to the columns its rows use, renumbered in order: each row keeps its non-zeros
+    in order, so the same sums (a column no row uses is 0 in every centroid; a centroid's norm may
+    differ in its last bit, its reduction running over fewer zeros), while each iteration's dense
     centroids are as wide as the node's features, not all d (deep nodes use a few of them)."""
     d = Z.shape[1]
     used = np.zeros(d, dtype=bool)
@@ -124,7 +127,7 @@ def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, see
     C /= n
     assign = None
     for _ in range(max_iter):
-        if k == 2:                                                  # z^T (c0 - c1) = z^T c0 - z^T c1
+        if k == 2:                              # z^T (c0 - c1) = z^T c0 - z^T c1 up to rounding
             diff = _projection(Z.indptr, Z.indices, Z.data, C[0] - C[1])
             order = np.argsort(-diff, kind="mergesort")
             new = np.ones(m, dtype=np.int64)
