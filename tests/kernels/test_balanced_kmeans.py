@@ -92,10 +92,10 @@ def _reference_split(Z, k, max_iter, seed):
 
 @pytest.mark.parametrize("k", [2, 3, 8])
 def test_split_equals_the_scipy_reference_and_ignores_unused_columns(k):
-    """The compiled split (the difference projection for two children, the node's own columns
-    only) gives the assignment of the plain scipy iteration over all columns, and empty columns
-    added anywhere change nothing. Real-valued rows: with ties at the cut (binary rows) the two
-    roundings of z^T c0 - z^T c1 may order tied rows differently (see ``_projection``)."""
+    """The compiled split (the difference projection for two children) gives the assignment of
+    the plain scipy iteration, and empty columns added anywhere change nothing. Real-valued rows:
+    with ties at the cut (binary rows) the two roundings of z^T c0 - z^T c1 may order tied rows
+    differently (see ``_projection``)."""
     for seed in range(4):
         m, d = 300 + 17 * seed, 60
         Z = sp.random(m, d, density=0.15, format="csr", random_state=seed, dtype=np.float32)

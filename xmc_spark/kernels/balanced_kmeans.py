@@ -87,22 +87,6 @@ def _greedy_balanced(scores, caps):
     return assign
 
 
-def _used_columns(Z: sp.csr_matrix) -> sp.csr_matrix:
-    """Z restricted to the columns its rows use, renumbered in order: each row keeps its non-zeros
-    in order, so the same sums (a column no row uses is 0 in every centroid; a centroid's norm may
-    differ in its last bit, its reduction running over fewer zeros), while each iteration's dense
-    centroids are as wide as the node's features, not all d (deep nodes use a few of them)."""
-    d = Z.shape[1]
-    used = np.zeros(d, dtype=bool)
-    used[Z.indices] = True
-    cols = np.flatnonzero(used)
-    if len(cols) == d:
-        return Z
-    lut = np.zeros(d, dtype=Z.indices.dtype)
-    lut[cols] = np.arange(len(cols), dtype=Z.indices.dtype)
-    return sp.csr_matrix((Z.data, lut[Z.indices], Z.indptr), shape=(Z.shape[0], len(cols)))
-
-
 def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, seed: int = 0) -> np.ndarray:
     """Split the rows of Z (label embeddings of one node) into ``nr_splits`` balanced parts.
 
@@ -114,7 +98,6 @@ def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, see
     k = min(nr_splits, m)
     if m <= 1 or k <= 1:
         return np.zeros(m, dtype=np.int64)
-    Z = _used_columns(Z)
     rng = np.random.default_rng(seed)
     base, extra = divmod(m, k)
     caps = np.full(k, base, dtype=np.int64)
