@@ -75,3 +75,52 @@ def test_label_weights_scale_only_the_positives():
     b = train_node(X, sp.csr_matrix(Yw > 0, dtype=np.float32), weights=per_sample, threshold=0, eps=1e-6,
                    max_iter=2000).toarray()
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_node_of_weighted_labels_equals_each_label_alone():
+    """train_node solves a node's labels in one compiled loop (row norms shared, each
+    positive's cost set and restored per label): each column must equal that label solved
+    alone with its costs as sample weights, bit for bit, and threshold 0 keeps every non-zero
+    (the output grows past its first allocation)."""
+    rng = np.random.default_rng(7)
+    n, d, K = 90, 14, 5
+    X = sp.random(n, d, density=0.35, random_state=7, format="csr", dtype=np.float64)
+    Y = sp.random(n, K, density=0.3, random_state=8, format="csc", dtype=np.float64)
+    Y.data = rng.uniform(0.2, 1.5, Y.nnz)
+    sw = rng.uniform(0.5, 2.0, n)
+    sw[3] = 0.0                                      # a dropped sample
+    W = train_node(X, Y, C=0.7, weights=sw, threshold=0.0, eps=0.01, max_iter=500, seed=11).toarray()
+    for k in range(K):
+        pos = Y[:, k].toarray().ravel()
+        y = np.where(pos > 0, 1.0, -1.0)
+        cost = sw * np.where(pos > 0, pos, 1.0)
+        ref = train_binary(X, y, C=0.7, weights=cost, eps=0.01, max_iter=500, seed=11 + k)
+        np.testing.assert_array_equal(W[:, k], ref.astype(np.float32))
+    assert np.count_nonzero(W) > d                   # more than the first allocation
+
+
+def test_float32_values_give_the_float64_solution():
+    X, y = _problem(5)
+    Y = sp.csr_matrix(np.stack([y > 0, y < 0], axis=1).astype(np.float32))
+    X32 = X.astype(np.float32)
+    a = train_node(X32, Y, threshold=0.0).toarray()
+    b = train_node(X32.astype(np.float64), Y, threshold=0.0).toarray()
+    np.testing.assert_array_equal(a, b)
+
+
+def test_shuffle_is_a_uniform_permutation():
+    from xmc_spark.kernels.squared_hinge import _shuffle
+    n, trials = 6, 12000
+    counts = np.zeros((n, n))
+    state = np.uint64(12345)
+    for _ in range(trials):
+        index = np.arange(n)
+        state = np.uint64(_shuffle(index, n, state))     # a Python int back from numba
+        assert sorted(index) == list(range(n))
+        counts[np.arange(n), index] += 1
+    expected = trials / n                            # each value equally likely at each position
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 70                                 # 25 degrees of freedom: p < 1e-5 beyond 70
+    index = np.arange(n)
+    _shuffle(index, 3, np.uint64(1))
+    assert list(index[3:]) == [3, 4, 5]              # only the active part moves
