@@ -196,3 +196,58 @@ def test_top_k_rows_equals_sorting_each_row():
         np.testing.assert_array_equal(labels[i, :len(want)], want)
         assert (labels[i, len(want):] == -1).all()
         np.testing.assert_allclose(scores[i, :len(want)], D[i, want])
+
+
+def test_layer_blocks_give_every_childs_dot_product_to_the_last_bit():
+    """The layered search scores a node's children from its feature-major block
+    (layer_blocks + _children_margins); each margin must equal the column-wise dot product
+    (_dot, which the tree search uses) bit for bit, for wide and narrow columns, parents
+    without any weight, a single child, and float32 as well as float64 weights."""
+    import gc
+
+    from xmc_spark.kernels import beam_search as bs
+    rng = np.random.default_rng(3)
+    d = 300
+    sizes = np.array([1, 5, 0, 3, 7, 2])                   # children per parent; one parent has none
+    child_ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    K = int(child_ptr[-1])
+    dens = rng.choice([0.005, 0.05, 0.8], K)               # columns far sparser and far denser than x
+    cols = [sp.random(d, 1, density=float(p), random_state=int(s), format="csc")
+            for s, p in zip(rng.integers(0, 10**6, K), dens)]
+    cols[3] = sp.csc_matrix((d, 1))                         # an all-zero column
+    X = sp.random(50, d, density=0.06, random_state=4, format="csr", dtype=np.float32)
+    for dtype in (np.float32, np.float64):
+        W = sp.hstack(cols, format="csc").astype(dtype)
+        W.sort_indices()
+        blocks = bs.layer_blocks(W, child_ptr)
+        assert bs.layer_blocks(W, child_ptr) is blocks     # built once per matrix
+        dense = np.zeros(d)
+        acc = np.zeros(int(sizes.max()))
+        for i in range(X.shape[0]):
+            dense[X.indices[X.indptr[i]:X.indptr[i + 1]]] = X.data[X.indptr[i]:X.indptr[i + 1]]
+            for p in range(len(sizes)):
+                bs._children_margins(X.indptr.astype(np.int64), X.indices, X.data, i, blocks[0][p], blocks[0][p + 1],
+                                     *blocks[1:], acc, sizes[p])
+                for t in range(sizes[p]):
+                    ref = bs._dot(X.indptr.astype(np.int64), X.indices, X.data, i, dense, W.indptr.astype(np.int64),
+                                  W.indices, W.data, child_ptr[p] + t)
+                    assert acc[t] == ref, (dtype, i, p, t)
+            dense[:] = 0.0
+        key = id(W)
+        del W, blocks
+        gc.collect()
+        assert key not in bs._BLOCKS                        # dropped with its matrix
+
+
+def test_unsorted_repeated_input_features_are_summed_first():
+    m, X = _random_model(5)
+    Xu = sp.csr_matrix((np.concatenate([X.data, X.data[:1]]), np.concatenate([X.indices, X.indices[:1]]),
+                        np.concatenate([X.indptr[:1], X.indptr[1:] + 1])), shape=X.shape)
+    Xu.indices[:Xu.indptr[1]] = Xu.indices[:Xu.indptr[1]][::-1].copy()    # row 0 reversed, one feature twice
+    Xu.data[:Xu.indptr[1]] = Xu.data[:Xu.indptr[1]][::-1].copy()
+    Xs = Xu.copy()
+    Xs.sum_duplicates()
+    a = m.predict(Xu, beam_size=4, topk=3)
+    b = m.predict(Xs, beam_size=4, topk=3)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])

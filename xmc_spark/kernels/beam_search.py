@@ -4,8 +4,15 @@ Scores combine as in PECOS's default ``l3-hinge`` post-processor: a node's score
 parent's score times exp(-max(0, 1 - w^T x)^3). A pass-through node (the only child of its
 parent, used to pad shallow leaves) keeps its parent's score. At the label layer, a label
 reached through several leaves (overlapping clusters) gets the average of its scores.
+
+The layered search scores all children of a beam node at once from the node's feature-major
+block (:func:`layer_blocks`): each of the row's features is looked up once among the
+features of the node's children, instead of once per child. On the 200K synthetic set's
+model this halves the search time; the scores are the same to the last bit.
 """
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import scipy.sparse as sp
@@ -43,6 +50,18 @@ def transform(v: np.ndarray, post_processor: str) -> np.ndarray:
     return _transform_all(v, POST_PROCESSORS[post_processor])
 
 
+def _values(a: np.ndarray) -> np.ndarray:
+    """Values for the compiled search as stored: float32 stays float32 (each product is taken
+    in float64, so the scores are those of a float64 copy, at half the bytes to stream);
+    anything else becomes float64."""
+    return a if a.dtype in (np.float32, np.float64) else a.astype(np.float64)
+
+
+def _ids(a: np.ndarray) -> np.ndarray:
+    """Indices as stored when int32 or int64 (no copy of the model per call)."""
+    return a if a.dtype in (np.int32, np.int64) else a.astype(np.int64)
+
+
 def score_children(X: sp.csr_matrix, parent_scores: np.ndarray, W: sp.csc_matrix, passthrough: np.ndarray,
                    post_processor: str) -> np.ndarray:
     """Path scores (n x K) of the K children of one node for the n rows of X (bias appended)
@@ -73,21 +92,51 @@ def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
                 else:
                     b = mid
             if a < hi and widx[a] == f:
-                v += wval[a] * xval[p]
+                v += np.float64(wval[a]) * np.float64(xval[p])
     else:
         for q in range(lo, hi):
-            v += wval[q] * dense[widx[q]]
+            v += np.float64(wval[q]) * dense[widx[q]]
     return v
 
 
 @njit()
-def _beam_layer(xptr, xidx, xval, n_cols, prev_nodes, prev_scores, child_ptr, wptr, widx, wval,
+def _children_margins(xptr, xidx, xval, i, lo, hi, cfeat, cptr, cchild, cval, acc, n_children):
+    """w_c . x_i of all children c of one node into acc[:n_children], from the node's
+    feature-major block (:func:`layer_blocks`): each of x's features (sorted) is looked up
+    once in the node's sorted features, and its entries add to every child that has it.
+    Each sum runs over the shared features in increasing order with float64 products, as
+    :func:`_dot` does, so the margins are the same to the last bit."""
+    for t in range(n_children):
+        acc[t] = 0.0
+    for q in range(xptr[i], xptr[i + 1]):
+        f = xidx[q]
+        a = lo
+        b = hi
+        while a < b:
+            mid = (a + b) >> 1
+            if cfeat[mid] < f:
+                a = mid + 1
+            else:
+                b = mid
+        if a < hi and cfeat[a] == f:
+            v = np.float64(xval[q])
+            for e in range(cptr[a], cptr[a + 1]):
+                acc[cchild[e]] += np.float64(cval[e]) * v
+            a += 1
+        lo = a                          # x's features are sorted: the next one lies beyond
+
+
+@njit()
+def _beam_layer(xptr, xidx, xval, prev_nodes, prev_scores, child_ptr, node_fptr, cfeat, cptr, cchild, cval,
                 passthrough, out_k, slot_label, post):
     n = prev_nodes.shape[0]
     b = prev_nodes.shape[1]
     out_nodes = -np.ones((n, out_k), dtype=np.int64)
     out_scores = np.zeros((n, out_k), dtype=np.float64)
-    dense = np.zeros(n_cols, dtype=np.float64)
+    max_children = 1
+    for p in range(child_ptr.shape[0] - 1):
+        max_children = max(max_children, child_ptr[p + 1] - child_ptr[p])
+    acc = np.zeros(max_children, dtype=np.float64)
     max_cand = 0
     for i in range(n):
         c = 0
@@ -101,24 +150,23 @@ def _beam_layer(xptr, xidx, xval, n_cols, prev_nodes, prev_scores, child_ptr, wp
     cscore = np.empty(max_cand, dtype=np.float64)
     final = slot_label.shape[0] > 0
     for i in range(n):
-        for p in range(xptr[i], xptr[i + 1]):
-            dense[xidx[p]] = xval[p]
         c = 0
         for j in range(b):
             p = prev_nodes[i, j]
             if p < 0:
                 continue
             ps = prev_scores[i, j]
-            for node in range(child_ptr[p], child_ptr[p + 1]):
+            c0 = child_ptr[p]
+            _children_margins(xptr, xidx, xval, i, node_fptr[p], node_fptr[p + 1], cfeat, cptr, cchild, cval,
+                              acc, child_ptr[p + 1] - c0)
+            for node in range(c0, child_ptr[p + 1]):
                 if passthrough[node]:
                     s = ps
                 else:
-                    s = ps * _transform(_dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node), post)
+                    s = ps * _transform(acc[node - c0], post)
                 cand[c] = slot_label[node] if final else node
                 cscore[c] = s
                 c += 1
-        for p in range(xptr[i], xptr[i + 1]):
-            dense[xidx[p]] = 0.0
         if c == 0:
             continue
         if final:  # average the scores of a label reached through several leaves
@@ -154,25 +202,58 @@ def _beam_layer(xptr, xidx, xval, n_cols, prev_nodes, prev_scores, child_ptr, wp
     return out_nodes, out_scores
 
 
+_BLOCKS: dict = {}          # id(W) -> (weak reference to W, its blocks): see layer_blocks
+
+
+def layer_blocks(W, child_ptr: np.ndarray):
+    """A layer's weights regrouped by parent node and feature, for :func:`_children_margins`:
+    (node_fptr, cfeat, cptr, cchild, cval). The features of node p's children are
+    cfeat[node_fptr[p]:node_fptr[p + 1]] (sorted); feature position a holds the entries
+    cptr[a]:cptr[a + 1], each a child (0-based among p's children, ``cchild``) and its weight
+    (``cval``, float32 as stored). One sort of the layer's non-zeros, kept for as long as the
+    matrix ``W`` lives (a model's layers are built once and searched batch after batch), and
+    never pickled with it."""
+    hit = _BLOCKS.get(id(W))
+    if hit is not None and hit[0]() is W:
+        return hit[1]
+    Wc = sp.csc_matrix(W)
+    child_ptr = np.asarray(child_ptr, dtype=np.int64)
+    cols = np.repeat(np.arange(Wc.shape[1], dtype=np.int64), np.diff(Wc.indptr))
+    par = np.searchsorted(child_ptr, cols, side="right") - 1
+    feat = Wc.indices.astype(np.int64)
+    # (parent, feature), stable: within a pair, children in column order (par follows the columns)
+    order = np.argsort(par * max(Wc.shape[0], 1) + feat, kind="stable")
+    par, feat, cols = par[order], feat[order], cols[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (par[1:] != par[:-1]) | (feat[1:] != feat[:-1])
+    starts = np.flatnonzero(first)
+    node_fptr = np.concatenate([[0], np.cumsum(np.bincount(par[starts], minlength=len(child_ptr) - 1))])
+    blocks = (node_fptr.astype(np.int64), feat[starts], np.append(starts, len(order)).astype(np.int64),
+              (cols - child_ptr[par]).astype(np.int32), _values(Wc.data[order]))
+    key = id(W)
+    _BLOCKS[key] = (weakref.ref(W, lambda _, k=key: _BLOCKS.pop(k, None)), blocks)
+    return blocks
+
+
 def _beams(X: sp.csr_matrix, layers, slot_label, beam_size: int, topk: int, post_processor: str):
     """Beam search layer by layer: yields (nodes, scores) after each layer (positions in that
     layer's nodes; after the last layer, labels via ``slot_label``, top-k; ``slot_label`` None:
     the last layer is kept as a beam too)."""
     X = sp.csr_matrix(X)
+    if not X.has_canonical_format:      # sorted, summed features (the blocks' lookups rely on it)
+        X = X.copy()
+        X.sum_duplicates()
     n = X.shape[0]
     post = POST_PROCESSORS[post_processor]
     nodes = np.zeros((n, 1), dtype=np.int64)
     scores = np.ones((n, 1), dtype=np.float64)
-    xptr, xidx, xval = X.indptr.astype(np.int64), X.indices.astype(np.int64), X.data.astype(np.float64)
+    xptr, xidx, xval = X.indptr.astype(np.int64), _ids(X.indices), _values(X.data)
     empty = np.zeros(0, dtype=np.int64)
     for t, (child_ptr, W, passthrough) in enumerate(layers):
         last = t == len(layers) - 1 and slot_label is not None
-        W = sp.csc_matrix(W)
-        if not W.has_sorted_indices:
-            W = W.sorted_indices()
+        child_ptr = np.asarray(child_ptr, dtype=np.int64)
         nodes, scores = _beam_layer(
-            xptr, xidx, xval, X.shape[1], nodes, scores, np.asarray(child_ptr, dtype=np.int64),
-            W.indptr.astype(np.int64), W.indices.astype(np.int64), W.data.astype(np.float64),
+            xptr, xidx, xval, nodes, scores, child_ptr, *layer_blocks(W, child_ptr),
             np.asarray(passthrough, dtype=np.bool_), topk if last else beam_size,
             np.asarray(slot_label, dtype=np.int64) if last else empty, post)
         yield nodes, scores
@@ -326,8 +407,8 @@ def tree_search(X: sp.csr_matrix, tree, beam_size: int = 10, topk: int = 5, post
     W = W if W.has_sorted_indices else W.sorted_indices()
     SW = SW if SW.has_sorted_indices else SW.sorted_indices()
     i64 = np.int64
-    return _tree_search(X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64), X.shape[1],
-                        np.asarray(child_ptr, i64), W.indptr.astype(i64), W.indices.astype(i64),
-                        W.data.astype(np.float64), np.asarray(slot_ptr, i64), SW.indptr.astype(i64),
-                        SW.indices.astype(i64), SW.data.astype(np.float64), np.asarray(slot_label, i64),
+    return _tree_search(X.indptr.astype(i64), _ids(X.indices), _values(X.data), X.shape[1],
+                        np.asarray(child_ptr, i64), W.indptr.astype(i64), _ids(W.indices),
+                        _values(W.data), np.asarray(slot_ptr, i64), SW.indptr.astype(i64),
+                        _ids(SW.indices), _values(SW.data), np.asarray(slot_label, i64),
                         int(n_labels), int(beam_size), int(topk), POST_PROCESSORS[post_processor], bool(adaptive))
