@@ -73,6 +73,18 @@ def score_children(X: sp.csr_matrix, parent_scores: np.ndarray, W: sp.csc_matrix
 
 
 @njit()
+def _lower_bound(sorted_ids, lo, hi, f):
+    """The first position in sorted_ids[lo:hi] holding an id >= f (hi if none)."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if sorted_ids[mid] < f:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit()
 def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
     """w_node . x_i: scan w against the dense copy of x, or, when w has many more non-zeros
     than x (upper tree levels), binary-search each of x's features in w's sorted indices."""
@@ -82,16 +94,8 @@ def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
     v = 0.0
     if hi - lo > 16 * nx:
         for p in range(xptr[i], xptr[i + 1]):
-            f = xidx[p]
-            a = lo
-            b = hi
-            while a < b:
-                mid = (a + b) >> 1
-                if widx[mid] < f:
-                    a = mid + 1
-                else:
-                    b = mid
-            if a < hi and widx[a] == f:
+            a = _lower_bound(widx, lo, hi, xidx[p])
+            if a < hi and widx[a] == xidx[p]:
                 v += np.float64(wval[a]) * np.float64(xval[p])
     else:
         for q in range(lo, hi):
@@ -109,16 +113,8 @@ def _children_margins(xptr, xidx, xval, i, lo, hi, cfeat, cptr, cchild, cval, ac
     for t in range(n_children):
         acc[t] = 0.0
     for q in range(xptr[i], xptr[i + 1]):
-        f = xidx[q]
-        a = lo
-        b = hi
-        while a < b:
-            mid = (a + b) >> 1
-            if cfeat[mid] < f:
-                a = mid + 1
-            else:
-                b = mid
-        if a < hi and cfeat[a] == f:
+        a = _lower_bound(cfeat, lo, hi, xidx[q])
+        if a < hi and cfeat[a] == xidx[q]:
             v = np.float64(xval[q])
             for e in range(cptr[a], cptr[a + 1]):
                 acc[cchild[e]] += np.float64(cval[e]) * v
