@@ -21,11 +21,12 @@ from .jit import njit
 
 @njit()
 def _shuffle(index, active, state):
-    """Fisher-Yates over index[:active] with a 64-bit LCG; the draw in [0, active - i) is the
-    high half of (32 random bits) x (active - i), a multiply and a shift (no division)."""
+    """Fisher-Yates over index[:active] with a 64-bit LCG (the draw: its top 31 bits modulo
+    active - i; a multiply-shift draw saves ~3% of the solver's time but changes every
+    solution at the solver's tolerance, and with it the documented P@k)."""
     for i in range(active):
         state = state * np.uint64(6364136223846793005) + np.uint64(1442695040888963407)
-        j = i + int(((state >> np.uint64(32)) * np.uint64(active - i)) >> np.uint64(32))
+        j = i + int((state >> np.uint64(33)) % np.uint64(active - i))
         t = index[i]
         index[i] = index[j]
         index[j] = t
