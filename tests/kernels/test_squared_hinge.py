@@ -124,3 +124,14 @@ def test_shuffle_is_a_uniform_permutation():
     index = np.arange(n)
     _shuffle(index, 3, np.uint64(1))
     assert list(index[3:]) == [3, 4, 5]              # only the active part moves
+
+
+def test_used_columns_equal_unique_on_both_paths():
+    from xmc_spark.kernels.squared_hinge import _used_columns
+    rng = np.random.default_rng(0)
+    for d, nnz in ((50, 400), (50, 3), (10**6, 200), (1, 5)):       # mark path, sort path, both ends
+        idx = rng.integers(0, d, nnz).astype(np.int32)
+        cols, local = _used_columns(idx, d)
+        ref_cols, ref_local = np.unique(idx, return_inverse=True)
+        np.testing.assert_array_equal(cols, ref_cols)
+        np.testing.assert_array_equal(local, ref_local)

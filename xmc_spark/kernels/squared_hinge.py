@@ -160,6 +160,20 @@ def _train_labels(indptr, indices, data, Ci, y_ptr, y_idx, y_val, weighted, n_co
     return out_ptr, out_idx[:m], out_val[:m]
 
 
+def _used_columns(indices: np.ndarray, d: int):
+    """(the sorted distinct column ids, each entry's position among them), as
+    ``np.unique(indices, return_inverse=True)``: by a mark over the d columns when d is at most
+    8x the entries (no sort), else by the sort."""
+    if d > 8 * len(indices):
+        return np.unique(indices, return_inverse=True)
+    present = np.zeros(d, dtype=bool)
+    present[indices] = True
+    cols = np.flatnonzero(present)
+    pos = np.empty(d, dtype=np.int64)
+    pos[cols] = np.arange(len(cols))
+    return cols, pos[indices]
+
+
 def train_node(X: sp.csr_matrix, Y: sp.csr_matrix, C: float = 1.0, weights=None, threshold: float = 0.1,
                eps: float = 0.1, max_iter: int = 100, seed: int = 0) -> sp.csc_matrix:
     """One-vs-rest classifiers for the K columns of Y (n x K, non-zero = positive) over the n samples X.
@@ -180,7 +194,7 @@ def train_node(X: sp.csr_matrix, Y: sp.csr_matrix, C: float = 1.0, weights=None,
     if len(keep) == 0:
         return sp.csc_matrix((d, K), dtype=np.float32)
     X, Y, Ci = X[keep], sp.csc_matrix(Y[keep]), Ci[keep]
-    cols, local = np.unique(X.indices, return_inverse=True)
+    cols, local = _used_columns(X.indices, d)
     # float32 values are solved as they are (every product is taken in float64); others as float64
     data = X.data if X.data.dtype == np.float32 else X.data.astype(np.float64)
     weighted = Y.nnz > 0 and not np.all(Y.data == 1)
