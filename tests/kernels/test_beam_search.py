@@ -240,14 +240,34 @@ def test_layer_blocks_give_every_childs_dot_product_to_the_last_bit():
 
 
 def test_unsorted_repeated_input_features_are_summed_first():
+    """Rows whose features are out of order or listed twice are searched as their canonical
+    form (sorted, summed), by the layered and the tree search alike."""
     m, X = _random_model(5)
-    Xu = sp.csr_matrix((np.concatenate([X.data, X.data[:1]]), np.concatenate([X.indices, X.indices[:1]]),
-                        np.concatenate([X.indptr[:1], X.indptr[1:] + 1])), shape=X.shape)
-    Xu.indices[:Xu.indptr[1]] = Xu.indices[:Xu.indptr[1]][::-1].copy()    # row 0 reversed, one feature twice
-    Xu.data[:Xu.indptr[1]] = Xu.data[:Xu.indptr[1]][::-1].copy()
-    Xs = Xu.copy()
-    Xs.sum_duplicates()
-    a = m.predict(Xu, beam_size=4, topk=3)
-    b = m.predict(Xs, beam_size=4, topk=3)
-    np.testing.assert_array_equal(a[0], b[0])
-    np.testing.assert_array_equal(a[1], b[1])
+    rows, cols, vals = [], [], []
+    for i in range(X.shape[0]):
+        idx, val = X.indices[X.indptr[i]:X.indptr[i + 1]], X.data[X.indptr[i]:X.indptr[i + 1]]
+        idx, val = idx[::-1], val[::-1]                       # descending order
+        if len(idx):                                          # the first feature again, split in two
+            idx, val = np.append(idx, idx[0]), np.append(val, val[0] / 2)
+            val[0] /= 2
+        rows += [i] * len(idx)
+        cols += list(idx)
+        vals += list(val)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=X.shape[0]))])
+    Xu = sp.csr_matrix((np.array(vals, np.float32), np.array(cols), indptr), shape=X.shape)
+    assert not Xu.has_canonical_format
+    for search in ("layered", "tree"):
+        a = m.predict(Xu, beam_size=4, topk=3, search=search)
+        b = m.predict(X, beam_size=4, topk=3, search=search)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_allclose(a[1], b[1], rtol=1e-6)     # halves summed: equal up to rounding
+
+
+def test_layer_blocks_are_rebuilt_for_another_child_ptr():
+    from xmc_spark.kernels import beam_search as bs
+    W = sp.random(20, 6, density=0.5, random_state=2, format="csc")
+    a = bs.layer_blocks(W, np.array([0, 2, 6]))
+    b = bs.layer_blocks(W, np.array([0, 4, 6]))
+    assert a is not b
+    np.testing.assert_array_equal(b[0], bs.layer_blocks(W, np.array([0, 4, 6]))[0])
+    assert bs.layer_blocks(W, np.array([0, 4, 6])) is bs.layer_blocks(W, np.array([0, 4, 6]))

@@ -120,6 +120,8 @@ def _children_margins(xptr, xidx, xval, i, lo, hi, cfeat, cptr, cchild, cval, ac
                 acc[cchild[e]] += np.float64(cval[e]) * v
             a += 1
         lo = a                          # x's features are sorted: the next one lies beyond
+        if lo >= hi:
+            break
 
 
 @njit()
@@ -198,7 +200,7 @@ def _beam_layer(xptr, xidx, xval, prev_nodes, prev_scores, child_ptr, node_fptr,
     return out_nodes, out_scores
 
 
-_BLOCKS: dict = {}          # id(W) -> (weak reference to W, its blocks): see layer_blocks
+_BLOCKS: dict = {}          # id(W) -> (weak reference to W, child_ptr, its blocks): see layer_blocks
 
 
 def layer_blocks(W, child_ptr: np.ndarray):
@@ -207,38 +209,53 @@ def layer_blocks(W, child_ptr: np.ndarray):
     cfeat[node_fptr[p]:node_fptr[p + 1]] (sorted); feature position a holds the entries
     cptr[a]:cptr[a + 1], each a child (0-based among p's children, ``cchild``) and its weight
     (``cval``, float32 as stored). One sort of the layer's non-zeros, kept for as long as the
-    matrix ``W`` lives (a model's layers are built once and searched batch after batch), and
-    never pickled with it."""
-    hit = _BLOCKS.get(id(W))
-    if hit is not None and hit[0]() is W:
-        return hit[1]
-    Wc = sp.csc_matrix(W)
+    matrix ``W`` lives with the same ``child_ptr`` (a model's layers are built once and searched
+    batch after batch; W must not change in place meanwhile), and never pickled with it. The
+    blocks take at most about twice the layer's own CSC memory (a broadcast model's search holds
+    both)."""
     child_ptr = np.asarray(child_ptr, dtype=np.int64)
-    cols = np.repeat(np.arange(Wc.shape[1], dtype=np.int64), np.diff(Wc.indptr))
+    hit = _BLOCKS.get(id(W))
+    if hit is not None and hit[0]() is W and np.array_equal(hit[1], child_ptr):
+        return hit[2]
+    Wc = sp.csc_matrix(W)
+    cols = np.repeat(np.arange(Wc.shape[1], dtype=np.int32), np.diff(Wc.indptr))
     par = np.searchsorted(child_ptr, cols, side="right") - 1
-    feat = Wc.indices.astype(np.int64)
     # (parent, feature), stable: within a pair, children in column order (par follows the columns)
-    order = np.argsort(par * max(Wc.shape[0], 1) + feat, kind="stable")
-    par, feat, cols = par[order], feat[order], cols[order]
+    order = np.argsort(par * max(Wc.shape[0], 1) + Wc.indices, kind="stable")
+    par, feat, cols = par[order], Wc.indices[order], cols[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = (par[1:] != par[:-1]) | (feat[1:] != feat[:-1])
     starts = np.flatnonzero(first)
     node_fptr = np.concatenate([[0], np.cumsum(np.bincount(par[starts], minlength=len(child_ptr) - 1))])
-    blocks = (node_fptr.astype(np.int64), feat[starts], np.append(starts, len(order)).astype(np.int64),
+    # 4 bytes an entry for the child, 4 for the weight, 8 per (node, feature) for the feature and
+    # its start: at most about twice the layer's own CSC (int32 ids, float32 weights)
+    ptr_type = np.int32 if len(order) < 2 ** 31 else np.int64
+    blocks = (node_fptr.astype(np.int64), feat[starts].astype(np.int32), np.append(starts, len(order)).astype(ptr_type),
               (cols - child_ptr[par]).astype(np.int32), _values(Wc.data[order]))
-    key = id(W)
-    _BLOCKS[key] = (weakref.ref(W, lambda _, k=key: _BLOCKS.pop(k, None)), blocks)
+    try:
+        key = id(W)
+        _BLOCKS[key] = (weakref.ref(W, lambda _, k=key: _BLOCKS.pop(k, None)), child_ptr.copy(), blocks)
+    except TypeError:                   # a W that takes no weak reference (a list of arrays): not kept
+        pass
     return blocks
+
+
+def canonical(X) -> sp.csr_matrix:
+    """X as CSR with each row's features sorted and repeated ones summed (a copy only when it is
+    not so already): the lookups of the layered search rely on it, and every search sees a
+    repeated feature the same way."""
+    X = sp.csr_matrix(X)
+    if not X.has_canonical_format:
+        X = X.copy()
+        X.sum_duplicates()
+    return X
 
 
 def _beams(X: sp.csr_matrix, layers, slot_label, beam_size: int, topk: int, post_processor: str):
     """Beam search layer by layer: yields (nodes, scores) after each layer (positions in that
     layer's nodes; after the last layer, labels via ``slot_label``, top-k; ``slot_label`` None:
     the last layer is kept as a beam too)."""
-    X = sp.csr_matrix(X)
-    if not X.has_canonical_format:      # sorted, summed features (the blocks' lookups rely on it)
-        X = X.copy()
-        X.sum_duplicates()
+    X = canonical(X)
     n = X.shape[0]
     post = POST_PROCESSORS[post_processor]
     nodes = np.zeros((n, 1), dtype=np.int64)
@@ -396,7 +413,7 @@ def tree_search(X: sp.csr_matrix, tree, beam_size: int = 10, topk: int = 5, post
     unpadded tree ``tree`` = (child_ptr, W csc, slot_ptr, slot W csc, slot_label, n_labels)
     (see ``XMCModel.tree_arrays``). ``adaptive`` prunes branches that cannot reach the top k.
     """
-    X = sp.csr_matrix(X)
+    X = canonical(X)
     child_ptr, W, slot_ptr, SW, slot_label, n_labels = tree
     W = sp.csc_matrix(W)
     SW = sp.csc_matrix(SW)

@@ -157,7 +157,7 @@ def _train_labels(indptr, indices, data, Ci, y_ptr, y_idx, y_val, weighted, n_co
                 out_val[m] = np.float32(w[j])
                 m += 1
         out_ptr[k + 1] = m
-    return out_ptr, out_idx[:m], out_val[:m]
+    return out_ptr, out_idx[:m].copy(), out_val[:m].copy()     # not views that keep the grown buffers
 
 
 def _used_columns(indices: np.ndarray, d: int):

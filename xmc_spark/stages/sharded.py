@@ -431,7 +431,8 @@ def _columns(off, idx, val, col, K: int, n_rows: int):
     sl = lens[order]
     take = np.repeat(starts - np.cumsum(sl) + sl, sl) + np.arange(int(sl.sum()))   # rows' values, by column
     ptr = np.concatenate([[0], np.cumsum(counts)])
-    return sp.csc_matrix((val[take].astype(np.float64), idx[take], ptr), shape=(n_rows, K))
+    # float32 as stored: the searches take each product in float64 anyway
+    return sp.csc_matrix((val[take], idx[take], ptr), shape=(n_rows, K))
 
 
 def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: int = GROUP_ROWS) -> DataFrame:
