@@ -7,8 +7,8 @@ reached through several leaves (overlapping clusters) gets the average of its sc
 
 The layered search scores all children of a beam node at once from the node's feature-major
 block (:func:`layer_blocks`): each of the row's features is looked up once among the
-features of the node's children, instead of once per child. On the 200K synthetic set's
-model this halves the search time; the scores are the same to the last bit.
+features of the node's children, instead of once per child. On the 200K and 500K synthetic
+sets' models the search is 1.8x and 2.5-3x faster; the scores are the same to the last bit.
 """
 from __future__ import annotations
 
