@@ -9,7 +9,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xmc_spark.kernels import frequencies as FQ
-from xmc_spark.kernels.squared_hinge import _dcd_l2svm
+from xmc_spark.kernels.squared_hinge import _dcd, _row_norms
 from xmc_spark.kernels.topk_projection import topk_projection
 
 # ---- beam search ------------------------------------------------------------------------------
@@ -55,8 +55,11 @@ def train_binary(X: sp.csr_matrix, y: np.ndarray, C: float = 1.0, weights=None, 
     keep = Ci > 0
     if not keep.all():
         X, y, Ci = X[keep], np.asarray(y)[keep], Ci[keep]
-    return _dcd_l2svm(X.indptr.astype(np.int64), X.indices.astype(np.int64), X.data, np.asarray(y, dtype=np.float64),
-                      Ci, X.shape[1], float(eps), int(max_iter), int(seed))
+    indptr, indices = X.indptr.astype(np.int64), X.indices.astype(np.int64)
+    w = np.zeros(X.shape[1])
+    _dcd(indptr, indices, X.data, _row_norms(indptr, X.data), np.asarray(y, dtype=np.float64), Ci, w, float(eps),
+         int(max_iter), int(seed))
+    return w
 
 
 def primal_objective(w: np.ndarray, X, y, C: float = 1.0, weights=None) -> float:

@@ -108,14 +108,6 @@ def _dcd(indptr, indices, data, xx, y, Ci, w, eps, max_iter, seed):
 
 
 @njit()
-def _dcd_l2svm(indptr, indices, data, y, Ci, n_features, eps, max_iter, seed):
-    """One classifier's weights over ``n_features`` (the solver called directly)."""
-    w = np.zeros(n_features, dtype=np.float64)
-    _dcd(indptr, indices, data, _row_norms(indptr, data), y, Ci, w, eps, max_iter, seed)
-    return w
-
-
-@njit()
 def _train_labels(indptr, indices, data, Ci, y_ptr, y_idx, y_val, weighted, n_cols, eps, max_iter, seed,
                   threshold):
     """Every label (column of Y in CSC form: ``y_ptr``, ``y_idx``, ``y_val``) of a node against
