@@ -113,3 +113,27 @@ def test_the_test_session_recorded_its_delta_jars(spark, tmp_path, monkeypatch):
     assert cached_jars(delta_package()) is None
     assert get_spark(spark_params(spark.conf.get("spark.sql.warehouse.dir"))) is spark
     assert not jars_cache_file(delta_package()).exists()
+
+
+def test_class_data_archive_only_where_this_process_starts_a_local_jvm(spark, tmp_path, monkeypatch):
+    """The archive options (class_sharing.py) go to a driver JVM this call launches on a local master:
+    not while a JVM runs in the process (the tests' session), not for a cluster master, not with
+    spark.class_data_sharing off, not when PYSPARK_SUBMIT_ARGS sets driver Java options. With no
+    JVM yet (the gateway set aside for the call) a local master gets a plan."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    from xmc_spark.session import _class_sharing
+    monkeypatch.setenv("XMC_SPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS", raising=False)
+    local = SparkParams(master="local[1]")
+    assert _class_sharing(SparkSession.builder, local) is None             # this process's JVM runs already
+    monkeypatch.setattr(SparkContext, "_gateway", None)
+    p = _class_sharing(SparkSession.builder, local)
+    assert p is not None and p.writes and "-XX:ArchiveClassesAtExit=" in p.options
+    p.lock.unlink()
+    for params in (SparkParams(master="yarn"), SparkParams(master="local[1]", class_data_sharing=False)):
+        assert _class_sharing(SparkSession.builder, params) is None
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--driver-java-options -Dx=1 pyspark-shell")
+    assert _class_sharing(SparkSession.builder, local) is None
+    assert not list((tmp_path / "cache" / "cds").glob("*.lock"))

@@ -220,6 +220,7 @@ class SparkParams(BaseParams):
     log_level: str = "WARN"
     progress_seconds: float = 15.0  # log running Spark stages' task counts this often (0 = off)
     remote: str = ""                # Spark Connect: "sc://host:15002" or "local[2]" (a local server); "" = classic
+    class_data_sharing: bool = True  # a local driver JVM maps Spark's classes from an archive (class_sharing.py)
     conf: Dict[str, Any] = field(default_factory=lambda: {
         "spark.sql.shuffle.partitions": "8",
         "spark.default.parallelism": "4",

@@ -65,9 +65,14 @@ JARS_CACHE_ENV = "XMC_SPARK_CACHE"
 def jars_cache_file(coordinates: str) -> Path:
     """Where the jar files Spark resolved for the Maven ``coordinates`` are listed: under
     ``$XMC_SPARK_CACHE``, else ``$XDG_CACHE_HOME/xmc-spark``, else ``~/.cache/xmc-spark``."""
-    root = os.environ.get(JARS_CACHE_ENV) or os.path.join(
+    return Path(cache_root(), "jars", re.sub(r"[^\w.-]", "_", coordinates) + ".txt")
+
+
+def cache_root() -> str:
+    """``$XMC_SPARK_CACHE``, else ``$XDG_CACHE_HOME/xmc-spark``, else ``~/.cache/xmc-spark``: the jar
+    record (:func:`jars_cache_file`) and the class-data archive (:mod:`.class_sharing`)."""
+    return os.environ.get(JARS_CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "xmc-spark")
-    return Path(root, "jars", re.sub(r"[^\w.-]", "_", coordinates) + ".txt")
 
 
 def _local_path(jar: str) -> str:
@@ -199,7 +204,26 @@ def get_spark(params: SparkParams | None = None):
                               "cluster's Hadoop configuration folder (or run under spark-submit on the cluster)")
     if record is not None and _active_context():
         record = None   # the builder hands back the running session: its jars are not these packages'
-    spark = _start(builder, f"master={params.master or 'from spark-submit'}")
+    where = f"master={params.master or 'from spark-submit'}"
+    cds = _class_sharing(builder, params)
+    if cds is None:
+        spark = _start(builder, where)
+    else:
+        user = str(params.conf.get(DRIVER_JAVA_OPTIONS, "")).strip()
+        try:
+            spark = _start(builder.config(DRIVER_JAVA_OPTIONS, f"{user} {cds.options}".strip()), where)
+        except SparkStartError:
+            from .class_sharing import finish
+            if cds.writes:
+                finish(cds, None)               # releases the lock
+            log.warning("Spark did not start with the class-data archive options (%s): starting without them",
+                        cds.options)
+            builder = builder.config(DRIVER_JAVA_OPTIONS, user) if user else _without(builder, DRIVER_JAVA_OPTIONS)
+            spark = _start(builder, where)
+        else:
+            if cds.writes:
+                from .class_sharing import finish_at_exit
+                finish_at_exit(cds)
     if is_connect(spark):       # the platform's session is Spark Connect (Databricks serverless)
         log.info("Spark %s: the platform's session is Spark Connect", spark.version)
         return spark
@@ -214,6 +238,31 @@ def get_spark(params: SparkParams | None = None):
                     "(xmc-spark sets it itself when the cap is in its own configuration)",
                     live.get("spark.executor.pyspark.memory"), ARROW_POOL_ENV)
     return spark
+
+
+DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
+
+
+def _class_sharing(builder, params: SparkParams):
+    """The class-data archive plan (:mod:`.class_sharing`) when this call launches a local driver
+    JVM: a local master, not under spark-submit, not when a JVM already runs in this process or ``PYSPARK_SUBMIT_ARGS``
+    sets driver Java options, and not with ``spark.class_data_sharing`` false."""
+    from pyspark import SparkContext
+
+    from . import class_sharing
+    args = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
+    if (not params.class_data_sharing or not params.master.startswith("local") or under_spark_submit()
+            or SparkContext._gateway is not None
+            or "--driver-java-options" in args or DRIVER_JAVA_OPTIONS in args):
+        return None
+    extra = [_local_path(j) for j in str(builder._options.get("spark.jars", "")).split(",") if j.strip()]
+    jars = class_sharing.spark_jars() + [j for j in extra if os.path.isfile(j)]
+    return class_sharing.plan(Path(cache_root(), "cds"), class_sharing.java_binary(), jars)
+
+
+def _without(builder, key: str):
+    builder._options.pop(key, None)
+    return builder
 
 
 def connect_session(params: SparkParams):

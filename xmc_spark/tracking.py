@@ -111,7 +111,7 @@ class Tracker:
         from mlflow.tracking import MlflowClient
         for r in runs:
             pid = r.data.tags.get("xmc_spark.pid", "")
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 log.warning("MLflow run %s was left RUNNING by process %s, which is gone: marking it FAILED",
                             r.info.run_id, pid)
                 MlflowClient().set_terminated(r.info.run_id, "FAILED")
@@ -209,7 +209,8 @@ def _owner_tags() -> Dict[str, str]:
     return {"xmc_spark.host": socket.gethostname(), "xmc_spark.pid": str(os.getpid())}
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs (on this host)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
