@@ -68,7 +68,7 @@ def spark_params(warehouse: str):
 
     # 2 attempts a task (tests/stages/test_faults.py)
     # no class-data archive from this long-lived process: it would hold the archive's lock for the whole
-    # run (the CLI tests' subprocesses write and use it) and spend ~12 s writing it at the end
+    # run (the CLI tests' subprocesses write and use it) and spend ~15 s writing it at the end
     params = SparkParams(master="local[2,2]", remote=os.environ.get(CONNECT_ENV, ""), class_data_sharing=False)
     params.conf.update({"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
                         "spark.driver.memory": "2g", "spark.sql.warehouse.dir": warehouse})

@@ -2,9 +2,11 @@
 wrote and exited 0 on, the JVM's own check of a bad archive, and two real Spark processes (the
 first writes the archive, the second starts from it)."""
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -50,19 +52,30 @@ def test_one_writer_then_every_process_reads(tmp_path, java):
     a second process meanwhile starts without; a lock or temporary file of a dead process is
     removed; with the archive in place every plan reads it, checked (VerifySharedSpaces)."""
     folder, jars = tmp_path / "cds", _jars(tmp_path)
+    me = f"{os.getpid()}@{socket.gethostname()}"
     w = cs.plan(folder, java, jars)
-    assert w.writes and w.lock.read_text() == str(os.getpid())
+    assert w.writes and w.lock.read_text() == me and not list(folder.glob("*.lk"))
     assert f"-XX:ArchiveClassesAtExit={w.tmp}" in w.options and w.tmp.name.endswith(f".{os.getpid()}.tmp")
     assert cs.plan(folder, java, jars) is None                       # the lock's process is alive
     assert cs.plan(folder, None, jars) is None                       # no java: nothing
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    w.lock.write_text(dead)                                          # the writer died: its lock goes
-    stale = folder / f"x.{dead}.tmp"
+    w.lock.write_text(f"{dead}@elsewhere")                           # another host's lock: kept for hours
+    assert cs.plan(folder, java, jars) is None
+    old = time.time() - cs.FOREIGN_LOCK_SECONDS - 60
+    os.utime(w.lock, (old, old))
+    assert cs.plan(folder, java, jars).writes                        # ... then taken over
+    w.lock.write_text(f"{dead}@{socket.gethostname()}")              # the writer died: its lock goes
+    stale, young = folder / f"x.{dead}.tmp", folder / "nopid.tmp"
     stale.write_bytes(b"half")
+    young.write_bytes(b"?")                                          # no pid in its name: only after a minute
     w2 = cs.plan(folder, java, jars)
-    assert w2.writes and not stale.exists() and w2.lock.read_text() == str(os.getpid())
+    assert w2.writes and not stale.exists() and young.exists() and w2.lock.read_text() == me
+    w2.lock.write_text(f"{dead}@{socket.gethostname()}")             # finish releases only its own lock
+    cs.finish(w2, None)
+    assert w2.lock.exists()
+    w2 = cs.plan(folder, java, jars)
 
     w2.tmp.write_bytes(b"archive")
     os.replace(w2.tmp, w2.archive)
@@ -132,17 +145,23 @@ SESSION = textwrap.dedent("""
     import json, sys
     from xmc_spark.session import get_spark
     from xmc_spark.params import SparkParams
-    spark = get_spark(SparkParams(master="local[1]", class_data_sharing=sys.argv[1] == "on"))
+    p = SparkParams(master="local[1]", class_data_sharing=sys.argv[1] != "off")
+    if sys.argv[1] == "on!":    # the JVM must use the archive (-Xshare:on) or not start
+        p.conf["spark.driver.extraJavaOptions"] = "-Xshare:on"
+    spark = get_spark(p)
     args = list(spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
-    print(json.dumps({"args": [a for a in args if "Archive" in a], "n": spark.range(5).count()}))
+    print(json.dumps({"args": [a for a in args if "Archive" in a], "n": spark.range(5).count(),
+                      "share": next((a for a in args if a.startswith("-Xshare")), None)}))
 """)
 
 
 @pytest.mark.slow
 def test_two_spark_processes_write_then_read_the_archive(tmp_path):
     """The real thing: a local session with no archive writes one at its exit (published, no lock or
-    temporary file left); the next process's driver starts from it and runs a job. (Delta's jars
-    are recorded first, as after any earlier session, so both processes have the same class path.)"""
+    temporary file left); the next process's driver starts from it, made to use it (-Xshare:on: a
+    refused archive fails that start, and the retry without the options would show in its
+    arguments), beside the configuration's own Java options, and runs a job. (Delta's jars are
+    recorded first, as after any earlier session, so both processes have the same class path.)"""
     import json
     import shutil
 
@@ -150,7 +169,7 @@ def test_two_spark_processes_write_then_read_the_archive(tmp_path):
     env = {**os.environ, "XMC_SPARK_CACHE": str(tmp_path / "cache")}
     env.pop("PYSPARK_SUBMIT_ARGS", None)
     record = jars_cache_file(delta_package())
-    modes = ["on", "on"]
+    modes = ["on", "on!"]
     if record.is_file():
         (tmp_path / "cache" / "jars").mkdir(parents=True)
         shutil.copy(record, tmp_path / "cache" / "jars" / record.name)
@@ -168,3 +187,4 @@ def test_two_spark_processes_write_then_read_the_archive(tmp_path):
     assert len(archives) == 1 and not list(folder.glob("*.lock")) and not list(folder.glob("*.tmp"))
     assert runs[0]["args"][0].startswith("-XX:ArchiveClassesAtExit=") and runs[0]["n"] == 5
     assert runs[1]["args"] == [f"-XX:SharedArchiveFile={archives[0]}"] and runs[1]["n"] == 5
+    assert runs[1]["share"] == "-Xshare:on"

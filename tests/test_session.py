@@ -136,4 +136,8 @@ def test_class_data_archive_only_where_this_process_starts_a_local_jvm(spark, tm
         assert _class_sharing(SparkSession.builder, params) is None
     monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--driver-java-options -Dx=1 pyspark-shell")
     assert _class_sharing(SparkSession.builder, local) is None
-    assert not list((tmp_path / "cache" / "cds").glob("*.lock"))
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "spark-defaults.conf").write_text("spark.driver.extraJavaOptions -Dy=2\n")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path / "conf"))     # our --conf would replace the file's
+    assert _class_sharing(SparkSession.builder, local) is None

@@ -31,6 +31,7 @@ DELTA_CONF = {
 
 
 ARROW_POOL_ENV = "spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL"
+DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 
 
 def capped_python_conf(conf: dict) -> dict:
@@ -205,24 +206,28 @@ def get_spark(params: SparkParams | None = None):
     if record is not None and _active_context():
         record = None   # the builder hands back the running session: its jars are not these packages'
     where = f"master={params.master or 'from spark-submit'}"
-    cds = _class_sharing(builder, params)
+    # the first run resolves Delta's packages through Ivy: its class path is not the later runs'
+    cds = None if record is not None else _class_sharing(builder, params)
     if cds is None:
         spark = _start(builder, where)
     else:
+        from .class_sharing import finish, finish_at_exit
         user = str(params.conf.get(DRIVER_JAVA_OPTIONS, "")).strip()
         try:
             spark = _start(builder.config(DRIVER_JAVA_OPTIONS, f"{user} {cds.options}".strip()), where)
         except SparkStartError:
-            from .class_sharing import finish
             if cds.writes:
                 finish(cds, None)               # releases the lock
-            log.warning("Spark did not start with the class-data archive options (%s): starting without them",
-                        cds.options)
+            log.warning("Spark did not start with the class-data archive's options (%s): trying once more "
+                        "without them", cds.options)
             builder = builder.config(DRIVER_JAVA_OPTIONS, user) if user else _without(builder, DRIVER_JAVA_OPTIONS)
             spark = _start(builder, where)
+        except BaseException:
+            if cds.writes:
+                finish(cds, None)
+            raise
         else:
             if cds.writes:
-                from .class_sharing import finish_at_exit
                 finish_at_exit(cds)
     if is_connect(spark):       # the platform's session is Spark Connect (Databricks serverless)
         log.info("Spark %s: the platform's session is Spark Connect", spark.version)
@@ -240,9 +245,6 @@ def get_spark(params: SparkParams | None = None):
     return spark
 
 
-DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
-
-
 def _class_sharing(builder, params: SparkParams):
     """The class-data archive plan (:mod:`.class_sharing`) when this call launches a local driver
     JVM: a local master, not under spark-submit, not when a JVM already runs in this process or ``PYSPARK_SUBMIT_ARGS``
@@ -252,15 +254,30 @@ def _class_sharing(builder, params: SparkParams):
     from . import class_sharing
     args = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
     if (not params.class_data_sharing or not params.master.startswith("local") or under_spark_submit()
-            or SparkContext._gateway is not None
-            or "--driver-java-options" in args or DRIVER_JAVA_OPTIONS in args):
+            or SparkContext._gateway is not None or "spark.driver.extraClassPath" in params.conf
+            or any(flag in args for flag in ("--driver-java-options", "--driver-class-path", "spark.driver.extra"))
+            or _defaults_set_driver_options()):
         return None
     extra = [_local_path(j) for j in str(builder._options.get("spark.jars", "")).split(",") if j.strip()]
     jars = class_sharing.spark_jars() + [j for j in extra if os.path.isfile(j)]
     return class_sharing.plan(Path(cache_root(), "cds"), class_sharing.java_binary(), jars)
 
 
+def _defaults_set_driver_options() -> bool:
+    """Whether a ``spark-defaults.conf`` Spark reads sets driver Java options or class path (our
+    ``--conf`` would replace its options; its class path is not in the archive's key)."""
+    from pyspark.find_spark_home import _find_spark_home
+    conf_dir = os.environ.get("SPARK_CONF_DIR") or os.path.join(_find_spark_home(), "conf")
+    try:
+        text = Path(conf_dir, "spark-defaults.conf").read_text()
+    except OSError:
+        return False
+    return any(k in text for k in (DRIVER_JAVA_OPTIONS, "spark.driver.extraClassPath",
+                                   "spark.driver.defaultJavaOptions"))
+
+
 def _without(builder, key: str):
+    """``builder`` without the option ``key``."""
     builder._options.pop(key, None)
     return builder
 
