@@ -54,6 +54,17 @@ def test_default_parallelism_is_the_context_s_on_classic(spark):
 
 
 @pytest.mark.connect
+def test_task_slots_of_a_local_master_else_the_default_parallelism(spark):
+    """The tests' session runs local[2,2] with a default parallelism of 2; the parse of local masters."""
+    import os
+
+    from xmc_spark.compat import local_slots, task_slots
+    assert task_slots(spark) == 2
+    assert [local_slots(m) for m in ("local[3]", "local[4,2]", "yarn", "spark://h:7077", "local-cluster[2,1,1024]")] \
+        == [3, 4, None, None, None]
+    assert local_slots("local[*]") == local_slots("local") == max(1, os.cpu_count() or 1)
+
+
 def test_connect_share_is_captured_and_size_capped(connect_spark):
     spark = connect_spark
     c = compat.share(spark, np.arange(10))

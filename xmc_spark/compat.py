@@ -26,8 +26,9 @@ tracker, no ``_jvm``. Stages use these three functions instead of the ``SparkCon
 from __future__ import annotations
 
 import logging
+import os
 import pickle
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Optional, TypeVar
 
 from .errors import XmcError
 
@@ -121,6 +122,24 @@ def default_parallelism(spark: Any) -> int:
         if v is not None and str(v).strip().isdigit() and int(v) > 0:
             return int(v)
     return range_partitions(spark)
+
+
+def task_slots(spark: Any) -> int:
+    """Tasks that run at once: N of a classic ``local[N]`` / ``local[N,F]`` master (the machine's
+    processors for ``local`` / ``local[*]``), else :func:`default_parallelism` (on a cluster Spark
+    sets it to the executors' cores unless the configuration overrides it)."""
+    spark = getattr(spark, "sparkSession", spark)
+    n = None if is_connect(spark) else local_slots(spark.sparkContext.master or "")
+    return n if n is not None else default_parallelism(spark)
+
+
+def local_slots(master: str) -> Optional[int]:
+    """The task slots of a local master string, None for any other master."""
+    import re
+    m = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
+    if not m:
+        return None
+    return int(m.group(1)) if m.group(1) and m.group(1).isdigit() else max(1, os.cpu_count() or 1)
 
 
 def range_partitions(spark: Any) -> int:

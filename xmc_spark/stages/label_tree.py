@@ -1,9 +1,10 @@
 """Label tree on Spark, level by level: one job splits every oversized node of a level.
 
-A node with at most max(``tree.local_subtree_size``, labels / Spark's default parallelism) labels
+A node with at most max(``tree.local_subtree_size``, labels / task slots) labels
 grows its whole subtree inside its task (same node ids and per-node seeds as level by level, so
 the tree is identical); the levels above stay one Spark job each. The second term stops the
-levels as soon as there are about as many nodes as task slots: a level job costs about a second
+levels as soon as there are about as many nodes as task slots (:func:`~..compat.task_slots`: N of
+``local[N]``, else the default parallelism): a level job costs about a second
 of Spark's scheduling and checkpointing, while a subtree grown in its task costs only its
 splits, and the task already holds no more than its share of the embeddings (the root's split
 holds them all; ``local_subtree_size`` = 0 keeps every level a Spark job). An ensemble (``tree.ensemble`` > 1 or
@@ -20,7 +21,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, grouped_apply
-from ..compat import default_parallelism, share
+from ..compat import share, task_slots
 from ..kernels.tree import TREE_SHIFT, split_node, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
@@ -110,7 +111,7 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     sizes = {t << TREE_SHIFT: n_labels for t in range(params.n_trees())}
     finished = []
     depth = 0
-    local = local_size(params, n_labels, default_parallelism(spark))
+    local = local_size(params, n_labels, task_slots(spark))
     while True:
         big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
         if not big:
