@@ -247,8 +247,10 @@ def get_spark(params: SparkParams | None = None):
 
 def _class_sharing(builder, params: SparkParams):
     """The class-data archive plan (:mod:`.class_sharing`) when this call launches a local driver
-    JVM: a local master, not under spark-submit, not when a JVM already runs in this process or ``PYSPARK_SUBMIT_ARGS``
-    sets driver Java options, and not with ``spark.class_data_sharing`` false."""
+    JVM: a local master, not under spark-submit, not when a JVM already runs in this process, not
+    when ``PYSPARK_SUBMIT_ARGS``, a ``spark-defaults.conf`` or the configuration's
+    ``spark.driver.extraClassPath`` set driver Java options or class path, not with
+    ``spark.class_data_sharing`` false."""
     from pyspark import SparkContext
 
     from . import class_sharing
