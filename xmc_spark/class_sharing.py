@@ -224,11 +224,11 @@ def finish_at_exit(p: Plan) -> None:
     if proc is None:
         finish(p, None)
         return
+
     def at_exit():
-        from pyspark import SparkContext as SC
-        if SC._active_spark_context is not None:
+        if SparkContext._active_spark_context is not None:
             try:
-                SC._active_spark_context.stop()
+                SparkContext._active_spark_context.stop()
             except Exception:  # noqa: BLE001 - the JVM may be gone already
                 pass
         log.info("writing the class-data archive at the JVM's exit (once per environment, ~15 s)")
