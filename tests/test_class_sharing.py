@@ -155,7 +155,10 @@ SESSION = textwrap.dedent("""
 """)
 
 
+# two local Spark processes and a JVM dump, 44-65 s: on demand (-m on_demand), to keep CI under its 30
+# minutes; the tests above check the options, the key, the lock and the publishing without a JVM of Spark's
 @pytest.mark.slow
+@pytest.mark.on_demand
 def test_two_spark_processes_write_then_read_the_archive(tmp_path):
     """The real thing: a local session with no archive writes one at its exit (published, no lock or
     temporary file left); the next process's driver starts from it, made to use it (-Xshare:on: a

@@ -140,9 +140,13 @@ def test_params_skeleton_round_trips(tmp_path):
     assert r2.returncode == 0 and "max_leaf_size: 7" in r2.stdout
 
 
-# the distributed-solver variant ~90 s (TRON's Spark jobs in both trainings): on demand, to keep CI
-# under its 30 minutes; tests/stages/test_node_training.py checks the solver's vectors in files
-@pytest.mark.parametrize("big_nodes", [False, pytest.param(True, marks=pytest.mark.on_demand)])
+# on demand, to keep CI under its 30 minutes: the plain variant (25-45 s) because `run` with overlapping
+# clusters is also run by the ensemble test below (clusters.copies=2, checked against the reference), by
+# tests/test_runner.py (against the reference trainer) and by tests/test_schemas.py (stage all); the
+# distributed-solver variant (~90 s, TRON's Spark jobs in both trainings) because
+# tests/stages/test_node_training.py checks the solver's vectors in files
+@pytest.mark.on_demand
+@pytest.mark.parametrize("big_nodes", [False, True])
 def test_run_with_overlapping_clusters(tmp_path, spark, big_nodes):
     """Overlapping clusters; with ``big_nodes`` the root is over train.max_node_rows and the
     distributed solver's vectors are in files (train.tron_driver_mb=0) in both trainings, and the
