@@ -40,7 +40,9 @@ def _files(root):
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
 
 
-def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
+def _packed(problem, index):
+    """The big nodes' rows packed as the stage packs them (persisted), the same rows as one
+    in-memory block, the nodes' classifier offsets, d and K."""
     samples, _, Yl = problem
     tp = TrainParams(C=1.5, bias=0.5)
     big = _big(index, Yl)
@@ -54,6 +56,11 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     blocks = [rb for b in packed.toArrow().to_batches() for rb in node_training._unpack(b, d, K)]
     whole = tron.RowBlock(sp.vstack([b.X for b in blocks], format="csr"), np.concatenate([b.node for b in blocks]),
                           np.concatenate([b.cost for b in blocks]), sp.vstack([b.pos for b in blocks], format="csr"))
+    return packed, whole, node_ptr, d, K
+
+
+def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
+    packed, whole, node_ptr, d, K = _packed(problem, index)
     ref = tron.NumpySpace(*tron.local_oracle(whole, node_ptr), d, K)
     got = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path))
     allc, sub = np.arange(K), np.arange(K)[1::2]          # the subset leaves classifiers of every node out
@@ -126,7 +133,30 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     step(("W", "D", "HD", sub, [("D", "HD")]), None)
     step(None, ([(1.0, "W")], "Gn", rest, [("Gn", "Gn")], None))
 
-    # the whole loop with the preconditioner (restarts, masks, M and Mn): the same iterates and steps
+    def emit(g, Wg):
+        return pa.table({"col": pa.array(node_ptr[g] + np.arange(Wg.shape[1])),
+                         "w": pa.array(list(Wg.T), pa.list_(pa.float64()))})
+    W = ref.result()
+    out = {r["col"]: np.asarray(r["w"]) for r in got.weights(emit, "col long, w array<double>").collect()}
+    assert sorted(out) == list(range(K))
+    for j in range(K):
+        np.testing.assert_allclose(out[j], W[:, j], rtol=1e-9, atol=1e-12)
+    assert got.driver_bytes < 64 * 1024          # scalars only: a few doubles per node and block
+    got.close()
+    packed.unpersist()
+    assert not os.listdir(tmp_path)
+
+
+# ~15-20 s of Spark jobs: on demand (-m on_demand), to keep CI under its 30 minutes; the
+# preconditioner is off by default (train.tron_pcg = 0), the test above checks every method it
+# uses on the files (M, Mn, "A/M", "A*M" in terms and dots, shared passes), and
+# tests/stages/test_node_training.py runs the stage's loop with its vectors in files (no preconditioner)
+# and with the preconditioner (vectors on the driver), both against local TRON
+@pytest.mark.on_demand
+def test_the_preconditioned_loop_in_files_equals_the_in_memory_loop(problem, index, tmp_path):
+    """The whole loop with the preconditioner (restarts, masks, M and Mn) on the file-backed
+    space: the same iterates, steps and passes (one Spark job each) as in memory."""
+    packed, whole, node_ptr, d, K = _packed(problem, index)
     fg_, hv_ = tron.local_oracle(whole, node_ptr)
     loop = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path))
     mem = tron.NumpySpace(fg_, hv_, d, K)
@@ -141,16 +171,5 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
         Wg = files.whole(loop.fs, [(np.ones(K), "W")], g, np.arange(node_ptr[g + 1] - node_ptr[g]))
         np.testing.assert_allclose(Wg, mem.result()[:, node_ptr[g]:node_ptr[g + 1]], rtol=1e-8, atol=1e-11)
     loop.close()
-
-    def emit(g, Wg):
-        return pa.table({"col": pa.array(node_ptr[g] + np.arange(Wg.shape[1])),
-                         "w": pa.array(list(Wg.T), pa.list_(pa.float64()))})
-    W = ref.result()
-    out = {r["col"]: np.asarray(r["w"]) for r in got.weights(emit, "col long, w array<double>").collect()}
-    assert sorted(out) == list(range(K))
-    for j in range(K):
-        np.testing.assert_allclose(out[j], W[:, j], rtol=1e-9, atol=1e-12)
-    assert got.driver_bytes < 64 * 1024          # scalars only: a few doubles per node and block
-    got.close()
     packed.unpersist()
     assert not os.listdir(tmp_path)
