@@ -10,8 +10,8 @@ SHARED = ROOT.parent / "shared" / "data"
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a long end-to-end run (several JVMs or a real data set); "
-                                       "CI runs them, `-m 'not slow'` skips them while developing")
+    config.addinivalue_line("markers", "slow: a long end-to-end run (several JVMs or a real data set); CI runs "
+                                       "those not also marked on_demand, `-m 'not slow'` skips them while developing")
     config.addinivalue_line("markers", "airflow_e2e: the Airflow DAG's dag.test() through the real spark-submit")
     config.addinivalue_line("markers", "on_demand: an end-to-end run of minutes whose parts other tests cover; "
                                        "outside the default command (CI's 30 minutes): run it with -m on_demand")

@@ -156,7 +156,8 @@ SESSION = textwrap.dedent("""
 
 
 # two local Spark processes and a JVM dump, 44-65 s: on demand (-m on_demand), to keep CI under its 30
-# minutes; the tests above check the options, the key, the lock and the publishing without a JVM of Spark's
+# minutes; the tests above check the key, the lock and the publishing, and start a plain JVM from an archive
+# under -Xshare:on (test_published_only_when_the_jvm_exits_0), without Spark's driver
 @pytest.mark.slow
 @pytest.mark.on_demand
 def test_two_spark_processes_write_then_read_the_archive(tmp_path):

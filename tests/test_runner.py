@@ -67,12 +67,14 @@ def test_overlapping_clusters_equal_the_reference_trainer(env, spark):
     p2 = params.set_dotted("clusters.copies", 2).set_dotted("clusters.beam_size", 2)
     m = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "copies2"), p2)
     assert m["copies_per_label_max"] == 2
+    assert m["n_labels"] < m["n_slots"] <= 2 * m["n_labels"]
     Xtr, Ytr = read_xc(str(d / "train.txt"))
     Xt, _ = read_xc(str(d / "test.txt"))
     ref = XMCModel.train_local(Xtr, Ytr, XMCModel.TrainParams.from_pipeline(p2), p2.predict)
     got = XMCModel.load(str(d / "copies2" / "model"))
     np.testing.assert_array_equal(got.index.slot_label, ref.index.slot_label)
     np.testing.assert_array_equal(got.index.slot_leaf, ref.index.slot_leaf)
+    assert m["n_slots"] == len(got.index.slot_label)
     (gl, gs), (rl, rs) = got.predict(Xt), ref.predict(Xt)
     np.testing.assert_array_equal(gl, rl)
     np.testing.assert_allclose(gs, rs, rtol=1e-5)

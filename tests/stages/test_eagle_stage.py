@@ -233,7 +233,8 @@ def _pairs(train):
 
 
 # joint (the default) in CI; the other two modes (11-13 s each) on demand, to keep CI under its 30
-# minutes: test_refine_round_on_spark_equals_kernel checks a soft round's mix against the kernels
+# minutes: test_refine_round_on_spark_equals_kernel checks a soft round's mix against the kernels, and
+# tests/kernels/test_eagle.py the hard (eagle-mode) re-assignment kernel
 @pytest.mark.parametrize("mode", [pytest.param("eagle", marks=pytest.mark.on_demand),
                                   pytest.param("soft", marks=pytest.mark.on_demand), "joint"])
 def test_refine_with_full_mix_equals_zero_rounds(spark, agg_dir, mode):

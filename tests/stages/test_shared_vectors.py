@@ -147,7 +147,7 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     assert not os.listdir(tmp_path)
 
 
-# ~15-20 s of Spark jobs: on demand (-m on_demand), to keep CI under its 30 minutes; the
+# ~25 s with its packing: on demand (-m on_demand), to keep CI under its 30 minutes; the
 # preconditioner is off by default (train.tron_pcg = 0), the test above checks every method it
 # uses on the files (M, Mn, "A/M", "A*M" in terms and dots, shared passes), and
 # tests/stages/test_node_training.py runs the stage's loop with its vectors in files (no preconditioner)
