@@ -203,8 +203,9 @@ def test_node_costs_and_unit_placement():
     nodes, cost = node_training.node_costs(ix, counts, n_samples=15)
     np.testing.assert_array_equal(nodes, [0, 1, 2, 3, 4, 5, 6])
     np.testing.assert_array_equal(cost, [15 * 2, 8 * 2, 14 * 2, 6 * 2, 2 * 2, 4 * 2, 10 * 2])
-    units, keys = node_training.unit_placement(ix, 1, np.array([0]), 2, counts, 15)
+    units, keys, n_parts = node_training.unit_placement(ix, 1, np.array([0]), 2, counts, 15)
     np.testing.assert_array_equal(units, [0, 1, 2])
+    assert n_parts == 2                          # two units with work (the big root takes none)
     # unit 1 = nodes 1, 3, 4 (16 + 12 + 4 = 32), unit 2 = 2, 5, 6 (28 + 8 + 20 = 56), the root 0
     p0, p1 = node_training.partition_keys(2)
     np.testing.assert_array_equal(keys, [p1, p1, p0])
@@ -214,6 +215,11 @@ def test_node_costs_and_unit_placement():
     with pytest.raises(ValueError, match="training unit 9 is not a node"):
         node_training.unit_parts(np.array([9]), units[:0], keys[:0])
     assert len(node_training.unit_parts(np.zeros(0, np.int64), units[:0], keys[:0])) == 0
+    # more units with work than partitions: one partition each, the heaviest first
+    # (units 2 = 56, 1 = 32, the root 0 = 30)
+    units, keys, n_parts = node_training.unit_placement(ix, 1, np.zeros(0, np.int64), 2, counts, 15)
+    assert n_parts == 3
+    np.testing.assert_array_equal(keys, node_training.partition_keys(3)[[2, 1, 0]])
     # a leaf of unseen labels still counts one row; counts that miss labels fall back to ones
     zero = np.array([5, 1, 1, 1, 2, 2, 0, 0])
     np.testing.assert_array_equal(node_training.node_costs(ix, zero)[1][-1], 1 * 2)
