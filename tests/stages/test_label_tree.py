@@ -45,6 +45,15 @@ def test_labels_without_embedding_are_placed(problem, emb, spark):
                  tree_from_params(Z, params))
 
 
+def test_a_root_within_the_leaf_size_holds_every_label(emb, spark):
+    """max_leaf_size >= labels: no split, every label (with an embedding or not) in node 0 of
+    each tree."""
+    got = check_table(label_tree.run(emb.filter("label_idx % 4 != 1"), TreeParams(max_leaf_size=L, ensemble=2),
+                                     n_features=D, n_labels=L), "tree").toPandas()
+    assert sorted(zip(got["tree"], got["label_idx"])) == [(t, k) for t in (0, 1) for k in range(L)]
+    assert (got["node"] == 0).all()
+
+
 @pytest.mark.connect
 @pytest.mark.parametrize("lam", [0.5, 2.0])
 def test_interpolated_tree_stage_equals_kernel(problem, emb, spark, lam):

@@ -104,6 +104,7 @@ from .shared_vectors import SharedSpace, _parallel
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len binary, x_idx binary, "
                   "x_val binary, y_len binary, y_idx binary, pair_row binary, pair_group binary")
+SPREAD = 2                      # training units get up to this many times the shuffle partitions
 UNITS_PER_SLOT = 4              # training units (subtrees) per task slot at the cut depth
 PIECE_NNZ = 1 << 26             # most feature non-zeros in one packed record batch of the fan-out
 BIG_SCHEMA = ("node int, feature_idx array<int>, feature_val array<float>, weight float, "
@@ -274,20 +275,22 @@ def lpt_ranks(costs: np.ndarray, n_parts: int) -> np.ndarray:
 
 def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None, n_samples: Optional[int] = None):
     """(training units sorted, the ``part`` key of each, the number of partitions): units spread
-    over at least ``n_parts`` partitions by :func:`lpt_ranks` of their summed :func:`node_costs`,
-    keyed by :func:`partition_keys` so that ``repartition(partitions, "part")`` puts each where
-    it was placed. Where there are more units with work than ``n_parts``, every unit gets a
-    partition of its own, the heaviest estimate first: the estimate then only orders the tasks,
-    and a unit it underrates no longer lengthens a shared partition (on the 500K synthetic set,
-    8 partitions of 31 units: the last task started with a fifth of the stage's work left).
-    Big nodes (units of their own, above the cut: trained across partitions, their records
-    dropped before the grouping) weigh nothing and take no partition. O(nodes) on the driver."""
+    by :func:`lpt_ranks` of their summed :func:`node_costs` over ``n_parts`` partitions, or, where
+    more units have work, over one partition per unit up to :data:`SPREAD` x ``n_parts``, keyed
+    by :func:`partition_keys` so that ``repartition(partitions, "part")`` puts each where it was
+    placed. The estimate (rows x classifiers) underrates the top nodes' classifiers, which take
+    ~3x the time per row and classifier of a leaf's on the 500K synthetic set: with 8
+    partitions for its 31 units a partition the estimate put last ran 22 s, from 71 s into a 93 s
+    job. Finer partitions leave the estimate less to get wrong; each costs a task (~0.1-0.3 s
+    measured), hence the cap. Big nodes (units of their own, above the cut: trained across
+    partitions, their records dropped before the grouping) weigh nothing and take no partition.
+    O(nodes) on the driver."""
     nodes, cost = node_costs(index, label_counts, n_samples)
     is_big = np.isin(nodes, np.asarray(big, np.int64))
     cost = np.where(is_big, 0.0, cost)
     units, inv = np.unique(training_units(index, nodes, cuts), return_inverse=True)
     unit_cost = np.bincount(inv, weights=cost, minlength=len(units))
-    n_parts = max(int(n_parts), int(np.setdiff1d(units, nodes[is_big]).size))
+    n_parts = int(np.clip(np.setdiff1d(units, nodes[is_big]).size, n_parts, SPREAD * n_parts))
     return units, partition_keys(n_parts)[lpt_ranks(unit_cost, n_parts)].astype(np.int32), n_parts
 
 
