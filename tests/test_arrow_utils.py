@@ -6,6 +6,8 @@ import pytest
 import scipy.sparse as sp
 
 from xmc_spark.arrow_utils import (
+    binary_segments,
+    binary_values,
     csr_from_table,
     csr_rows_to_arrays,
     grouped_apply,
@@ -77,3 +79,16 @@ def test_grouped_apply_and_to_arrow(spark):
     out = to_arrow(grouped_apply(df, ["g"], total, "g int, n long, s long"))
     assert isinstance(out, pa.Table)
     assert sorted(zip(*(out.column(c).to_pylist() for c in ("g", "n", "s")))) == [(0, 2, 7), (1, 1, 3), (2, 1, 0)]
+
+
+def test_binary_segments_round_trip_by_chunks():
+    """binary_segments packs segments of an array as bytes; binary_values gives the values back
+    end to end, over chunks, sliced arrays, large_binary and empty segments."""
+    v = np.arange(10, dtype=np.int64) * 3
+    seg = binary_segments(v, np.array([0, 3, 3, 10]), np.int32)
+    assert [len(x.as_py()) for x in seg] == [12, 0, 28]
+    np.testing.assert_array_equal(binary_values(seg, np.int32), v.astype(np.int32))
+    chunked = pa.chunked_array([seg.slice(1), binary_segments(v[:2], np.array([0, 2]), np.int32)])
+    np.testing.assert_array_equal(binary_values(chunked, np.int32), np.r_[v[3:], v[:2]].astype(np.int32))
+    np.testing.assert_array_equal(binary_values(seg.cast(pa.large_binary()), np.int32), v.astype(np.int32))
+    assert binary_values(seg.slice(1, 1), np.float32).size == 0

@@ -48,6 +48,28 @@ def csr_rows_to_arrays(M: sp.csr_matrix):
             list_array(M.indptr, M.data.astype(np.float32), pa.float32()))
 
 
+def binary_segments(values: np.ndarray, starts: np.ndarray, dtype) -> pa.BinaryArray:
+    """One binary value per segment ``values[starts[k]:starts[k + 1]]`` (as ``dtype``): packed
+    records that Spark shuffles as bytes, not as lists of numbers."""
+    data = np.ascontiguousarray(values, dtype=dtype)
+    offs = np.asarray(starts, np.int64) * data.itemsize
+    return pa.BinaryArray.from_buffers(pa.binary(), len(starts) - 1,
+                                       [None, pa.py_buffer(offs.astype(np.int32)), pa.py_buffer(data)])
+
+
+def binary_values(column, dtype) -> np.ndarray:
+    """The values of a binary column (:func:`binary_segments`) end to end, as one ``dtype`` array,
+    read chunk by chunk (no 2 GiB concatenation)."""
+    parts = []
+    for col in getattr(column, "chunks", [column]):
+        wide = pa.types.is_large_binary(col.type)
+        offs = np.frombuffer(col.buffers()[1], np.int64 if wide else np.int32)[col.offset:col.offset + len(col) + 1]
+        data = col.buffers()[2]
+        if data is not None and len(offs) and offs[-1] > offs[0]:
+            parts.append(np.frombuffer(data, np.uint8)[offs[0]:offs[-1]].view(dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
 def grouped_apply(df, keys, func: Callable[[pa.Table], pa.Table], schema: str):
     """``df.groupBy(keys)`` then ``func`` on each group as an Arrow table.
 

@@ -1,21 +1,47 @@
 """The PIFA stage equals the numpy kernel."""
 import numpy as np
 import pyarrow as pa
+import pytest
 import scipy.sparse as sp
 
 from tests.stages.conftest import D, L, samples_frame, to_csr
+from xmc_spark.arrow_utils import binary_values
 from xmc_spark.kernels.label_embedding import pifa
 from xmc_spark.params import EmbeddingParams
 from xmc_spark.schemas import check_table
 from xmc_spark.stages import label_embedding
 
 
-def test_pifa_stage_equals_kernel(problem):
+@pytest.mark.parametrize("pack_nnz", [label_embedding.PACK_NNZ, 1, 7])
+def test_pifa_stage_equals_kernel(problem, pack_nnz):
+    """One packed partial record per bucket and task, a record per label row (1), or a few rows a
+    record (7): the kernel's embeddings."""
     samples, Xl, Yl = problem
-    emb = check_table(label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=3),
-                      "label_embeddings")
+    emb = check_table(label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=3,
+                                          pack_nnz=pack_nnz), "label_embeddings")
     Z = to_csr(emb.collect(), "emb_idx", "emb_val", D, id_col="label_idx")
     np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_records_hold_the_partial_rows():
+    """_pack cuts a partial's rows into records of at most pack_nnz non-zeros (a longer row alone),
+    and the records give back its rows as float32."""
+    acc = sp.random(40, 25, density=0.3, format="csr", random_state=1)
+    rows = np.flatnonzero(np.diff(acc.indptr))[::2]
+    for pack_nnz in (1, 9, 10 ** 6):
+        batches = list(label_embedding._pack(2, rows, acc, pack_nnz))
+        t = pa.Table.from_batches(batches)
+        nnz = [len(b.column("emb_idx")[0].as_py()) // 4 for b in batches]
+        assert all(n <= pack_nnz or b.column("labels")[0].as_py().__len__() == 4 for n, b in zip(nnz, batches))
+        assert set(t.column("bucket").to_pylist()) == {2} and sum(nnz) == acc[rows].nnz
+        labels = binary_values(t.column("labels"), np.int32)
+        ptr = np.concatenate([[0], np.cumsum(binary_values(t.column("row_len"), np.int32))])
+        M = sp.csr_matrix((binary_values(t.column("emb_val"), np.float32), binary_values(t.column("emb_idx"), np.int32),
+                           ptr), shape=(len(labels), 25))
+        np.testing.assert_array_equal(labels, rows)
+        assert abs(M - acc[rows].astype(np.float32)).max() == 0
+    assert len(list(label_embedding._pack(0, rows, acc, 1))) == len(rows)
+    assert not list(label_embedding._pack(0, rows[:0], acc, 1))
 
 
 def test_labels_without_samples_are_omitted_and_y_unnormalized(problem, spark):

@@ -90,7 +90,16 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, list_array, list_offsets_values, to_arrow
+from ..arrow_utils import (
+    binary_segments,
+    binary_values,
+    csr_from_table,
+    csr_rows_to_arrays,
+    grouped_apply,
+    list_array,
+    list_offsets_values,
+    to_arrow,
+)
 from ..compat import default_parallelism, never_broadcast, share, shuffle_partitions
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
@@ -322,14 +331,6 @@ def _fan_out(bindex, batches):
         yield t, off, labels, rows, groups
 
 
-def _segments(values: np.ndarray, starts: np.ndarray, dtype) -> pa.BinaryArray:
-    """One binary value per segment ``values[starts[k]:starts[k + 1]]`` (as ``dtype``)."""
-    data = np.ascontiguousarray(values, dtype=dtype)
-    offs = np.asarray(starts, np.int64) * data.itemsize
-    return pa.BinaryArray.from_buffers(pa.binary(), len(starts) - 1,
-                                       [None, pa.py_buffer(offs.astype(np.int32)), pa.py_buffer(data)])
-
-
 def unit_depth(B: int, slots: int, big_depth: int = -1) -> int:
     """Depth from which a subtree is one training unit: the shallowest with at least
     :data:`UNITS_PER_SLOT` x ``slots`` nodes in a full B-ary tree, and below every big node."""
@@ -404,15 +405,17 @@ def _pack_units(t: pa.Table, off: np.ndarray, labels: np.ndarray, rows: np.ndarr
         rs, ps = starts[lo:hi + 1] - r0, pstarts[lo:hi + 1] - p0
         xs, ys = xsub[starts[lo:hi + 1]] - xsub[r0], ysub[starts[lo:hi + 1]] - ysub[r0]
         cols = {"group": pa.array(u[pstarts[lo:hi]], pa.int64()), "rows": pa.array(np.diff(rs), pa.int32()),
-                "sample_id": _segments(sid[r0:r1], rs, np.int64), "weight": _segments(weight[r0:r1], rs, np.float32),
-                "x_len": _segments(np.diff(xsub[r0:r1 + 1]), rs, np.int32),
-                "x_idx": _segments(fidx[xat[xsub[r0]:xsub[r1]]], xs, np.int32),
-                "x_val": _segments(fval[xat[xsub[r0]:xsub[r1]]], xs, np.float32),
-                "y_len": _segments(np.diff(ysub[r0:r1 + 1]), rs, np.int32),
-                "y_idx": _segments(labels[yat[ysub[r0]:ysub[r1]]], ys, np.int32),
-                "pair_row": _segments(local[p0:p1], ps, np.int32), "pair_group": _segments(g[p0:p1], ps, np.int64)}
+                "sample_id": binary_segments(sid[r0:r1], rs, np.int64),
+                "weight": binary_segments(weight[r0:r1], rs, np.float32),
+                "x_len": binary_segments(np.diff(xsub[r0:r1 + 1]), rs, np.int32),
+                "x_idx": binary_segments(fidx[xat[xsub[r0]:xsub[r1]]], xs, np.int32),
+                "x_val": binary_segments(fval[xat[xsub[r0]:xsub[r1]]], xs, np.float32),
+                "y_len": binary_segments(np.diff(ysub[r0:r1 + 1]), rs, np.int32),
+                "y_idx": binary_segments(labels[yat[ysub[r0]:ysub[r1]]], ys, np.int32),
+                "pair_row": binary_segments(local[p0:p1], ps, np.int32),
+                "pair_group": binary_segments(g[p0:p1], ps, np.int64)}
         if weighted:
-            cols["y_w"] = _segments(lw[ysub[r0]:ysub[r1]], ys, np.float32)
+            cols["y_w"] = binary_segments(lw[ysub[r0]:ysub[r1]], ys, np.float32)
         yield pa.RecordBatch.from_pydict(cols)
         lo = hi
 
@@ -421,15 +424,8 @@ def _unpack_unit(t: pa.Table, n_features: int, weighted: bool):
     """One unit's records of :func:`_pack_units` -> (X, label offsets, labels, weights, label
     weights or None, pair rows, pair groups): rows in sample-id order (so the result does not
     depend on the shuffle), pairs sorted by group then row."""
-    def flat(name, dtype):             # a binary column's values end to end, as one array
-        parts = []
-        for col in t.column(name).chunks:             # chunk by chunk: no 2 GiB concatenation
-            wide = pa.types.is_large_binary(col.type)
-            offs = np.frombuffer(col.buffers()[1], np.int64 if wide else np.int32)[col.offset:col.offset + len(col) + 1]
-            data = col.buffers()[2]
-            if data is not None and len(offs) and offs[-1] > offs[0]:
-                parts.append(np.frombuffer(data, np.uint8)[offs[0]:offs[-1]].view(dtype))
-        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+    def flat(name, dtype):
+        return binary_values(t.column(name), dtype)
 
     sid = flat("sample_id", np.int64)
     order = np.argsort(sid, kind="mergesort")
