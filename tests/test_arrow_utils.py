@@ -92,3 +92,5 @@ def test_binary_segments_round_trip_by_chunks():
     np.testing.assert_array_equal(binary_values(chunked, np.int32), np.r_[v[3:], v[:2]].astype(np.int32))
     np.testing.assert_array_equal(binary_values(seg.cast(pa.large_binary()), np.int32), v.astype(np.int32))
     assert binary_values(seg.slice(1, 1), np.float32).size == 0
+    with pytest.raises(ValueError, match="2 GiB"):
+        binary_segments(np.zeros(4, np.int8), np.array([0, 1 << 31]), np.int8)

@@ -53,6 +53,8 @@ def binary_segments(values: np.ndarray, starts: np.ndarray, dtype) -> pa.BinaryA
     records that Spark shuffles as bytes, not as lists of numbers."""
     data = np.ascontiguousarray(values, dtype=dtype)
     offs = np.asarray(starts, np.int64) * data.itemsize
+    if len(offs) and offs[-1] >= 1 << 31:
+        raise ValueError(f"{offs[-1]} bytes of segments do not fit one binary array (< 2 GiB): cut them smaller")
     return pa.BinaryArray.from_buffers(pa.binary(), len(starts) - 1,
                                        [None, pa.py_buffer(offs.astype(np.int32)), pa.py_buffer(data)])
 

@@ -32,7 +32,12 @@ def test_packed_records_hold_the_partial_rows():
         batches = list(label_embedding._pack(2, rows, acc, pack_nnz))
         t = pa.Table.from_batches(batches)
         nnz = [len(b.column("emb_idx")[0].as_py()) // 4 for b in batches]
-        assert all(n <= pack_nnz or b.column("labels")[0].as_py().__len__() == 4 for n, b in zip(nnz, batches))
+        n_rows = [len(b.column("labels")[0].as_py()) // 4 for b in batches]
+        assert all(n <= pack_nnz or r == 1 for n, r in zip(nnz, n_rows))
+        # greedy: a record's next row would not have fitted it
+        row_nnz = np.diff(acc[rows].indptr)
+        starts = np.cumsum([0] + n_rows)
+        assert all(nnz[k] + row_nnz[starts[k + 1]] > pack_nnz for k in range(len(batches) - 1))
         assert set(t.column("bucket").to_pylist()) == {2} and sum(nnz) == acc[rows].nnz
         labels = binary_values(t.column("labels"), np.int32)
         ptr = np.concatenate([[0], np.cumsum(binary_values(t.column("row_len"), np.int32))])
@@ -40,6 +45,7 @@ def test_packed_records_hold_the_partial_rows():
                            ptr), shape=(len(labels), 25))
         np.testing.assert_array_equal(labels, rows)
         assert abs(M - acc[rows].astype(np.float32)).max() == 0
+    assert len(list(label_embedding._pack(0, rows, acc, 10 ** 6))) == 1
     assert len(list(label_embedding._pack(0, rows, acc, 1))) == len(rows)
     assert not list(label_embedding._pack(0, rows[:0], acc, 1))
 

@@ -3,9 +3,11 @@
 The partials travel packed: one record per (bucket, slice of at most :data:`PACK_NNZ`
 non-zeros) with the labels, row lengths, indices and values as bytes
 (:func:`~..arrow_utils.binary_segments`), so that Spark shuffles a few large binary values
-rather than a list row per label (at 500K samples x 50K labels, ~15M non-zeros per partition,
-each converted between Arrow and Spark rows on both sides of the shuffle). The values are the
-float32 the lists carried, so the sums are the same."""
+rather than a list row per label (at 500K samples x 50K labels, ~4.7M non-zeros per partition
+of ~128K rows, each converted between Arrow and Spark rows on both sides of the shuffle). The
+values are the float32 the lists carried, so the sums are those of the list path (up to the
+order in which the shuffle delivers a label's partials, as before). Measured at 500K (2 cores,
+event log): the partial and combine jobs 2.7 + 3.6 s against 2.8-3.2 + 3.9-4.0 s with lists."""
 from __future__ import annotations
 
 import logging
@@ -91,8 +93,11 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
             return
         acc = acc.tocsr()
         rows = np.flatnonzero(np.diff(acc.indptr))
+        bucket = rows % n_buckets
+        order = np.argsort(bucket, kind="stable")             # the rows of each bucket, in label order
+        ends = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
         for b in range(n_buckets):
-            yield from _pack(b, rows[rows % n_buckets == b], acc, pack_nnz)
+            yield from _pack(b, rows[order[ends[b]:ends[b + 1]]], acc, pack_nnz)
 
     def combine(t: pa.Table) -> pa.Table:
         labels = binary_values(t.column("labels"), np.int32)
