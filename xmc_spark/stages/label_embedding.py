@@ -19,7 +19,7 @@ from pyspark.sql import DataFrame
 
 from ..arrow_utils import binary_segments, binary_values, csr_from_table, csr_rows_to_arrays, grouped_apply
 from ..kernels.label_embedding import pifa_partial
-from ..kernels.sparse import l2_normalize_rows
+from ..kernels.sparse import csr_from_lists, l2_normalize_rows
 from ..params import EmbeddingParams
 from ..schemas import EMBEDDING_SCHEMA
 
@@ -102,8 +102,8 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
     def combine(t: pa.Table) -> pa.Table:
         labels = binary_values(t.column("labels"), np.int32)
         ptr = np.concatenate([[0], np.cumsum(binary_values(t.column("row_len"), np.int32), dtype=np.int64)])
-        M = sp.csr_matrix((binary_values(t.column("emb_val"), np.float32), binary_values(t.column("emb_idx"), np.int32),
-                           ptr), shape=(len(labels), n_features))
+        M = csr_from_lists(ptr, binary_values(t.column("emb_idx"), np.int32),
+                           binary_values(t.column("emb_val"), np.float32), n_features)
         uniq, inv = np.unique(labels, return_inverse=True)
         S = sp.csr_matrix((np.ones(len(labels), np.float32), (inv, np.arange(len(labels)))),
                           shape=(len(uniq), len(labels)))
