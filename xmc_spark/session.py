@@ -194,7 +194,8 @@ def get_spark(params: SparkParams | None = None):
         builder = builder.master(params.master)
     # under spark-submit its --conf may already choose the pool: only the warning below then
     capped = {} if under_spark_submit() else capped_python_conf(params.conf)
-    for k, v in {**DELTA_CONF, **capped, **params.conf}.items():
+    local = local_conf(params.master)
+    for k, v in {**DELTA_CONF, **local, **capped, **params.conf}.items():
         builder = builder.config(k, str(v))
     record = None
     if params.delta_from_maven:
@@ -358,6 +359,19 @@ def connect_session(params: SparkParams):
 
 # SQL settings a Connect client cannot change (the server was started with them)
 DELTA_STATIC = ("spark.sql.extensions", "spark.sql.catalog.spark_catalog", "spark.sql.warehouse.dir")
+
+
+# Local masters: the Python workers import pyspark from its installed package, not from the
+# pyspark.zip Spark puts first on their path (no bytecode cache: see worker_daemon.py)
+LOCAL_CONF = {"spark.python.daemon.module": "xmc_spark.worker_daemon"}
+
+
+def local_conf(master: str) -> dict:
+    """:data:`LOCAL_CONF` for a local master whose Python workers run this interpreter (where
+    xmc_spark is installed); nothing otherwise (a configured ``spark.conf`` value wins either way)."""
+    if master.startswith("local") and os.environ.get("PYSPARK_PYTHON") == sys.executable:
+        return dict(LOCAL_CONF)
+    return {}
 
 
 def redact_remote(remote: str) -> str:
