@@ -13,6 +13,7 @@ from xmc_spark.arrow_utils import (
     grouped_apply,
     list_array,
     list_offsets_values,
+    local_frame,
     to_arrow,
 )
 
@@ -94,3 +95,26 @@ def test_binary_segments_round_trip_by_chunks():
     assert binary_values(seg.slice(1, 1), np.float32).size == 0
     with pytest.raises(ValueError, match="2 GiB"):
         binary_segments(np.zeros(4, np.int8), np.array([0, 1 << 31]), np.int8)
+
+
+def _lineage(df) -> str:
+    return df._jdf.queryExecution().toRdd().toDebugString()
+
+
+def test_local_frame_needs_no_python_worker(spark):
+    """The same rows and types as createDataFrame of a list with a DDL schema, but from an Arrow
+    table: no Python RDD in the lineage (the list's frame has one: its tasks start Python workers)."""
+    from xmc_spark.compat import is_connect
+    rows = [("a", 1, 2, 0.5, [3, 4]), ("b", -1, 2 ** 40, None, [])]
+    ddl = "name string, i int, l long, v double, ids array<long>"
+    df = local_frame(spark, {"name": pa.array(["a", "b"]), "i": pa.array([1, -1], pa.int32()),
+                             "l": pa.array([2, 2 ** 40], pa.int64()), "v": pa.array([0.5, None], pa.float64()),
+                             "ids": pa.array([[3, 4], []], pa.list_(pa.int64()))})
+    ref = spark.createDataFrame(rows, ddl)
+    assert df.schema.simpleString() == ref.schema.simpleString()
+    assert sorted(map(tuple, df.collect())) == sorted(map(tuple, ref.collect()))
+    if not is_connect(spark):
+        assert "PythonRDD" in _lineage(ref)
+        assert "PythonRDD" not in _lineage(df)
+    empty = local_frame(spark, {"sample_id": pa.array([], pa.int64())})
+    assert empty.schema.simpleString() == "struct<sample_id:bigint>" and empty.count() == 0

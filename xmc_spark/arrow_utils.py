@@ -93,3 +93,12 @@ def to_arrow(df) -> pa.Table:
     if hasattr(df, "toArrow"):
         return df.toArrow()
     return pa.Table.from_pandas(df.toPandas(), preserve_index=False)  # pragma: no cover - Spark 3.5
+
+
+def local_frame(spark, columns: dict):
+    """A DataFrame of a few driver-side columns (name -> ``pa.Array`` with its Spark type's Arrow
+    type: int32 for int, int64 for long, float64 for double, string), sent to Spark as one Arrow
+    table. ``spark.createDataFrame`` of a Python list goes through a Python RDD instead, whose tasks
+    start Python workers of their own (a second worker daemon: the RDD's environment is not SQL's),
+    about a second of a local run for a one-row table."""
+    return spark.createDataFrame(pa.table(columns))

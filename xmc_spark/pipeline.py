@@ -23,7 +23,7 @@ import scipy.sparse as sp
 from pyspark.sql import functions as F
 
 from . import prime_model
-from .arrow_utils import list_offsets_values, to_arrow
+from .arrow_utils import list_offsets_values, local_frame, to_arrow
 from .compat import shuffle_partitions
 from .config import dump_params
 from .kernels.tree import Forest, TreeIndex
@@ -435,7 +435,9 @@ def evaluate_stage(ctx: StageContext) -> StageResult:
             m.update(tree_metrics(tables.read("tree_predictions"), tables.read("test"), counts, ing.n_train,
                                   ctx.params, depth))
         metrics = {k: round(v, 4) for k, v in m.items()}
-        tables.write("metrics", ctx.spark.createDataFrame(sorted(metrics.items()), "metric string, value double"))
+        names, values = zip(*sorted(metrics.items())) if metrics else ((), ())
+        tables.write("metrics", local_frame(ctx.spark, {"metric": pa.array(names, pa.string()),
+                                                       "value": pa.array(values, pa.float64())}))
     log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "depth@", "tree_p@"))})
     return StageResult(metrics=metrics)
 

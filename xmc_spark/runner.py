@@ -132,8 +132,12 @@ class Records:
         """Record stage ``name``; drop the records of the stages downstream of it (one commit)."""
         dropped = downstream(name)
         if self.keyed:
-            row = self.tables.spark.createDataFrame([(name, json.dumps(info), float(seconds))],
-                                                    "stage string, info string, seconds double")
+            import pyarrow as pa
+
+            from .arrow_utils import local_frame
+            row = local_frame(self.tables.spark, {"stage": pa.array([name], pa.string()),
+                                                  "info": pa.array([json.dumps(info)], pa.string()),
+                                                  "seconds": pa.array([float(seconds)], pa.float64())})
             names = ", ".join(f"'{s}'" for s in [name, *dropped])
             self.tables.write("stage_info", row, where=f"stage IN ({names})")
         for s in dropped:

@@ -30,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from ..arrow_utils import local_frame
 from ..params import IngestParams
 from ..schemas import IngestError
 from ..storage import list_names, path_kind, write_delta
@@ -222,7 +225,9 @@ def with_row_index(df: DataFrame, name: str) -> DataFrame:
         offsets.append((pid, acc))
         acc += n
     spark = df.sparkSession
-    off = spark.createDataFrame(offsets or [(0, 0)], "_zpid int, _zoff long")
+    offsets = offsets or [(0, 0)]
+    off = local_frame(spark, {"_zpid": pa.array([p for p, _ in offsets], pa.int32()),
+                              "_zoff": pa.array([o for _, o in offsets], pa.int64())})
     low = F.col("_zmid").bitwiseAND(F.lit((1 << 33) - 1))
     return (tagged.join(F.broadcast(off), "_zpid").withColumn(name, F.col("_zoff") + low)
             .drop("_zpid", "_zmid", "_zoff"))
@@ -245,7 +250,8 @@ def kmeans_groups(samples: DataFrame, n_samples: int, n_features: int, depth: in
     back = dense.select(F.col("label_idx").alias("_pt"), F.col("sample_id").alias("_sid"))
     nodes = tree.join(back, tree["label_idx"] == back["_pt"]).select(F.col("_sid").alias("sample_id"), "node")
     ids = sorted(r["node"] for r in nodes.select("node").distinct().collect())
-    remap = samples.sparkSession.createDataFrame([(n, i) for i, n in enumerate(ids)], "node long, group_id long")
+    remap = local_frame(samples.sparkSession, {"node": pa.array(ids, pa.int64()),
+                                               "group_id": pa.array(np.arange(len(ids)), pa.int64())})
     log.info("k-means groups: %d groups (depth %d, nodes %d..%d)", len(ids), depth, ids[0], ids[-1])
     if ids[0] < first:
         log.warning("some groups are shallower than depth %d (too few samples)", depth)

@@ -29,7 +29,7 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, local_frame
 from ..compat import never_broadcast, share
 from ..kernels.eagle import (
     Triples,
@@ -253,7 +253,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         info["eagle.head_labels"] = len(heads)
         T = _iterations(params)
         if len(heads):
-            hl = spark.createDataFrame([(int(h),) for h in heads], "label_idx int")
+            hl = local_frame(spark, {"label_idx": pa.array(heads.astype(np.int32))})
             # split the narrow triples first, so each feature join runs once on its part
             body = triples.join(F.broadcast(hl), "label_idx", "left_anti").join(feats, "sample_id")
             head_rows = triples.join(F.broadcast(hl), "label_idx").join(feats, "sample_id")

@@ -48,7 +48,7 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_values, to_arrow
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_values, local_frame, to_arrow
 from ..compat import CONNECT_MAX_MB, is_connect, never_broadcast, share
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
@@ -481,7 +481,7 @@ def routed(samples: DataFrame, model, beam_size: int, group_rows: int = GROUP_RO
             part = beam.join(F.broadcast(nodes), "pos").select("sample_id", "node")
             found = part if found is None else found.unionByName(part)
     if found is None:
-        return spark.createDataFrame([], "sample_id long, man array<long>")
+        return local_frame(spark, {"sample_id": pa.array([], pa.int64()), "man": pa.array([], pa.list_(pa.int64()))})
     return found.groupBy("sample_id").agg(F.array_sort(F.collect_set("node")).alias("man"))
 
 
@@ -591,7 +591,7 @@ def load(spark, folder: str):
                 yield pa.RecordBatch.from_arrays([pa.array(is_leaf), pa.array(keys), idx, val],
                                                  names=["is_leaf", "key", "w_idx", "w_val"])
 
-    files = spark.createDataFrame([(p,) for p in parts], "path string").repartition(max(1, len(parts)))
+    files = local_frame(spark, {"path": pa.array(parts, pa.string())}).repartition(max(1, len(parts)))
     weights = files.mapInArrow(read, WEIGHTS_SCHEMA)
     model = ShardedModel(index, weights, param["n_features"], param["bias"], param["normalize"],
                          PredictParams.from_dict(param["pred_params"]), param.get("meta") or {},
