@@ -1,9 +1,9 @@
 """worker_daemon: the Python workers of a local master import pyspark from its installed package,
 not from the bytecode-less pyspark.zip Spark puts first on their path."""
 import os
+import subprocess
 import sys
 import zipfile
-from importlib.metadata import version
 
 import pyarrow as pa
 import pytest
@@ -12,10 +12,14 @@ from xmc_spark.session import LOCAL_CONF, local_conf
 from xmc_spark.worker_daemon import redundant_zips
 
 
-def _package(root, name):
-    (root / name).mkdir(parents=True)
-    (root / name / "__init__.py").write_text("")
-    return root / name
+def _package(site, name, version=None):
+    (site / name).mkdir(parents=True)
+    (site / name / "__init__.py").write_text("")
+    if version:                     # installed metadata beside the package, as pip writes it
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return site / name
 
 
 def _zip(path):
@@ -28,19 +32,38 @@ def _zip(path):
 def test_only_zips_of_the_installed_packages_are_dropped(tmp_path):
     site = tmp_path / "site"
     pkg = _package(site, "pyspark")
-    own = _zip(pkg / "python" / "lib" / "pyspark.zip")             # a pip install's own SPARK_HOME
+    _package(site, "py4j", "0.10.9.9")
+    lib = pkg / "python" / "lib"
+    own = _zip(lib / "pyspark.zip")                                  # a pip install's own SPARK_HOME
     other = _zip(tmp_path / "spark-3.5" / "python" / "lib" / "pyspark.zip")   # another Spark's
-    py4j = version("py4j")
-    same = _zip(pkg / "python" / "lib" / f"py4j-{py4j}-src.zip")
-    older = _zip(pkg / "python" / "lib" / "py4j-0.0.1-src.zip")
-    # the installed py4j (this environment's) is found on the rest of the path
-    py4j_dir = os.path.dirname(os.path.dirname(__import__("py4j").__file__))
-    path = [own, same, older, other, str(site), py4j_dir]
-    assert redundant_zips(path) == [own, same]
-    # without an installed pyspark on the path nothing of pyspark's is dropped
-    assert redundant_zips([own, other, py4j_dir]) == []
-    # another Spark's zip first and no package copy of it: kept
-    assert other not in redundant_zips([other, str(site), py4j_dir])
+    same = _zip(lib / "py4j-0.10.9.9-src.zip")
+    older = _zip(lib / "py4j-0.10.9.7-src.zip")
+    assert redundant_zips([own, same, older, other, str(site)]) == [own, same]
+    # no installed pyspark or py4j on the rest of the path: every zip stays
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert redundant_zips([own, same, other, str(bare)]) == []
+    # a py4j package without metadata: its version is unknown, so its zip stays
+    site2 = tmp_path / "site2"
+    _package(site2, "py4j")
+    assert redundant_zips([same, str(site2)]) == []
+    # an install that links its files from a cache (uv's symlink mode): the zip is still the package's
+    site3 = tmp_path / "site3"
+    pkg3 = _package(site3, "pyspark")
+    (pkg3 / "python" / "lib").mkdir(parents=True)
+    linked = pkg3 / "python" / "lib" / "pyspark.zip"
+    linked.symlink_to(_zip(tmp_path / "cache" / "0f3a"))
+    assert redundant_zips([str(linked), str(site3)]) == [str(linked)]
+
+
+def test_the_daemon_module_starts_no_thread_and_imports_nothing_heavy():
+    """pyspark's daemon forks its workers: no thread may run in it (pyarrow, numpy's BLAS and
+    pandas start threads), so importing this module and choosing the zips must not load them."""
+    code = ("import sys, threading, xmc_spark.worker_daemon as w; w.redundant_zips(sys.path); "
+            "heavy = {'numpy', 'pyarrow', 'pandas', 'scipy', 'numba'} & {m.split('.')[0] for m in sys.modules}; "
+            "print(threading.active_count(), sorted(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1", "[]"], out
 
 
 def test_local_conf_only_for_local_masters_running_this_python(monkeypatch):
@@ -56,6 +79,8 @@ def test_the_workers_import_pyspark_from_the_package(spark):
     from xmc_spark.compat import is_connect
     if is_connect(spark):
         pytest.skip("the daemon module is a local master's setting")
+    if os.environ.get("PYSPARK_PYTHON") != sys.executable:
+        pytest.skip("the workers run another interpreter: local_conf leaves pyspark's own daemon")
     assert spark.sparkContext.getConf().get("spark.python.daemon.module") == "xmc_spark.worker_daemon"
 
     def where(batches):

@@ -95,10 +95,18 @@ def to_arrow(df) -> pa.Table:
     return pa.Table.from_pandas(df.toPandas(), preserve_index=False)  # pragma: no cover - Spark 3.5
 
 
-def local_frame(spark, columns: dict):
-    """A DataFrame of a few driver-side columns (name -> ``pa.Array`` with its Spark type's Arrow
-    type: int32 for int, int64 for long, float64 for double, string), sent to Spark as one Arrow
-    table. ``spark.createDataFrame`` of a Python list goes through a Python RDD instead, whose tasks
-    start Python workers of their own (a second worker daemon: the RDD's environment is not SQL's),
-    about a second of a local run for a one-row table."""
-    return spark.createDataFrame(pa.table(columns))
+def local_frame(spark, columns, schema: Optional[str] = None):
+    """A DataFrame of driver-side data, sent to Spark as one Arrow table: ``columns`` is a
+    ``pa.Table`` or name -> ``pa.Array`` with its Spark type's Arrow type (int32 for int, int64
+    for long, float64 for double, string, list<int64> for array<long>); ``schema`` (DDL) when the
+    table's own types are not the wanted ones. ``spark.createDataFrame`` of a Python list goes
+    through a Python RDD instead, whose tasks start Python workers of their own (a second worker
+    daemon: the RDD's environment is not SQL's), about a second of a local run for a one-row table.
+    Spark 3.5 takes no Arrow table: it gets the table through pandas, which the session's
+    ``spark.sql.execution.arrow.pyspark.enabled`` sends as Arrow too."""
+    import pyspark
+    table = columns if isinstance(columns, pa.Table) else pa.table(columns)
+    if int(pyspark.__version__.split(".")[0]) >= 4:
+        return spark.createDataFrame(table, schema=schema)
+    from pyspark.sql.pandas.types import from_arrow_schema  # pragma: no cover - Spark 3.5
+    return spark.createDataFrame(table.to_pandas(), schema=schema or from_arrow_schema(table.schema))

@@ -6,12 +6,13 @@ zips inside the package, without bytecode, and Python never caches bytecode for 
 imports from a zip. So the daemon, and every worker it forks (a worker imports ``pyspark.worker``
 only after the fork, by design: nothing may start threads in the daemon), compiles pyspark's
 modules from source again: about a second of every worker's start (:func:`~.session.get_spark`
-sets ``spark.python.daemon.module`` to this module for local masters).
+sets ``spark.python.daemon.module`` to this module for local masters, :func:`~.session.local_conf`).
 
 This module drops such a zip from ``sys.path`` when the same files are importable without it: the
 pyspark zip when it lies inside the ``pyspark`` package found on the rest of the path, py4j's when
-the installed ``py4j`` has the zip's version. Then it runs pyspark's own daemon unchanged. It
-imports nothing else: no thread may run in the daemon when it forks.
+the ``py4j`` package found there is installed with the zip's version. Then it runs pyspark's own
+daemon unchanged. It imports only the standard library: no thread may run in the daemon when it
+forks, and should anything here fail, the path stays as Spark set it.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import os
 import re
 import sys
 from importlib.machinery import PathFinder
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 
-def _package_dir(name: str, path: Sequence[str]):
+def _package_dir(name: str, path: Sequence[str]) -> Optional[str]:
     """The folder of package ``name`` on ``path`` (entries that are not zips), or None."""
     spec = PathFinder.find_spec(name, [p for p in path if not p.endswith(".zip")])
     if spec is None or not spec.submodule_search_locations:
@@ -30,12 +31,19 @@ def _package_dir(name: str, path: Sequence[str]):
     return os.path.realpath(list(spec.submodule_search_locations)[0])
 
 
-def _installed_version(dist: str):
-    try:
-        from importlib.metadata import version
-        return version(dist)
-    except Exception:           # no metadata: keep the zip
-        return None
+def _version_beside(package_dir: str, dist: str) -> Optional[str]:
+    """The version of distribution ``dist`` whose metadata lies beside ``package_dir`` (the copy
+    that is imported), or None."""
+    from importlib.metadata import distributions
+    for d in distributions(path=[os.path.dirname(package_dir)]):
+        if (d.metadata["Name"] or "").lower() == dist:
+            return d.version
+    return None
+
+
+def _real(path: str) -> str:
+    """``path`` with its folder resolved (a file symlinked into a cache keeps its place)."""
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
 def redundant_zips(path: Sequence[str]) -> List[str]:
@@ -43,20 +51,28 @@ def redundant_zips(path: Sequence[str]) -> List[str]:
     importable from the rest of ``path``."""
     out = []
     pyspark_dir = _package_dir("pyspark", path)
+    py4j_version = None
     for p in path:
         base = os.path.basename(p)
-        if base == "pyspark.zip" and pyspark_dir is not None:
-            if os.path.realpath(p).startswith(pyspark_dir + os.sep):       # inside the package: the same wheel
+        if base == "pyspark.zip":
+            if pyspark_dir is not None and _real(p).startswith(pyspark_dir + os.sep):   # the same wheel
                 out.append(p)
-        else:
-            m = re.fullmatch(r"py4j-(.+)-src\.zip", base)
-            if m and _package_dir("py4j", path) is not None and _installed_version("py4j") == m.group(1):
+            continue
+        m = re.fullmatch(r"py4j-(.+)-src\.zip", base)
+        if m:
+            if py4j_version is None:
+                py4j_dir = _package_dir("py4j", path)
+                py4j_version = (_version_beside(py4j_dir, "py4j") if py4j_dir else None) or ""
+            if py4j_version == m.group(1):
                 out.append(p)
     return out
 
 
 def main() -> None:
-    drop = set(redundant_zips(sys.path))
+    try:
+        drop = set(redundant_zips(sys.path))
+    except Exception:       # noqa: BLE001 - never stop the workers over a speed-up
+        drop = set()
     sys.path[:] = [p for p in sys.path if p not in drop]
     from pyspark import daemon
     daemon.manager()

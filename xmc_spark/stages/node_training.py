@@ -98,6 +98,7 @@ from ..arrow_utils import (
     grouped_apply,
     list_array,
     list_offsets_values,
+    local_frame,
     to_arrow,
 )
 from ..compat import default_parallelism, never_broadcast, share, shuffle_partitions
@@ -1023,4 +1024,4 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
             space.close()
     idx, val = csr_rows_to_arrays(tron.prune(W, params.threshold).T.tocsr())
     table = _weights_table(np.repeat(is_leaf, np.diff(node_ptr)), np.concatenate(kids), idx, val)
-    return spark.createDataFrame(table, schema=WEIGHTS_SCHEMA)
+    return local_frame(spark, table, WEIGHTS_SCHEMA)
