@@ -88,6 +88,24 @@ def grouped_apply(df, keys, func: Callable[[pa.Table], pa.Table], schema: str):
     return g.applyInPandas(pandas_func, schema)
 
 
+def cogrouped_apply(left, right, keys, func: Callable[[pa.Table, pa.Table], pa.Table], schema: str):
+    """``left.groupBy(keys).cogroup(right.groupBy(keys))`` then ``func`` on each cogroup (both
+    sides as Arrow tables, either may be empty): ``applyInArrow`` on Spark >= 4.0,
+    ``applyInPandas`` with an Arrow round trip in each side's own schema on Spark 3.5 (an empty
+    pandas side would otherwise come back with untyped columns)."""
+    cogrouped = left.groupBy(*keys).cogroup(right.groupBy(*keys))
+    if hasattr(cogrouped, "applyInArrow"):
+        return cogrouped.applyInArrow(func, schema)
+    from pyspark.sql.pandas.types import to_arrow_schema  # pragma: no cover - Spark 3.5 path
+    ls, rs = to_arrow_schema(left.schema), to_arrow_schema(right.schema)
+
+    def pandas_func(lp, rp):  # pragma: no cover - Spark 3.5 path
+        return func(pa.Table.from_pandas(lp, schema=ls, preserve_index=False),
+                    pa.Table.from_pandas(rp, schema=rs, preserve_index=False)).to_pandas()
+
+    return cogrouped.applyInPandas(pandas_func, schema)
+
+
 def to_arrow(df) -> pa.Table:
     """Collect a DataFrame as one Arrow table (``toArrow`` on Spark >= 4, else via pandas)."""
     if hasattr(df, "toArrow"):

@@ -180,10 +180,14 @@ def spark_tag(spark, tag: str):
     the stage's jobs carry it in the UI, the event log (``spark.job.tags``) and
     ``interruptTag``."""
     add = getattr(spark, "addTag", None)
-    if add is None:                  # Spark 3.5 classic: no session tags
+    if add is not None:
+        try:
+            add(tag)
+        except RuntimeError:         # Spark 3.5 classic: session tags are Spark Connect's only
+            add = None
+    if add is None:
         yield
         return
-    add(tag)
     try:
         yield
     finally:

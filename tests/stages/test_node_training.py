@@ -96,7 +96,7 @@ def test_big_rows_are_packed_without_loss(problem, index, spark):
     rows = node_training._big_rows(samples, share(samples, index), big, node_ptr).repartition(3)
     packed = rows.sortWithinPartitions("node").mapInArrow(
         node_training._pack_rows(D, int(node_ptr[-1]), tp.bias, tp.C, max_rows=7), node_training.PACK_SCHEMA)
-    blocks = [rb for b in packed.toArrow().to_batches()
+    blocks = [rb for b in to_arrow(packed).to_batches()
               for rb in node_training._unpack(b, D + 1, int(node_ptr[-1]))]
     assert max(rb.X.shape[0] for rb in blocks) == 7          # a node's rows cut at max_rows
     Xb = append_bias(Xl, tp.bias)

@@ -12,6 +12,7 @@ import scipy.sparse as sp
 from pyspark import StorageLevel
 
 from tests.stages.conftest import D, L
+from xmc_spark.arrow_utils import to_arrow
 from xmc_spark.compat import share
 from xmc_spark.kernels import tron
 from xmc_spark.kernels.label_embedding import pifa
@@ -53,7 +54,7 @@ def _packed(problem, index):
               .sortWithinPartitions("node")
               .mapInArrow(node_training._pack_rows(D, K, tp.bias, tp.C, max_rows=16), node_training.PACK_SCHEMA)
               .persist(StorageLevel.MEMORY_ONLY))
-    blocks = [rb for b in packed.toArrow().to_batches() for rb in node_training._unpack(b, d, K)]
+    blocks = [rb for b in to_arrow(packed).to_batches() for rb in node_training._unpack(b, d, K)]
     whole = tron.RowBlock(sp.vstack([b.X for b in blocks], format="csr"), np.concatenate([b.node for b in blocks]),
                           np.concatenate([b.cost for b in blocks]), sp.vstack([b.pos for b in blocks], format="csr"))
     return packed, whole, node_ptr, d, K

@@ -260,16 +260,17 @@ def _text_columns(one_based: bool) -> list:
 def _token_error_sql(one_based: bool) -> str:
     """SQL over the columns of :func:`_text_columns`: the first token-level problem of a line
     (NULL if none); an expression, not a column, so that only the lines :func:`_text_ok`
-    rejects evaluate it."""
+    rejects evaluate it. A quote inside a literal is written \\' (Spark 3.5 reads '' as two adjacent
+    literals, which drops the quote)."""
     idx, val = _token_sql(one_based)
     return f"""(CASE WHEN size(_toks) = 0 THEN 'empty line'
-            WHEN exists(_ft, {_BAD_TOKEN}) THEN concat('malformed feature token (expected index:value): ''',
-                get(filter(_ft, {_BAD_TOKEN}), 0), '''')
-            WHEN exists(label_idx, x -> x IS NULL) THEN concat('label id is not an integer in ''', _lab, '''')
-            WHEN exists(feature_idx, x -> x IS NULL) THEN concat('feature index is not an integer: ''',
-                get(filter(_ft, t -> {idx} IS NULL), 0), '''')
-            WHEN exists(feature_val, x -> x IS NULL) THEN concat('feature value is not a number: ''',
-                get(filter(_ft, t -> {val} IS NULL), 0), '''')
+            WHEN exists(_ft, {_BAD_TOKEN}) THEN concat('malformed feature token (expected index:value): \\'',
+                get(filter(_ft, {_BAD_TOKEN}), 0), '\\'')
+            WHEN exists(label_idx, x -> x IS NULL) THEN concat('label id is not an integer in \\'', _lab, '\\'')
+            WHEN exists(feature_idx, x -> x IS NULL) THEN concat('feature index is not an integer: \\'',
+                get(filter(_ft, t -> {idx} IS NULL), 0), '\\'')
+            WHEN exists(feature_val, x -> x IS NULL) THEN concat('feature value is not a number: \\'',
+                get(filter(_ft, t -> {val} IS NULL), 0), '\\'')
             END)"""
 
 

@@ -48,7 +48,14 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, list_offsets_values, local_frame, to_arrow
+from ..arrow_utils import (
+    cogrouped_apply,
+    csr_from_table,
+    csr_rows_to_arrays,
+    list_offsets_values,
+    local_frame,
+    to_arrow,
+)
 from ..compat import CONNECT_MAX_MB, is_connect, never_broadcast, share
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
@@ -366,8 +373,8 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         left = cur.withColumn("salt", F.pmod(F.xxhash64("sample_id"), F.lit(salt)).cast("long"))
         right = (W.filter(F.col("layer") == t)
                  .withColumn("salt", F.explode(F.sequence(F.lit(0).cast("long"), F.lit(salt - 1).cast("long")))))
-        cand = (left.groupBy("ppos", "salt").cogroup(right.groupBy("ppos", "salt"))
-                .applyInArrow(score, "sample_id long, prank int, pos long, score double"))
+        cand = cogrouped_apply(left, right, ["ppos", "salt"], score,
+                               "sample_id long, prank int, pos long, score double")
         if last and topk:  # every label in one leaf: its one score
             return cand.select("sample_id", "pos", "score")
         if last:           # (sample_id, label, mean score over the leaves that reach it)
