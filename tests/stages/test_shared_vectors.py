@@ -148,6 +148,33 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     assert not os.listdir(tmp_path)
 
 
+
+def test_a_pass_runs_at_most_the_default_parallelism_tasks(problem, index, tmp_path):
+    """With par = 1 a data pass merges the 3 row partitions into one task (query_tasks), where
+    every node's rows arrive in 3 separate runs (the partitions are round-robin): its pieces are
+    emitted once per run and summed, the same vectors and inner products as in memory."""
+    packed, whole, node_ptr, d, K = _packed(problem, index)
+    assert packed.rdd.getNumPartitions() == 3
+    ref = tron.NumpySpace(*tron.local_oracle(whole, node_ptr), d, K)
+    got = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path), par=1)
+    sc = packed.sparkSession.sparkContext
+    sc.setJobGroup("one-task-passes", "test")
+    try:
+        allc = np.arange(K)
+        for method, args, kw in [("fun_grad", ([], "G", allc), {"dots": [("G", "G")]}),
+                                 ("hess_vec", ("W", "G", "HD", allc), {"dots": [("G", "HD"), ("HD", "HD")]})]:
+            a, b = getattr(ref, method)(*args, **kw), getattr(got, method)(*args, **kw)
+            for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-12, err_msg=method)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    st = sc.statusTracker()
+    ran = [st.getStageInfo(s) for j in st.getJobIdsForGroup("one-task-passes") for s in st.getJobInfo(j).stageIds]
+    ran = [(i.name, i.numTasks) for i in ran if i is not None and i.numCompletedTasks > 0]   # not the skipped packing
+    assert len(ran) >= 4 and max(n for _, n in ran) == 1, ran
+    got.close()
+    packed.unpersist()
+
 # ~25 s with its packing: on demand (-m on_demand), to keep CI under its 30 minutes; the
 # preconditioner is off by default (train.tron_pcg = 0), the test above checks every method it
 # uses on the files (M, Mn, "A/M", "A*M" in terms and dots, shared passes), and

@@ -109,7 +109,7 @@ from ..model import add_pairs, train_group
 from ..params import ConfigError, TrainParams
 from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA, ddl
-from .shared_vectors import SharedSpace, _parallel
+from .shared_vectors import SharedSpace, _parallel, query_tasks
 
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len binary, x_idx binary, "
@@ -697,12 +697,13 @@ def _big_rows(samples: DataFrame, bindex, big: np.ndarray, node_ptr: np.ndarray)
 def big_row_partitions(spark, rows: int, bound: int) -> int:
     """Partitions of the big nodes' rows: as many as the tasks Spark runs at once (its default
     parallelism), more only where a partition would exceed :data:`PART_BOUNDS` x ``bound`` rows.
-    Every oracle query runs one task per partition, and a task's fixed cost is paid per query
-    (on this 2-core machine ~0.1 s: scheduling, the Python worker's setup, reading the cached
-    block; a trivial ``mapInArrow`` over 2 / 10 / 40 cached partitions took 0.55 / 1.0 / 2.65 s),
-    so the partition count, not ``spark.sql.shuffle.partitions``, sets the distributed solver's
-    per-query overhead. A partition may hold several bounds of rows because the queries stream
-    it one packed block (at most ``bound`` rows) at a time (:class:`_solver_session`); the cap
+    A task's fixed cost is paid per query (on this 2-core machine ~0.1 s: scheduling, the Python
+    worker's setup, reading the cached block; a trivial ``mapInArrow`` over 2 / 10 / 40 cached
+    partitions took 0.55 / 1.0 / 2.65 s), so the queries merge the partitions into at most the
+    default parallelism's tasks (:func:`.shared_vectors.query_tasks`), and more partitions than
+    that cost only the range shuffle's tasks, once. A partition may hold several bounds of rows
+    because the queries stream it one packed block (at most ``bound`` rows) at a time
+    (:class:`_solver_session`); the cap
     bounds the largest task's share of the rows (the range shuffle's) at about 3.6 bounds
     (0.45 n at the benchmark's n/8; at n/4 it would be 0.9 n). The rows
     are range-partitioned from a sample, so partitions are filled to :data:`RANGE_FILL` of the
@@ -908,6 +909,7 @@ class SparkOracle:
         nodes = None if cols is None else np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
         if nodes is not None and len(nodes) < len(node_ptr) - 1:
             df = df.where(F.col("node").isin([int(j) for j in nodes]))
+        df = query_tasks(df, self.par)
         # one reduce task per block up to Spark's default parallelism (each task's fixed cost is
         # paid per query), whatever spark.sql.shuffle.partitions is (the groupBy reuses this hash
         # partitioning: no second shuffle)
