@@ -19,7 +19,7 @@ from xmc_spark.kernels.label_embedding import pifa
 from xmc_spark.kernels.tree import TreeIndex, build_tree
 from xmc_spark.params import TrainParams
 from xmc_spark.stages import node_training
-from xmc_spark.stages.shared_vectors import SharedSpace
+from xmc_spark.stages.shared_vectors import SharedSpace, query_tasks
 
 BOUND = 60      # of the 150 samples: the root and the nodes near it are big
 
@@ -148,15 +148,17 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
     assert not os.listdir(tmp_path)
 
 
-
-def test_a_pass_runs_at_most_the_default_parallelism_tasks(problem, index, tmp_path):
-    """With par = 1 a data pass merges the 3 row partitions into one task (query_tasks), where
-    every node's rows arrive in 3 separate runs (the partitions are round-robin): its pieces are
-    emitted once per run and summed, the same vectors and inner products as in memory."""
+def test_a_pass_runs_in_at_most_the_given_tasks(problem, index, tmp_path):
+    """With tasks = 1 a data pass merges the 3 row partitions into one task (query_tasks), where
+    every node's rows arrive in several runs (the partitions are round-robin): each run emits its
+    pieces and the reduce sums them, the same vectors and inner products as in memory."""
     packed, whole, node_ptr, d, K = _packed(problem, index)
     assert packed.rdd.getNumPartitions() == 3
+    nodes = to_arrow(query_tasks(packed, 1).select("node")).column("node").to_numpy()
+    runs = np.concatenate([[True], nodes[1:] != nodes[:-1]])
+    assert np.bincount(nodes[runs]).max() > 1                     # a node in several runs of the task
     ref = tron.NumpySpace(*tron.local_oracle(whole, node_ptr), d, K)
-    got = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path), par=1)
+    got = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path), par=1, tasks=1)
     sc = packed.sparkSession.sparkContext
     sc.setJobGroup("one-task-passes", "test")
     try:
@@ -167,13 +169,16 @@ def test_a_pass_runs_at_most_the_default_parallelism_tasks(problem, index, tmp_p
             for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
                 np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-12, err_msg=method)
     finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
+        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
+            sc.setLocalProperty(key, None)
     st = sc.statusTracker()
-    ran = [st.getStageInfo(s) for j in st.getJobIdsForGroup("one-task-passes") for s in st.getJobInfo(j).stageIds]
+    jobs = [st.getJobInfo(j) for j in st.getJobIdsForGroup("one-task-passes")]
+    ran = [st.getStageInfo(s) for j in jobs if j is not None for s in j.stageIds]
     ran = [(i.name, i.numTasks) for i in ran if i is not None and i.numCompletedTasks > 0]   # not the skipped packing
     assert len(ran) >= 4 and max(n for _, n in ran) == 1, ran
     got.close()
     packed.unpersist()
+
 
 # ~25 s with its packing: on demand (-m on_demand), to keep CI under its 30 minutes; the
 # preconditioner is off by default (train.tron_pcg = 0), the test above checks every method it

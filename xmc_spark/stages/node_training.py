@@ -17,15 +17,16 @@ by trust-region Newton (:mod:`..kernels.tron`) with the rows left spread over th
 The big nodes' rows (of every level) are fanned out once, tagged with their node and their
 positive classifiers, range-partitioned by (node, row hash) over as many partitions as Spark
 runs tasks at once (more where a partition would exceed :data:`PART_BOUNDS` bounds:
-:func:`big_row_partitions`; a node's rows fill consecutive partitions, so a task holds one or a
-few nodes), packed into CSR blocks of at most the bound's rows in binary columns
-(:func:`_pack_rows`) and persisted. The solver's queries read them one packed block per Arrow
-batch (:class:`_solver_session`), so a task's Python worker holds one block of at most the bound's
-rows at a time, whatever its partition's size. Then
+:func:`big_row_partitions`; a node's rows fill consecutive partitions, so a partition holds one
+or a few nodes), packed into CSR blocks of at most the bound's rows in binary columns
+(:func:`_pack_rows`) and persisted. The solver's queries merge those partitions into at most
+as many tasks as Spark runs at once (:func:`.shared_vectors.query_tasks`) and read them one
+packed block per Arrow batch (:class:`_solver_session`), so a task's Python worker holds one
+block of at most the bound's rows at a time, whatever its partitions' sizes. Then
 one TRON loop runs on the driver for all big nodes' classifiers at once, out of step: every data
 pass gives each running classifier its next operation (a Hessian-vector product inside its CG,
 the gradient at its trial point after it) and is one Spark query over the persisted rows
-(``mapInArrow``: per-partition partial sums, cut into blocks of
+(``mapInArrow``: per-task partial sums, cut into blocks of
 :data:`BLOCK` doubles -> ``groupBy(block).applyInArrow(sum)`` -> collect), so the driver
 receives one summed vector per query, of size (features + 1) x (classifiers still running),
 and never a row. W and the CG direction travel to the tasks inside the query's closure (no
@@ -109,7 +110,7 @@ from ..model import add_pairs, train_group
 from ..params import ConfigError, TrainParams
 from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA, ddl
-from .shared_vectors import SharedSpace, _parallel, query_tasks
+from .shared_vectors import SharedSpace, _parallel, query_tasks, solver_tasks
 
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len binary, x_idx binary, "
@@ -699,9 +700,9 @@ def big_row_partitions(spark, rows: int, bound: int) -> int:
     parallelism), more only where a partition would exceed :data:`PART_BOUNDS` x ``bound`` rows.
     A task's fixed cost is paid per query (on this 2-core machine ~0.1 s: scheduling, the Python
     worker's setup, reading the cached block; a trivial ``mapInArrow`` over 2 / 10 / 40 cached
-    partitions took 0.55 / 1.0 / 2.65 s), so the queries merge the partitions into at most the
-    default parallelism's tasks (:func:`.shared_vectors.query_tasks`), and more partitions than
-    that cost only the range shuffle's tasks, once. A partition may hold several bounds of rows
+    partitions took 0.55 / 1.0 / 2.65 s), so the queries merge the partitions into at most as
+    many tasks as Spark runs at once (:func:`.shared_vectors.query_tasks`), and more partitions
+    than that cost only the range shuffle's tasks, once. A partition may hold several bounds of rows
     because the queries stream it one packed block (at most ``bound`` rows) at a time
     (:class:`_solver_session`); the cap
     bounds the largest task's share of the rows (the range shuffle's) at about 3.6 bounds
@@ -825,7 +826,7 @@ def _unpack(b: pa.RecordBatch, d: int, n_cls: int):
 
 class SparkOracle:
     """TRON's oracle over the persisted, packed big-node rows (:func:`_pack_rows`): each call is
-    one Spark query whose tasks return per-partition partial sums by blocks, summed per block
+    one Spark query whose tasks return their partial sums by blocks, summed per block
     by a grouped task; the driver collects the summed blocks only."""
 
     def __init__(self, packed: DataFrame, node_ptr: np.ndarray, n_features: int, params: TrainParams):
@@ -833,6 +834,7 @@ class SparkOracle:
         self.d = n_features + (1 if params.bias > 0 else 0)
         self.queries = 0
         self.par = default_parallelism(packed.sparkSession)   # once: on Spark Connect it may cost a job
+        self.tasks = solver_tasks(packed.sparkSession)        # a query's map tasks (query_tasks)
 
     def fun_grad(self, W: np.ndarray, cols: np.ndarray, diag: bool = False):
         """(f, G) at W, and with ``diag`` the loss part of the Hessian's diagonal (d x m): one query."""
@@ -909,7 +911,7 @@ class SparkOracle:
         nodes = None if cols is None else np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
         if nodes is not None and len(nodes) < len(node_ptr) - 1:
             df = df.where(F.col("node").isin([int(j) for j in nodes]))
-        df = query_tasks(df, self.par)
+        df = query_tasks(df, self.tasks)
         # one reduce task per block up to Spark's default parallelism (each task's fixed cost is
         # paid per query), whatever spark.sql.shuffle.partitions is (the groupBy reuses this hash
         # partitioning: no second shuffle)
@@ -1001,7 +1003,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
                      "in shared files (only scalars to the driver)" if shared else "on the driver")
             eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
             if shared:
-                space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root, oracle.par)
+                space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root, oracle.par, oracle.tasks)
                 info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info,
                                        pcg=params.tron_pcg)
             else:

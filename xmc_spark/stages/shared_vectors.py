@@ -47,13 +47,13 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import grouped_apply, list_array, list_offsets_values, to_arrow
-from ..compat import default_parallelism
+from ..compat import default_parallelism, task_slots
 from ..kernels import tron
 from ..storage import client_fs
 
 log = logging.getLogger("xmc_spark.train")
 BLOCK = 1 << 16                 # doubles per file (512 KiB)
-PIECE_SCHEMA = "g int, fb int, part int, loss array<double>, vals array<double>"
+PIECE_SCHEMA = "g int, fb int, part int, seq int, loss array<double>, vals array<double>"
 SCALAR_SCHEMA = "g int, fb int, loss array<double>, dots array<double>"
 
 
@@ -198,16 +198,26 @@ def _parallel(par: int, n: int) -> int:
 
 def query_tasks(rows: DataFrame, par: int) -> DataFrame:
     """The persisted big-node rows as a query of the distributed solver reads them: their
-    partitions merged (``coalesce``, no shuffle) into at most ``par`` tasks, Spark's default
-    parallelism. :func:`.node_training.big_row_partitions` may cut the rows finer than that (a
-    partition of the range shuffle holds at most :data:`.node_training.PART_BOUNDS` bounds of
-    rows); a query's task streams its partitions one packed block at a time
+    partitions merged (``coalesce``, no shuffle) into at most ``par`` tasks (the callers pass
+    the larger of Spark's default parallelism and its task slots: :func:`solver_tasks`).
+    :func:`.node_training.big_row_partitions` may cut the rows finer than that (a partition of
+    the range shuffle holds at most :data:`.node_training.PART_BOUNDS` bounds of rows); a
+    query's task streams its partitions one packed block at a time
     (:class:`.node_training._solver_session`), so merging them raises no task's memory, while
-    every task pays a fixed cost per query, returns its metadata to the driver and reads the
-    vectors of its nodes (200K rows at n/8 on local[2]: 23 map tasks a pass -> 4, the pass 4.0
-    -> 3.3 s, the map tasks' results 168 -> 29 KB). Spark's coalescing is deterministic for
-    given block locations, so the partial sums keep their order from pass to pass."""
+    every task pays a fixed cost per query and returns its metadata to the driver (200K rows at
+    n/8 on local[2]: 23 map tasks a pass -> 4, the pass 4.0 -> 3.3 s, the map tasks' results 168
+    -> 29 KB). A task may receive a node's rows in several runs (Spark's coalescing groups
+    partitions by their cached blocks' locations, not by node): each run reads the node's
+    vectors and emits its pieces, which the reduce sums. The grouping is deterministic for given
+    block locations."""
     return rows.coalesce(max(1, int(par)))
+
+
+def solver_tasks(spark) -> int:
+    """Tasks of a solver query: the larger of Spark's default parallelism and the task slots
+    (``local[N]``'s N; a cluster's default parallelism is its executors' cores), so that a
+    configured ``spark.default.parallelism`` below the cores does not leave cores idle."""
+    return max(int(default_parallelism(spark)), int(task_slots(spark)))
 
 
 def version_dir(base: str, name: str, g: int, job: int) -> str:
@@ -259,10 +269,13 @@ class SharedSpace:
     """The vector space of :func:`..kernels.tron.tron_space` with its vectors in files under
     ``root`` (see the module docstring). ``rows``: the persisted packed rows (column ``node`` =
     index of the big node), ``unpack(batch)``: their :class:`..kernels.tron.RowBlock` s (one node
-    each), ``node_ptr``: classifiers of node g = ``node_ptr[g]:node_ptr[g + 1]``."""
+    each), ``node_ptr``: classifiers of node g = ``node_ptr[g]:node_ptr[g + 1]``; ``par``: the
+    reduce and combine jobs' tasks (default: Spark's default parallelism), ``tasks``: a data
+    pass's map tasks (default :func:`solver_tasks`)."""
 
     def __init__(self, rows: DataFrame, unpack: Callable[[pa.RecordBatch], Iterable[tron.RowBlock]],
-                 node_ptr: np.ndarray, d: int, root: str, par: Optional[int] = None):
+                 node_ptr: np.ndarray, d: int, root: str, par: Optional[int] = None,
+                 tasks: Optional[int] = None):
         self.rows, self.unpack = rows, unpack
         self.node_ptr = np.asarray(node_ptr, np.int64)
         self.d, self.K = int(d), int(self.node_ptr[-1])
@@ -276,6 +289,7 @@ class SharedSpace:
         self.col_node = np.repeat(np.arange(len(self.node_ptr) - 1), np.diff(self.node_ptr))
         # read once (on Spark Connect it may cost a job); the caller may pass what it already read
         self.par = default_parallelism(rows.sparkSession) if par is None else int(par)
+        self.tasks = solver_tasks(rows.sparkSession) if tasks is None else int(tasks)   # a pass's map tasks
 
     # ---- the five methods tron_space calls -------------------------------------------------------
 
@@ -410,7 +424,7 @@ class SharedSpace:
         plan = [_Op(kind, sub, w, [(np.ones(self.K), v)] if v else [], out, dots, pre)
                 for (kind, _, w, v, out, dots, pre), sub in zip(ops, subs)]
 
-        def node_pieces(g, accs, part):
+        def node_pieces(g, accs, part, seq):
             """(g, fb) rows: vals = every operation's block (the gradient, then diag H's part), in
             order; loss = the ``fg`` operations' losses, on block 0."""
             lv = np.concatenate([a[0] for op, a in zip(plan, accs) if a is not None and op.kind == "fg"]
@@ -421,18 +435,20 @@ class SharedSpace:
                 lf = lv if fb == 0 else np.zeros(0)
                 yield pa.RecordBatch.from_pydict({
                     "g": pa.array([g], pa.int32()), "fb": pa.array([fb], pa.int32()),
-                    "part": pa.array([part], pa.int32()),
+                    "part": pa.array([part], pa.int32()), "seq": pa.array([seq], pa.int32()),
                     "loss": list_array(np.array([0, len(lf)]), lf, pa.float64()),
                     "vals": list_array(np.array([0, len(vals)]), vals, pa.float64())})
 
         def partial(batches):
-            """A partition's blocks come sorted by node: a node's vectors are read when its first
-            block arrives and its pieces emitted (and dropped) when the next node's does, so a
-            task holds one node's d x K_node vectors at a time."""
+            """A task's partitions come in runs of one node's blocks (each partition sorted by
+            node; :func:`query_tasks` may merge several): a node's vectors are read when a run
+            begins and its pieces emitted (and dropped) when the run ends, so a task holds one
+            node's d x K_node vectors at a time. A node in several runs of a task emits pieces for
+            each (``seq``: the run's index), which the reduce sums."""
             from pyspark import TaskContext
             fs, _ = client_fs(files.uri)
             part = TaskContext.get().partitionId() if TaskContext.get() else 0
-            cur, vecs, accs = None, None, None
+            cur, vecs, accs, seq = None, None, None, -1
             for b in batches:
                 for rb in unpack(b):
                     g = int(rb.node[0])
@@ -440,8 +456,8 @@ class SharedSpace:
                         continue
                     if g != cur:
                         if cur is not None:
-                            yield from node_pieces(cur, accs, part)
-                        cur, vecs, accs = g, [], []
+                            yield from node_pieces(cur, accs, part, seq)
+                        cur, vecs, accs, seq = g, [], [], seq + 1
                         wanted = []
                         for op in plan:
                             if g in op.sub:
@@ -455,11 +471,12 @@ class SharedSpace:
                         call = _pass_args(plan, vecs, accs, node_ptr[g], files.d, g)
                     tron.partial_pass(rb, node_ptr, **call)       # one pass over the rows for both kinds
             if cur is not None:
-                yield from node_pieces(cur, accs, part)
+                yield from node_pieces(cur, accs, part, seq)
 
         def reduce(t: pa.Table) -> pa.Table:
             fs, _ = client_fs(files.uri)
-            t = t.take(pa.array(np.argsort(t.column("part").to_numpy(), kind="stable")))
+            # the pieces in (task, run) order, whatever order the shuffle delivered: sums are deterministic
+            t = t.take(pa.array(np.lexsort((t.column("seq").to_numpy(), t.column("part").to_numpy()))))
             g, fb = int(t.column("g")[0].as_py()), int(t.column("fb")[0].as_py())
             if files.pending is not None:
                 files.apply_pending(fs, job, g, fb)
@@ -500,7 +517,7 @@ class SharedSpace:
 
         n_keys = sum(files.blocks(g) for g in nodes)
         df = self.rows if len(nodes) == len(self.node_ptr) - 1 else self.rows.where(F.col("node").isin(nodes))
-        df = query_tasks(df, self.par)          # at most par tasks a pass, whatever the row partitions
+        df = query_tasks(df, self.tasks)        # at most that many map tasks, whatever the row partitions
         reducers = _parallel(self.par, n_keys)
         pieces = df.mapInArrow(partial, PIECE_SCHEMA)
         if extra:
@@ -509,7 +526,8 @@ class SharedSpace:
                     for g, fb in (extra[i] for i in b.column("id").to_pylist()):
                         yield pa.RecordBatch.from_pydict({
                             "g": pa.array([g], pa.int32()), "fb": pa.array([fb], pa.int32()),
-                            "part": pa.array([-1], pa.int32()), "loss": pa.array([[]], pa.list_(pa.float64())),
+                            "part": pa.array([-1], pa.int32()), "seq": pa.array([0], pa.int32()),
+                            "loss": pa.array([[]], pa.list_(pa.float64())),
                             "vals": pa.array([[]], pa.list_(pa.float64()))})
             pieces = pieces.unionByName(self._tasks(len(extra)).mapInArrow(empty, PIECE_SCHEMA))
         writes: Dict[int, list] = {}
