@@ -149,7 +149,7 @@ def test_space_methods_equal_the_in_memory_space(problem, index, tmp_path):
 
 
 def test_a_pass_runs_in_at_most_the_given_tasks(problem, index, tmp_path):
-    """With tasks = 1 a data pass merges the 3 row partitions into one task (query_tasks), where
+    """With par = 1 a data pass merges the 3 row partitions into one task (query_tasks), where
     every node's rows arrive in several runs (the partitions are round-robin): each run emits its
     pieces and the reduce sums them, the same vectors and inner products as in memory."""
     packed, whole, node_ptr, d, K = _packed(problem, index)
@@ -158,7 +158,7 @@ def test_a_pass_runs_in_at_most_the_given_tasks(problem, index, tmp_path):
     runs = np.concatenate([[True], nodes[1:] != nodes[:-1]])
     assert np.bincount(nodes[runs]).max() > 1                     # a node in several runs of the task
     ref = tron.NumpySpace(*tron.local_oracle(whole, node_ptr), d, K)
-    got = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path), par=1, tasks=1)
+    got = SharedSpace(packed, lambda b: node_training._unpack(b, d, K), node_ptr, d, str(tmp_path), par=1)
     sc = packed.sparkSession.sparkContext
     sc.setJobGroup("one-task-passes", "test")
     try:

@@ -723,7 +723,7 @@ class _solver_session:
       holds one row, so a query's task receives one packed block (at most the bound's rows) at a
       time, not a whole partition of blocks;
     - ``spark.sql.adaptive.enabled`` = false: every shuffle of a query is partitioned explicitly
-      (:func:`big_row_partitions`, reduce tasks up to the default parallelism), so adaptive
+      (:func:`big_row_partitions`, reduce tasks up to :func:`.shared_vectors.solver_tasks`), so adaptive
       execution has nothing to re-plan and only adds a job and a planning round per stage
       (bibtex at n/4: 91 queries in 135-136 s with it, 109 s without).
 
@@ -833,8 +833,7 @@ class SparkOracle:
         self.rows, self.node_ptr = packed, np.asarray(node_ptr, np.int64)
         self.d = n_features + (1 if params.bias > 0 else 0)
         self.queries = 0
-        self.par = default_parallelism(packed.sparkSession)   # once: on Spark Connect it may cost a job
-        self.tasks = solver_tasks(packed.sparkSession)        # a query's map tasks (query_tasks)
+        self.par = solver_tasks(packed.sparkSession)   # once: on Spark Connect it may cost a job
 
     def fun_grad(self, W: np.ndarray, cols: np.ndarray, diag: bool = False):
         """(f, G) at W, and with ``diag`` the loss part of the Hessian's diagonal (d x m): one query."""
@@ -911,8 +910,8 @@ class SparkOracle:
         nodes = None if cols is None else np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
         if nodes is not None and len(nodes) < len(node_ptr) - 1:
             df = df.where(F.col("node").isin([int(j) for j in nodes]))
-        df = query_tasks(df, self.tasks)
-        # one reduce task per block up to Spark's default parallelism (each task's fixed cost is
+        df = query_tasks(df, self.par)
+        # one reduce task per block up to solver_tasks (each task's fixed cost is
         # paid per query), whatever spark.sql.shuffle.partitions is (the groupBy reuses this hash
         # partitioning: no second shuffle)
         partials = df.mapInArrow(partial, PARTIAL_SCHEMA).repartition(_parallel(self.par, -(-size // BLOCK)), "block")
@@ -1003,7 +1002,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
                      "in shared files (only scalars to the driver)" if shared else "on the driver")
             eps = tron.liblinear_eps(params.tron_eps, positives, np.repeat(node_rows, np.diff(node_ptr)))
             if shared:
-                space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root, oracle.par, oracle.tasks)
+                space = SharedSpace(rows, lambda b: _unpack(b, d, K), node_ptr, d, root, oracle.par)
                 info = tron.tron_space(space, d, K, eps=eps, max_iter=params.tron_max_iter, log=log.info,
                                        pcg=params.tron_pcg)
             else:

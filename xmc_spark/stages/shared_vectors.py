@@ -190,7 +190,7 @@ def _sum_per_node(t: pa.Table) -> pa.Table:
 
 
 def _parallel(par: int, n: int) -> int:
-    """Tasks for ``n`` (node, block) keys: at most ``par``, Spark's default parallelism. Every job
+    """Tasks for ``n`` (node, block) keys: at most ``par`` (:func:`solver_tasks`). Every job
     of the loop pays each task's fixed cost (~0.1 s on a 2-core machine), and a key's work is
     reading and writing a few blocks of 512 KiB, so more tasks only add overhead."""
     return max(1, min(int(n), int(par)))
@@ -198,8 +198,8 @@ def _parallel(par: int, n: int) -> int:
 
 def query_tasks(rows: DataFrame, par: int) -> DataFrame:
     """The persisted big-node rows as a query of the distributed solver reads them: their
-    partitions merged (``coalesce``, no shuffle) into at most ``par`` tasks (the callers pass
-    the larger of Spark's default parallelism and its task slots: :func:`solver_tasks`).
+    partitions merged (``coalesce``, no shuffle) into at most ``par`` tasks (the solver passes
+    :func:`solver_tasks`: the larger of Spark's default parallelism and its task slots).
     :func:`.node_training.big_row_partitions` may cut the rows finer than that (a partition of
     the range shuffle holds at most :data:`.node_training.PART_BOUNDS` bounds of rows); a
     query's task streams its partitions one packed block at a time
@@ -214,9 +214,10 @@ def query_tasks(rows: DataFrame, par: int) -> DataFrame:
 
 
 def solver_tasks(spark) -> int:
-    """Tasks of a solver query: the larger of Spark's default parallelism and the task slots
-    (``local[N]``'s N; a cluster's default parallelism is its executors' cores), so that a
-    configured ``spark.default.parallelism`` below the cores does not leave cores idle."""
+    """The most tasks of a solver job: the larger of Spark's default parallelism and the task
+    slots (``local[N]``'s N; a cluster's default parallelism is its executors' cores), so that a
+    configured ``spark.default.parallelism`` below the cores leaves no core idle, and no more,
+    since every task pays a fixed cost per job."""
     return max(int(default_parallelism(spark)), int(task_slots(spark)))
 
 
@@ -270,12 +271,11 @@ class SharedSpace:
     ``root`` (see the module docstring). ``rows``: the persisted packed rows (column ``node`` =
     index of the big node), ``unpack(batch)``: their :class:`..kernels.tron.RowBlock` s (one node
     each), ``node_ptr``: classifiers of node g = ``node_ptr[g]:node_ptr[g + 1]``; ``par``: the
-    reduce and combine jobs' tasks (default: Spark's default parallelism), ``tasks``: a data
-    pass's map tasks (default :func:`solver_tasks`)."""
+    most tasks of a job (a data pass's map and reduce tasks, a combination's tasks; default
+    :func:`solver_tasks`)."""
 
     def __init__(self, rows: DataFrame, unpack: Callable[[pa.RecordBatch], Iterable[tron.RowBlock]],
-                 node_ptr: np.ndarray, d: int, root: str, par: Optional[int] = None,
-                 tasks: Optional[int] = None):
+                 node_ptr: np.ndarray, d: int, root: str, par: Optional[int] = None):
         self.rows, self.unpack = rows, unpack
         self.node_ptr = np.asarray(node_ptr, np.int64)
         self.d, self.K = int(d), int(self.node_ptr[-1])
@@ -288,8 +288,7 @@ class SharedSpace:
         self.driver_bytes = 0               # bytes of the scalar rows collected so far
         self.col_node = np.repeat(np.arange(len(self.node_ptr) - 1), np.diff(self.node_ptr))
         # read once (on Spark Connect it may cost a job); the caller may pass what it already read
-        self.par = default_parallelism(rows.sparkSession) if par is None else int(par)
-        self.tasks = solver_tasks(rows.sparkSession) if tasks is None else int(tasks)   # a pass's map tasks
+        self.par = solver_tasks(rows.sparkSession) if par is None else int(par)
 
     # ---- the five methods tron_space calls -------------------------------------------------------
 
@@ -517,7 +516,7 @@ class SharedSpace:
 
         n_keys = sum(files.blocks(g) for g in nodes)
         df = self.rows if len(nodes) == len(self.node_ptr) - 1 else self.rows.where(F.col("node").isin(nodes))
-        df = query_tasks(df, self.tasks)        # at most that many map tasks, whatever the row partitions
+        df = query_tasks(df, self.par)          # at most par map tasks, whatever the row partitions
         reducers = _parallel(self.par, n_keys)
         pieces = df.mapInArrow(partial, PIECE_SCHEMA)
         if extra:
@@ -548,7 +547,7 @@ class SharedSpace:
         ``fg`` operations' losses, then every operation's dots, each over the node's classifiers
         in it); record the job's vectors (``writes``: node -> the vectors it wrote), delete the
         versions they replace."""
-        # at most the default parallelism's tasks, whatever spark.sql.shuffle.partitions is (64
+        # at most par (solver_tasks) tasks, whatever spark.sql.shuffle.partitions is (64
         # without coalescing made this step alone 2.5-3.6 s a query at 250K); the groupBy reuses it
         nodes = len(writes) if writes else 1
         t = to_arrow(grouped_apply(scalars.repartition(_parallel(self.par, nodes), "g"), ["g"], _sum_per_node,
