@@ -124,13 +124,16 @@ def default_parallelism(spark: Any) -> int:
     return range_partitions(spark)
 
 
-def task_slots(spark: Any) -> int:
+def task_slots(spark: Any, default: Optional[int] = None) -> int:
     """Tasks that run at once: N of a classic ``local[N]`` / ``local[N,F]`` master (the machine's
     processors for ``local`` / ``local[*]``), else :func:`default_parallelism` (on a cluster Spark
-    sets it to the executors' cores unless the configuration overrides it)."""
+    sets it to the executors' cores unless the configuration overrides it), or ``default`` when
+    the caller has read it already (on Spark Connect reading it may cost a job)."""
     spark = getattr(spark, "sparkSession", spark)
     n = None if is_connect(spark) else local_slots(spark.sparkContext.master or "")
-    return n if n is not None else default_parallelism(spark)
+    if n is not None:
+        return n
+    return int(default) if default is not None else default_parallelism(spark)
 
 
 def local_slots(master: str) -> Optional[int]:

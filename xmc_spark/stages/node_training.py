@@ -702,11 +702,10 @@ def big_row_partitions(spark, rows: int, bound: int) -> int:
     worker's setup, reading the cached block; a trivial ``mapInArrow`` over 2 / 10 / 40 cached
     partitions took 0.55 / 1.0 / 2.65 s), so the queries merge the partitions into at most as
     many tasks as Spark runs at once (:func:`.shared_vectors.query_tasks`), and more partitions
-    than that cost only the range shuffle's tasks, once. A partition may hold several bounds of rows
-    because the queries stream it one packed block (at most ``bound`` rows) at a time
-    (:class:`_solver_session`); the cap
-    bounds the largest task's share of the rows (the range shuffle's) at about 3.6 bounds
-    (0.45 n at the benchmark's n/8; at n/4 it would be 0.9 n). The rows
+    than that cost only the range shuffle's tasks, once. A partition may hold several bounds of
+    rows because the queries stream it one packed block (at most ``bound`` rows) at a time
+    (:class:`_solver_session`); the cap bounds the largest task's share of the rows (the range
+    shuffle's) at about 3.6 bounds (0.45 n at the benchmark's n/8; at n/4 it would be 0.9 n). The rows
     are range-partitioned from a sample, so partitions are filled to :data:`RANGE_FILL` of the
     cap on average (bibtex at n/4 with a cap of one bound: 1,275 rows in the largest of 9
     partitions against a bound of 1,220 without the headroom)."""

@@ -47,7 +47,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import grouped_apply, list_array, list_offsets_values, to_arrow
-from ..compat import default_parallelism, is_connect, local_slots
+from ..compat import default_parallelism, task_slots
 from ..kernels import tron
 from ..storage import client_fs
 
@@ -219,8 +219,7 @@ def solver_tasks(spark) -> int:
     configured ``spark.default.parallelism`` below the cores leaves no core idle, and no more,
     since every task pays a fixed cost per job."""
     par = int(default_parallelism(spark))           # on Spark Connect it may cost a job: read once
-    slots = None if is_connect(spark) else local_slots(spark.sparkContext.master or "")
-    return max(par, int(slots or par))
+    return max(par, task_slots(spark, par))
 
 
 def version_dir(base: str, name: str, g: int, job: int) -> str:
