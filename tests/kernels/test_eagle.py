@@ -7,10 +7,13 @@ from xmc_spark.kernels.eagle import (
     Triples,
     assign,
     drift,
+    expected_carriers,
     grlr_block,
     joint_weights,
+    label_prevalence,
     path_scores,
     refine_assign,
+    segment_carriers,
     segment_softmax,
 )
 from xmc_spark.kernels.sparse import append_bias
@@ -222,6 +225,96 @@ def test_joint_lets_labels_compete_for_members():
     assert p[1] > 0.9 and p[2] > 0.9                                  # label 0 -> member 1, label 1 -> member 0
     sid, lab, w = assign(tr, X, E, joint=True, tau=30.0, joint_iters=50)
     np.testing.assert_allclose(dict(zip(zip(sid.tolist(), lab.tolist()), w))[(1, 0)], p[1])
+
+
+# ---- estimated carriers (eagle.estimate_counts) -----------------------------------------------
+
+def test_label_prevalence_inverts_the_group_rate():
+    # q = 1 - (1 - p)^g exactly (as counts over 10^6 groups): the estimate gives p back
+    p = np.array([0.0, 1e-4, 0.02, 0.3, 0.9])
+    G, g = 10 ** 6, 4.0
+    q = 1 - (1 - p) ** g
+    np.testing.assert_allclose(label_prevalence(q * G, G, g), p, rtol=1e-9, atol=1e-15)
+    # a label in every group: q capped at 1 - 1/(2G), so the estimate stays below 1
+    top = label_prevalence(np.array([10.0]), 10, 4.0)[0]
+    assert top == pytest.approx(1 - 0.05 ** 0.25)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 10])
+def test_expected_carriers_equal_the_binomial_mean(size):
+    from math import comb
+    for p in (0.0, 0.01, 0.3, 0.7, 1.0):
+        pmf = np.array([comb(size, k) * p ** k * (1 - p) ** (size - k) for k in range(size + 1)])
+        ref = (np.arange(1, size + 1) * pmf[1:]).sum() / pmf[1:].sum() if p > 0 else 1.0
+        assert expected_carriers(np.array([p]), np.array([size]))[0] == pytest.approx(ref, rel=1e-9)
+
+
+def test_prevalence_recovers_the_rate_of_simulated_random_groups():
+    # samples carry label k with probability p_k independently; random groups of 5: the
+    # estimate from the groups alone is within 4 standard errors of p_k (delta method on the
+    # share of groups q_k), and the simulated mean carriers of a carried label within 4
+    # standard errors (the binomial's, given at least one) of expected_carriers(p_k)
+    rng = np.random.default_rng(0)
+    n, g, p = 50_000, 5, np.array([0.005, 0.05, 0.2, 0.5])
+    G = n // g
+    Y = rng.random((n, len(p))) < p
+    per_group = Y.reshape(G, g, len(p)).sum(axis=1)
+    carried = (per_group > 0).sum(axis=0)
+    est = label_prevalence(carried, G, g)
+    q = 1 - (1 - p) ** g
+    se_p = np.sqrt(q * (1 - q) / G) * (1 - q) ** (1 / g - 1) / g
+    assert np.all(np.abs(est - p) < 4 * se_p)
+    c = expected_carriers(p, np.full(len(p), g))
+    from math import comb
+    for k in range(len(p)):
+        hit = per_group[per_group[:, k] > 0, k]
+        pmf = np.array([comb(g, j) * p[k] ** j * (1 - p[k]) ** (g - j) for j in range(1, g + 1)])
+        j = np.arange(1, g + 1)
+        sd = np.sqrt((j ** 2 * pmf).sum() / pmf.sum() - c[k] ** 2)       # of carriers | carried
+        assert abs(hit.mean() - c[k]) < 4 * sd / np.sqrt(len(hit))
+
+
+def test_joint_weights_sum_to_the_given_carriers():
+    # columns sum to the (fractional) carriers, members share their sum equally
+    groups, glabels, counts, tr, s = _random_groups(4)
+    rng = np.random.default_rng(9)
+    size = np.diff(tr.seg)
+    c = 1 + rng.random(len(size)) * (size - 1)
+    p, w = joint_weights(tr, s, tau=2.0, iters=400, carriers=c)
+    W = p * np.repeat(c, size)
+    np.testing.assert_allclose(np.add.reduceat(W, tr.seg[:-1]), c)
+    for g, mem in groups.items():
+        share = c[tr.grp[tr.seg[:-1]] == g].sum() / len(mem)
+        for i in mem:
+            np.testing.assert_allclose(W[(tr.grp == g) & (tr.row == i)].sum(), share, rtol=1e-8)
+
+
+def test_segment_carriers_keep_given_counts_and_estimate_the_rest():
+    groups, glabels, counts, tr, s = _random_groups(5)
+    prevalence = np.linspace(0.05, 0.6, 7)
+    size = np.diff(tr.seg)
+    est = expected_carriers(prevalence[tr.lab[tr.seg[:-1]]], size)
+    given = np.zeros(len(s), bool)
+    given[tr.order[tr.lab == 2]] = True               # label 2's triples had a count (input order)
+    c = segment_carriers(tr, prevalence, given)
+    seg_lab = tr.lab[tr.seg[:-1]]
+    given_c = np.array([counts[int(tr.grp[a]), int(tr.lab[a])] for a in tr.seg[:-1]], float)
+    np.testing.assert_allclose(c, np.where(seg_lab == 2, np.clip(given_c, 1, size), est))
+    assert np.all((c >= 1) & (c <= size))
+    # no counts in the input: every segment estimated; assign() applies them
+    X = sp.csr_matrix(np.random.default_rng(1).normal(size=(6, 3)))
+    E = sp.csr_matrix(np.random.default_rng(2).normal(size=(7, 3)))
+    bare = _triples(groups, glabels, 7)
+    np.testing.assert_allclose(segment_carriers(bare, prevalence), est)
+    sid, lab, w = assign(bare, X, E, joint=True, tau=3.0, prevalence=prevalence)
+    sc = bare.scores(E, X)
+    ref = dedup_max_weights(bare, joint_weights(bare, sc, 3.0, 20, 1.0, est)[1])
+    np.testing.assert_allclose(w, ref)
+
+
+def dedup_max_weights(tr, w):
+    from xmc_spark.kernels.eagle import dedup_max
+    return dedup_max(tr.sample_id, tr.lab, w)[2]
 
 
 # ---- model-guided re-assignment (eagle.refine_rounds) -----------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import scipy.sparse as sp
 
 from tests.conftest import random_problem, write_xc
-from xmc_spark.kernels.eagle import Triples, assign, grlr_block
+from xmc_spark.kernels.eagle import Triples, assign, grlr_block, label_prevalence
 from xmc_spark.local_io import read_xc
 from xmc_spark.params import EagleParams, IngestParams
 from xmc_spark.schemas import IngestError
@@ -37,9 +37,9 @@ def agg_dir(tmp_path_factory):
     return d, groups, glabels
 
 
-def _reference(d, groups, glabels, T, mode="eagle", tau=30.0, n_labels=10, counts=False):
+def _reference(d, groups, glabels, T, mode="eagle", tau=30.0, n_labels=10, counts=False, prevalence=None):
     """The kernels on the whole set; ``glabels`` entries are label lists, or {label: count}
-    dicts whose counts are used with ``counts``."""
+    dicts whose counts are used with ``counts``; ``prevalence``: joint with estimated carriers."""
     Xl, _ = read_xc(str(d / "samples.txt"))
     lab, grp, row, cnt = [], [], [], []
     for j, (mem, labs) in enumerate(zip(groups, glabels)):
@@ -48,7 +48,7 @@ def _reference(d, groups, glabels, T, mode="eagle", tau=30.0, n_labels=10, count
                 lab.append(k), grp.append(j), row.append(i), cnt.append(labs[k] if counts else 1)
     tr = Triples(lab, grp, row, row, n_labels, count=cnt if counts else None)
     E, obj = grlr_block(tr, Xl, T=T)
-    sid, lb, w = assign(tr, Xl, E, soft=mode == "soft", tau=tau, joint=mode == "joint")
+    sid, lb, w = assign(tr, Xl, E, soft=mode == "soft", tau=tau, joint=mode == "joint", prevalence=prevalence)
     return E, obj, sid, lb, w
 
 
@@ -79,6 +79,29 @@ def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mod
     for key, x in ref_pairs.items():
         assert pairs[key] == pytest.approx(x, abs=1e-5)
     assert len(rows) == 90
+
+
+def test_joint_with_estimated_counts_equals_kernel(spark, agg_dir):
+    """eagle.estimate_counts: the stage estimates each label's prevalence from the groups
+    (label_prevalence of its labelled groups, 30 groups of 3 here) and its joint weights equal
+    the kernel's with those carriers; they differ from the one-carrier weights."""
+    d, groups, glabels = agg_dir
+    agg = aggregated.read(spark, str(d), IngestParams())
+    params = EagleParams(mode="joint", T=6, head_groups=12, min_weight=0.0, joint_tau=30.0, estimate_counts=True)
+    train, info, _, _ = eagle.run(agg, params, n_buckets=3)
+    carried = np.bincount([k for labs in glabels for k in labs], minlength=10)
+    prevalence = label_prevalence(carried, len(groups), 3.0)
+    assert info["eagle.estimated_prevalence_max"] == pytest.approx(prevalence.max(), abs=1e-6)
+    assert prevalence[0] > 0.5                          # label 0 is on every group
+    sid, lb, w = _reference(d, groups, glabels, 6, "joint", prevalence=prevalence)[2:]
+    ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
+    one = {(int(s), int(k)): float(x) for s, k, x in zip(*_reference(d, groups, glabels, 6, "joint")[2:])}
+    assert sum(ref.values()) > sum(one.values()) + 5                   # more than one carrier per label
+    got = {(r["sample_id"], int(k)): float(x) for r in train.collect()
+           for k, x in zip(r["label_idx"], r["label_weight"])}
+    assert set(got) == set(ref)
+    for key, x in ref.items():
+        assert got[key] == pytest.approx(x, abs=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -172,17 +172,22 @@ def grlr_block(tr: Triples, X: sp.csr_matrix, T: int = 20, eta: float = 0.1) -> 
 
 
 def assign(tr: Triples, X: sp.csr_matrix, E: sp.csr_matrix, soft: bool = False, tau: float = 30.0,
-           weight_scale: float = 1.0, joint: bool = False, joint_iters: int = 20):
+           weight_scale: float = 1.0, joint: bool = False, joint_iters: int = 20,
+           prevalence: Optional[np.ndarray] = None):
     """(sample_id, label position, weight) pairs of the filtered data set, unique per
     (sample, label) (a sample reached through several groups keeps its largest weight).
 
     Hard: each segment's arg-max member, or its top-c members when counts are present.
     Soft: every member, weight min(1, weight_scale * g * softmax(tau * score)).
-    Joint: every member, weight :func:`joint_weights` (``tr`` must hold whole groups).
+    Joint: every member, weight :func:`joint_weights` (``tr`` must hold whole groups); with
+    ``prevalence`` (over global label ids) the uncounted segments' column sums are their
+    :func:`expected_carriers` (every segment's, when ``tr`` has no counts).
     """
     s = tr.scores(E, X)
     if joint:
-        w = joint_weights(tr, s, tau, joint_iters, weight_scale)[1]
+        carriers = None if prevalence is None else segment_carriers(
+            tr, prevalence, None if tr.count is None else np.ones(len(s), bool))
+        w = joint_weights(tr, s, tau, joint_iters, weight_scale, carriers)[1]
         sid, lab = tr.sample_id, tr.lab
     elif soft:
         w = segment_softmax(tr.seg, s, tau, weight_scale)[1]
@@ -223,7 +228,47 @@ def segment_counts(tr: Triples) -> np.ndarray:
     return np.clip(tr.count[tr.seg[:-1]], 1, size).astype(np.float64)
 
 
-def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weight_scale: float = 1.0):
+def label_prevalence(groups_with_label: np.ndarray, n_groups: int, mean_size: float) -> np.ndarray:
+    """Each label's estimated share of samples carrying it, from group-level labels alone.
+
+    If every sample carries label k independently with probability p_k, a group of g members
+    carries it with probability q_k = 1 - (1 - p_k)^g, so p_k = 1 - (1 - q_k)^(1/g), with q_k
+    the share of the ``n_groups`` labelled groups that carry k (``groups_with_label``) and g their
+    mean size. q_k is capped at 1 - 1/(2 n_groups) (a label in every group gets a finite
+    estimate). Exact for random groups of equal size; groups of similar samples (k-means) hold
+    a label's carriers together, so there it is an underestimate.
+    """
+    n_groups = max(int(n_groups), 1)
+    q = np.minimum(np.asarray(groups_with_label, np.float64) / n_groups, 1.0 - 0.5 / n_groups)
+    return -np.expm1(np.log1p(-q) / max(float(mean_size), 1.0))
+
+
+def expected_carriers(p: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """E[carriers | at least one] of a label of prevalence p in a group of ``size`` members:
+    size p / (1 - (1 - p)^size) (binomial, conditioned on the group carrying it); in [1, size],
+    1 where p = 0 (the limit)."""
+    p = np.asarray(p, np.float64)
+    size = np.asarray(size, np.float64)
+    den = -np.expm1(size * np.log1p(-np.minimum(p, 1.0 - 1e-12)))
+    c = np.where(p > 0, size * p / np.where(den > 0, den, 1.0), 1.0)
+    return np.clip(c, 1.0, np.maximum(size, 1.0))
+
+
+def segment_carriers(tr: Triples, prevalence: np.ndarray, given: Optional[np.ndarray] = None) -> np.ndarray:
+    """Each (group, label) segment's number of carriers for :func:`joint_weights`: the given
+    count (:func:`segment_counts`) where ``given`` (a mask over the triples) says the input had
+    one, else :func:`expected_carriers` from the label's ``prevalence`` (indexed by global label
+    id, ``tr.label_ids``) and the segment's number of members."""
+    size = np.diff(tr.seg)
+    est = expected_carriers(np.asarray(prevalence, np.float64)[tr.label_ids[tr.seg_lab]], size)
+    if given is None or tr.count is None:
+        return est
+    has = np.asarray(given, bool)[tr.order][tr.seg[:-1]]
+    return np.where(has, segment_counts(tr), est)
+
+
+def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weight_scale: float = 1.0,
+                  carriers: Optional[np.ndarray] = None):
     """Joint assignment of each group's labels to its members: (p, w) per triple.
 
     Per group, the member x label matrix K = exp(tau s) is scaled (Sinkhorn-Knopp, ``iters``
@@ -238,6 +283,8 @@ def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weigh
     over each (group, label)'s members, as :func:`segment_softmax` gives) and the weight
     w = min(1, weight_scale W). Computed in the log domain (no underflow at large tau).
     Triples are one row per (group, label, member); several groups may be passed at once.
+    ``carriers`` (one per segment, in [1, its members]) replaces the counts as the columns'
+    sums: :func:`segment_carriers` (``eagle.estimate_counts``).
     """
     s = np.asarray(s, np.float64)
     if not len(s):
@@ -245,7 +292,7 @@ def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weigh
     seg = tr.seg
     size = np.diff(seg)
     seg_of = np.repeat(np.arange(len(size)), size)
-    c = segment_counts(tr)
+    c = segment_counts(tr) if carriers is None else np.asarray(carriers, np.float64)
     # members: (group, row) pairs; each member's share of its group's label mass
     _, ginv = np.unique(tr.grp, return_inverse=True)           # dense group positions: no overflow
     _, mid = np.unique(ginv * (int(tr.row.max()) + 1) + tr.row, return_inverse=True)

@@ -40,8 +40,10 @@ from ..kernels.eagle import (
     grlr_sums,
     grlr_update,
     joint_weights,
+    label_prevalence,
     path_scores,
     refine_assign,
+    segment_carriers,
     segment_softmax,
 )
 from ..kernels.sparse import append_bias
@@ -139,12 +141,14 @@ def _block_path(rows: DataFrame, n_features: int, params: EagleParams, n_buckets
     return grouped_apply(keyed, ["_bucket"], run_block, OUT_SCHEMA)
 
 
-def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int) -> DataFrame:
+def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int, prevalence=None) -> DataFrame:
     """The joint assignment: the (group, label, member) scores grouped by a hash of the group
     into ``n_buckets`` tasks, each running :func:`~xmc_spark.kernels.eagle.joint_weights` on its
     whole groups. Rows as ``OUT_SCHEMA``: assignments (unique per (sample, label) within a
     task; a sample in groups of several tasks is deduplicated by the caller) and, with
-    re-assignment rounds, each triple's p (the rounds' anchor p0)."""
+    re-assignment rounds, each triple's p (the rounds' anchor p0). ``prevalence`` (shared, over
+    the labels: ``eagle.estimate_counts``): a (group, label) without a count sums to its
+    :func:`~xmc_spark.kernels.eagle.expected_carriers`, not 1."""
     def run_groups(t: pa.Table) -> pa.Table:
         lab = t.column("label_idx").to_numpy().astype(np.int64)
         ulab, lpos = np.unique(lab, return_inverse=True)
@@ -152,8 +156,10 @@ def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int) -> DataF
         _, rpos = np.unique(sid, return_inverse=True)
         cnt = _counts(t)
         tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt)
+        carriers = None if prevalence is None else segment_carriers(
+            tr, prevalence.value, t.column("count").is_valid().to_numpy(zero_copy_only=False))
         p, w = joint_weights(tr, t.column("value").to_numpy()[tr.order], params.joint_tau, params.joint_iters,
-                             params.weight_scale)
+                             params.weight_scale, carriers)
         asid, alab, aw = dedup_max(tr.sample_id, tr.lab, w)
         keep = aw >= params.min_weight
         parts = [_rows(ASSIGN_KIND, sample_id=asid[keep], label_idx=ulab[alab[keep]].astype(np.int32),
@@ -284,7 +290,12 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         assigned = out.filter(F.col("kind") == ASSIGN_KIND).select("sample_id", "label_idx", "weight")
         probs = out
         if params.mode == "joint":
-            probs = _joint_path(out.filter(F.col("kind") == SCORE_KIND), params, n_buckets).localCheckpoint()
+            prev = None
+            if params.estimate_counts:
+                p_lab = _prevalence(agg)
+                info["eagle.estimated_prevalence_max"] = round(float(p_lab.max(initial=0.0)), 6)
+                prev = share(spark, p_lab, name="the labels' estimated prevalence")
+            probs = _joint_path(out.filter(F.col("kind") == SCORE_KIND), params, n_buckets, prev).localCheckpoint()
             assigned = (probs.filter(F.col("kind") == ASSIGN_KIND).groupBy("sample_id", "label_idx")
                         .agg(F.max("weight").alias("weight")))
         emb_df = out.filter(F.col("kind") == EMB_KIND).select(
@@ -311,6 +322,21 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
                 anchor = anchor.withColumn("count", F.lit(None).cast("int"))
         assigned = refine(agg, anchor, assigned, params, train_model, n_buckets, info)
     return training_table(agg.samples, assigned), info, emb_df, assigned
+
+
+def _prevalence(agg: AggregatedInput) -> np.ndarray:
+    """:func:`~xmc_spark.kernels.eagle.label_prevalence` of every label (n_labels floats) from
+    two small jobs: the labelled groups carrying each label (O(labels) rows to the driver), and
+    the number and total size of the labelled groups."""
+    per = agg.group_labels.groupBy("label_idx").count().withColumnRenamed("count", "n").collect()
+    labelled = agg.group_labels.select("group_id").distinct()
+    s = agg.groups.join(labelled, "group_id").agg(F.count(F.lit(1)).alias("m"),
+                                                   F.countDistinct("group_id").alias("g")).first()
+    n_groups = int(s["g"] or 0)
+    carried = np.zeros(agg.info.n_labels, np.int64)
+    if per:
+        carried[np.array([r["label_idx"] for r in per])] = np.array([r["n"] for r in per])
+    return label_prevalence(carried, n_groups, (s["m"] or 0) / max(n_groups, 1))
 
 
 def training_table(samples: DataFrame, assigned: DataFrame) -> DataFrame:
