@@ -411,6 +411,15 @@ def test_reassignment_recovers_the_truth_from_a_carrier_scoring_model():
                                np.minimum(1.0, c * p0))
     (sid, lab, w), pj = refine_assign(tr, s, p0, tau=10.0, mix=0.0, soft=True, joint_iters=20)
     np.testing.assert_allclose(pj, joint_weights(tr, s, 10.0, 20)[0])
+    # given carriers (eagle.estimate_counts) replace the counts in the transport and the weight
+    cr = 1.0 + 0.5 * np.arange(len(size)) % np.maximum(size, 1)
+    cr = np.minimum(cr, size)
+    (sid, lab, w), pj = refine_assign(tr, s, p0, tau=10.0, mix=0.0, soft=True, joint_iters=20, carriers=cr)
+    np.testing.assert_allclose(pj, joint_weights(tr, s, 10.0, 20, carriers=cr)[0])
+    got = dict(zip(zip(sid.tolist(), lab.tolist()), w))
+    np.testing.assert_allclose([got[(i, k)] for i, k in zip(tr.sample_id.tolist(), tr.lab.tolist())],
+                               np.minimum(1.0, np.repeat(cr, size) * pj))
+    assert not np.allclose(pj, joint_weights(tr, s, 10.0, 20)[0])
     # the equal share per member (5/3 in group 1, whose members carry 2, 1 and 2 labels) pulls
     # some weight onto member 4, but the top-c members by p are still the carriers
     (sid, lab, w), _ = refine_assign(tr, s, p0, tau=10.0, mix=0.0, soft=False, joint_iters=20)

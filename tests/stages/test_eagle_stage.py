@@ -259,14 +259,16 @@ def _pairs(train):
 # minutes: test_refine_round_on_spark_equals_kernel checks a soft round's mix against the kernels, and
 # tests/kernels/test_eagle.py the hard (eagle-mode) re-assignment kernel
 @pytest.mark.parametrize("mode", [pytest.param("eagle", marks=pytest.mark.on_demand),
-                                  pytest.param("soft", marks=pytest.mark.on_demand), "joint"])
+                                  pytest.param("soft", marks=pytest.mark.on_demand), "joint", "joint_est"])
 def test_refine_with_full_mix_equals_zero_rounds(spark, agg_dir, mode):
-    # mix 1 keeps the first assignment's distribution: one round changes nothing
+    # mix 1 keeps the first assignment's distribution: one round changes nothing (joint_est:
+    # only if the round's weight min(1, c p0) uses the same estimated carriers c as the first)
     d, _, _ = agg_dir
     agg = aggregated.read(spark, str(d), IngestParams())
-    base = EagleParams(mode=mode, T=6, min_weight=0.0)
+    kw = dict(mode="joint", estimate_counts=True) if mode == "joint_est" else dict(mode=mode)
+    base = EagleParams(T=6, min_weight=0.0, **kw)
     train0, info0, _, _ = eagle.run(agg, base, n_buckets=3)
-    train1, info1, _, _ = eagle.run(agg, EagleParams(mode=mode, T=6, min_weight=0.0, refine_rounds=1, refine_mix=1.0),
+    train1, info1, _, _ = eagle.run(agg, EagleParams(T=6, min_weight=0.0, refine_rounds=1, refine_mix=1.0, **kw),
                                     n_buckets=3, train_model=_tiny_trainer(agg))
     assert "eagle.refine.seconds" not in info0
     p0, p1 = _pairs(train0), _pairs(train1)

@@ -415,7 +415,8 @@ def path_scores(tree, Xb: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
 
 
 def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, mix: float, soft: bool,
-                  weight_scale: float = 1.0, weights: str = "softmax", joint_iters: Optional[int] = None):
+                  weight_scale: float = 1.0, weights: str = "softmax", joint_iters: Optional[int] = None,
+                  carriers: Optional[np.ndarray] = None):
     """One re-assignment from model scores, mixed with the first assignment (p0: its
     distribution over each (group, label)'s members, the GRLR softmax; the guard against
     confirmation drift).
@@ -427,21 +428,24 @@ def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, 
     weights normalized over the members. Hard: the top-c members by p. With ``joint_iters``
     (the ``joint`` mode; ``tr`` holds whole groups) the model's softmax is replaced by the
     joint assignment :func:`joint_weights` of the model scores, and g by the label's count c
-    (the joint mode's weight is min(1, weight_scale c p)). Returns (sample_id, label position,
-    weight) unique per (sample, label) as :func:`assign`, and p per triple."""
+    (the joint mode's weight is min(1, weight_scale c p)); ``carriers`` (per segment, as
+    :func:`joint_weights` takes them) replaces c. Returns (sample_id, label position, weight)
+    unique per (sample, label) as :func:`assign`, and p per triple."""
     s_model = np.asarray(s_model, np.float64)
     p0 = np.asarray(p0, np.float64)
     size = np.diff(tr.seg)
     g = np.repeat(size, size)
+    c = None
     if joint_iters is not None:
-        g = np.repeat(segment_counts(tr), size)
+        c = segment_counts(tr) if carriers is None else np.asarray(carriers, np.float64)
+        g = np.repeat(c, size)
     if weights == "ratio":
         mx = np.repeat(np.maximum.reduceat(s_model, tr.seg[:-1]), size) if len(s_model) else s_model
         w = (1.0 - mix) * s_model / np.maximum(mx, 1e-300) + mix * np.minimum(1.0, weight_scale * g * p0)
         p = w / np.maximum(np.repeat(np.add.reduceat(w, tr.seg[:-1]), size), 1e-300) if len(w) else w
     else:
         pm = segment_softmax(tr.seg, s_model, tau)[0] if joint_iters is None else \
-            joint_weights(tr, s_model, tau, joint_iters)[0]
+            joint_weights(tr, s_model, tau, joint_iters, carriers=c)[0]
         p = (1.0 - mix) * pm + mix * p0
         w = np.minimum(1.0, weight_scale * g * p)
     if soft:

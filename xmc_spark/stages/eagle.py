@@ -246,7 +246,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
     n_features = agg.info.n_features
     triples = agg.group_labels.join(agg.groups, "group_id")
     info: Dict = {"eagle.mode": params.mode}
-    emb_df = None
+    emb_df = prev = None
     if params.mode == "baseline":
         assigned = triples.select("sample_id", "label_idx", F.lit(1.0).alias("weight")).distinct()
     else:
@@ -290,7 +290,6 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         assigned = out.filter(F.col("kind") == ASSIGN_KIND).select("sample_id", "label_idx", "weight")
         probs = out
         if params.mode == "joint":
-            prev = None
             if params.estimate_counts:
                 p_lab = _prevalence(agg)
                 info["eagle.estimated_prevalence_max"] = round(float(p_lab.max(initial=0.0)), 6)
@@ -320,7 +319,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
                 "group_id", "sample_id", "label_idx", "count", F.col("value").alias("p0"))
             if not params.use_counts:
                 anchor = anchor.withColumn("count", F.lit(None).cast("int"))
-        assigned = refine(agg, anchor, assigned, params, train_model, n_buckets, info)
+        assigned = refine(agg, anchor, assigned, params, train_model, n_buckets, info, prev)
     return training_table(agg.samples, assigned), info, emb_df, assigned
 
 
@@ -358,8 +357,9 @@ def training_table(samples: DataFrame, assigned: DataFrame) -> DataFrame:
 ROUND_MODEL_HOOK: Optional[Callable] = None
 
 
-def _refine_block(t: pa.Table, bmodel, params: EagleParams) -> pa.Table:
-    """One task of a re-assignment: whole groups, their triples and their members' features."""
+def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None) -> pa.Table:
+    """One task of a re-assignment: whole groups, their triples and their members' features
+    (``prevalence``: the joint mode's estimated carriers, as in :func:`_joint_path`)."""
     tree, bias, post, n_features = bmodel.value
     is_mem = t.column("label_idx").is_null().to_numpy(zero_copy_only=False)
     mem = t.filter(pa.array(is_mem))
@@ -380,9 +380,11 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams) -> pa.Table:
     p_prev = p0 if prev.null_count == tri.num_rows else prev.to_numpy(zero_copy_only=False)[tr.order]
     s = path_scores(tree, append_bias(X, bias), tr.row, ulab[tr.lab], post)
     joint = params.mode == "joint"
+    carriers = None if prevalence is None or not joint else segment_carriers(
+        tr, prevalence.value, tri.column("count").is_valid().to_numpy(zero_copy_only=False))
     (asid, alab, w), p = refine_assign(tr, s, p0, params.refine_tau, params.refine_mix,
                                        params.mode in ("soft", "joint"), params.weight_scale, params.refine_weights,
-                                       joint_iters=params.joint_iters if joint else None)
+                                       joint_iters=params.joint_iters if joint else None, carriers=carriers)
     keep = w >= params.min_weight
     tv0, ch0 = drift(tr, p, p0)
     tv1, ch1 = drift(tr, p, p_prev)
@@ -405,7 +407,8 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams) -> pa.Table:
     })
 
 
-def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EagleParams, n_buckets: int) -> DataFrame:
+def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EagleParams, n_buckets: int,
+                prevalence=None) -> DataFrame:
     """One re-assignment as a Spark job: ``anchor`` (group_id, sample_id, label_idx, count, p0,
     optional p_prev) and each labelled group's members' features, grouped by a hash of the
     group into ``n_buckets`` tasks; each task scores its triples with the model's path
@@ -430,18 +433,21 @@ def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EaglePar
                        "feature_idx", "feature_val"))
     keyed = rows.withColumn("_bucket", F.pmod(F.xxhash64("group_id"), F.lit(n_buckets)))
 
-    return grouped_apply(keyed, ["_bucket"], lambda t: _refine_block(t, bmodel, params), REFINE_SCHEMA)
+    return grouped_apply(keyed, ["_bucket"], lambda t: _refine_block(t, bmodel, params, prevalence),
+                         REFINE_SCHEMA)
 
 
 def refine(agg: AggregatedInput, anchor: DataFrame, assigned: DataFrame, params: EagleParams, train_model,
-           n_buckets: int, info: Dict) -> DataFrame:
+           n_buckets: int, info: Dict, prevalence=None) -> DataFrame:
     """``eagle.refine_rounds`` rounds of: train a model on the current assignment
     (``train_model(training table) -> model``), score every member of every group on the
     group's labels with it, re-assign (mixing with the anchor's distribution p0). Facts per
     round (lists, round 0 = the first assignment): seconds, assigned pairs and weight, drift
     (mean total variation between a (group, label)'s distribution and p0, and from the round
     before; share of (group, label)s whose top member changed) and, with truth, pair precision
-    / recall / weighted precision. Returns the last assignment (sample_id, label_idx, weight)."""
+    / recall / weighted precision. ``prevalence`` (shared; joint with ``eagle.estimate_counts``):
+    the joint re-assignment's carriers, as the first assignment's. Returns the last assignment
+    (sample_id, label_idx, weight)."""
     per_round = {k: [] for k in ("seconds", "assigned_pairs", "assigned_weight", "drift_tv", "drift_top_changed",
                                  "change_tv", "change_top_changed", "pair_precision", "pair_recall",
                                  "pair_weighted_precision")}
@@ -464,7 +470,7 @@ def refine(agg: AggregatedInput, anchor: DataFrame, assigned: DataFrame, params:
         if ROUND_MODEL_HOOK is not None:
             ROUND_MODEL_HOOK(r - 1, model)
         t_model = time.perf_counter() - t0
-        out = score_round(agg, anchor, model, params, n_buckets).localCheckpoint()
+        out = score_round(agg, anchor, model, params, n_buckets, prevalence).localCheckpoint()
         st = np.zeros(5)
         for row in out.filter(F.col("kind") == STAT_KIND).select("stats").collect():
             st += np.asarray(row["stats"])
