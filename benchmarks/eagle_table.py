@@ -26,7 +26,10 @@ by ``--val-metric``:
   assignments: it chose the grid's largest tau in 5 of 6 settings, several of them worse on test.
 
 Both are computed and recorded for every tau candidate (refined records the chosen one). The
-test set is never used for the choice.
+pick (``--select``): ``best``, the highest mean (ties to the smaller tau); or ``keep-default``,
+the column's default tau (``eagle.tau`` 30 for soft, ``eagle.joint_tau`` 100 for the joint
+columns) unless a candidate's per-group precision beats it by a paired z > 1.96 over the
+held-out groups (recorded as ``paired_z_<column>``). The test set is never used for the choice.
 ``refined`` is soft with that tau plus ``eagle.refine_rounds`` of model-guided re-assignment;
 the rounds (1..--refine-rounds) and ``eagle.refine_mix`` are chosen on the same held-out groups
 (see :func:`refined`). Prints a markdown table and writes OUT/eagle_<set>.json (after every
@@ -125,10 +128,13 @@ def group_score(model, val, Xdf, n_features: int) -> dict:
 
 def group_metrics(lab, sc, ids, val) -> dict:
     """Both metrics of predictions (``lab``, ``sc``: rows x k, by descending score, -1 = none;
-    row i is sample ``ids[i]``) on the held-out groups ``val`` = {group: (members, label set)}."""
+    row i is sample ``ids[i]``) on the held-out groups ``val`` = {group: (members, label set)},
+    and ``per_group``: each group's precision (in ``val``'s order, for the paired rule of
+    :func:`choose`)."""
     pos = {int(s): i for i, s in enumerate(ids)}
     precision = coverage = 0.0
     n_cov = 0
+    per_group = []
     for mem, labels in val.values():
         rows = [pos[int(s)] for s in mem]
         best = {}
@@ -137,12 +143,32 @@ def group_metrics(lab, sc, ids, val) -> dict:
                 if k >= 0 and v > best.get(int(k), -np.inf):
                     best[int(k)] = v
         ranked = [k for k, _ in sorted(best.items(), key=lambda kv: (-kv[1], kv[0]))]
-        precision += np.mean([sum(k in labels for k in ranked[:c]) / c for c in (1, 3, 5)])
+        per_group.append(100.0 * np.mean([sum(k in labels for k in ranked[:c]) / c for c in (1, 3, 5)]))
+        precision += per_group[-1] / 100.0
         if labels:                                  # coverage: out of the groups with labels
             n_cov += 1
             coverage += np.mean([len({int(k) for i in rows for k in lab[i][:c] if k >= 0} & labels)
                                  / min(len(labels), len(rows) * c) for c in (1, 3, 5)])
-    return {"precision": 100.0 * precision / max(len(val), 1), "coverage": 100.0 * coverage / max(n_cov, 1)}
+    return {"precision": 100.0 * precision / max(len(val), 1), "coverage": 100.0 * coverage / max(n_cov, 1),
+            "per_group": per_group}
+
+
+def choose(both: dict, metric: str, select: str, default: float):
+    """The tau picked from ``both`` = {tau: group_metrics}. ``best``: the highest mean ``metric``
+    (ties to the smaller tau). ``keep-default``: ``default`` unless some candidate's per-group
+    precision beats it by more than 1.96 standard errors of the paired differences over the
+    held-out groups; then the best of those by mean. Returns (tau, {tau: paired z against the
+    default} or None)."""
+    if select == "best":
+        return max(both, key=lambda t: (both[t][metric], -t)), None
+    base = np.asarray(both[default]["per_group"])
+    z = {}
+    for t, m in both.items():
+        d = np.asarray(m["per_group"]) - base
+        se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else 0.0
+        z[t] = 0.0 if t == default else (float(d.mean() / se) if se > 0 else float(np.sign(d.mean()) * np.inf))
+    better = [t for t in both if z[t] > 1.96]
+    return (max(better, key=lambda t: (both[t]["precision"], -t)) if better else default), z
 
 
 def main() -> None:
@@ -160,6 +186,10 @@ def main() -> None:
     ap.add_argument("--refine-weights", default="softmax,ratio", help="refined: weightings validated")
     ap.add_argument("--val-metric", choices=("precision", "coverage"), default="precision",
                     help="the held-out groups' metric that chooses tau (and refined's rounds, weights, mix)")
+    ap.add_argument("--select", choices=("best", "keep-default"), default="best",
+                    help="how the held-out groups choose tau: the best mean (default), or the column's default "
+                         "tau (soft 30, joint 100) unless a candidate's per-group precision beats it by paired "
+                         "z > 1.96 (precision metric only)")
     ap.add_argument("--reuse", action="store_true", help="keep results of earlier runs found in --work")
     ap.add_argument("--work", default="/tmp/xmc-eagle-bench")
     ap.add_argument("--leaf", type=int, default=100)
@@ -176,7 +206,11 @@ def main() -> None:
     results = {"oracle": run(spark, train, test, work / "oracle", base)}
     print(f"oracle: {results['oracle']['p@1']:.2f}", flush=True)
     taus = [float(t) for t in args.taus.split(",")]
-    modes = set(args.modes.split(",")) | {"baseline"} | ({"soft"} if "refined" in args.modes.split(",") else set())
+    asked = set(args.modes.split(","))
+    unknown = asked - {"baseline", "eagle0", "eagle", "refined", *VALIDATED}
+    if unknown:
+        ap.error(f"--modes: unknown column(s) {', '.join(sorted(unknown))}")
+    modes = asked | {"baseline"} | ({"soft"} if "refined" in asked else set())
     for setting in args.settings.split(","):
         d = work / setting
         if setting.startswith("R-"):
@@ -190,7 +224,8 @@ def main() -> None:
             res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=mode)
             print(f"{setting} {mode}: {res[mode]['p@1']:.2f}", flush=True)
         # tau on a validation split of the training groups, for soft, joint and joint_est
-        val, Xv = validation_split(spark, d / "data", d / "val_data")
+        if modes & (set(VALIDATED) | {"refined"}):
+            val, Xv = validation_split(spark, d / "data", d / "val_data")
         for mode in [m for m in VALIDATED if m in modes]:
             eagle_mode, key, extra = VALIDATED[mode]
             both = {}
@@ -201,11 +236,21 @@ def main() -> None:
                 print(f"{setting} {mode} tau={t:g}: validation group precision {both[t]['precision']:.2f}, "
                       f"coverage {both[t]['coverage']:.2f}", flush=True)
             scores = {t: v[args.val_metric] for t, v in both.items()}
-            best_tau = max(scores, key=lambda t: (scores[t], -t))
+            default = float(getattr(base.eagle, key))
+            if args.select == "keep-default" and args.val_metric != "precision":
+                ap.error("--select keep-default compares per-group precision: use --val-metric precision")
+            if args.select == "keep-default" and default not in both:
+                ap.error(f"--select keep-default: the default {key} {default:g} is not among --taus")
+            best_tau, z = choose(both, args.val_metric, args.select, default)
+            if z is not None:
+                res[f"paired_z_{mode}"] = {str(k): v for k, v in z.items()}
+                print(f"{setting} {mode}: paired z against {key} {default:g}: "
+                      + ", ".join(f"{k:g}: {v:+.2f}" for k, v in z.items()), flush=True)
             res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=eagle_mode, **extra,
                             **{f"eagle__{key}": best_tau})
             res[mode]["tau"] = best_tau
             res[mode]["val_metric"] = args.val_metric
+            res[mode]["select"] = args.select
             suffix = "" if mode == "soft" else f"_{mode}"
             res["validation" + suffix] = {str(k): v for k, v in scores.items()}
             for metric in ("precision", "coverage"):
@@ -230,7 +275,7 @@ def main() -> None:
         def f(m, r=r):
             return f"{r[m]['p@1']:.2f} / {r[m]['p@3']:.2f} / {r[m]['p@5']:.2f}" if m in r else "-"
         best = max([m for m in ("eagle0", "eagle", "soft", "joint", "joint_est", "refined") if m in r],
-                   key=lambda m: r[m]["p@1"])
+                   key=lambda m: r[m]["p@1"], default="baseline")
         b = r["baseline"]["p@1"]
         gap = o["p@1"] - b
         closed = 100 * (r[best]["p@1"] - b) / gap if gap > 0 else float("nan")

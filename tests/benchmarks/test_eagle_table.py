@@ -8,7 +8,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from eagle_table import group_metrics  # noqa: E402
+from eagle_table import choose, group_metrics  # noqa: E402
 
 
 def test_coverage_rewards_members_predicting_their_own_labels_and_precision_does_not():
@@ -41,3 +41,28 @@ def test_missing_predictions_and_groups_are_averaged():
     assert m["coverage"] == pytest.approx(100.0)
     # group 5: ranking [4]: P@1 1, P@3 1/3, P@5 1/5; group 6: [2, 9, 1]: 1, 2/3, 2/5
     assert m["precision"] == pytest.approx(100 * ((1 + 1 / 3 + 1 / 5) + (1 + 2 / 3 + 2 / 5)) / 6)
+
+
+def test_keep_default_needs_a_significant_paired_gain():
+    """choose(): 'best' takes the highest mean; 'keep-default' keeps the default tau unless a
+    candidate's per-group differences have mean / standard error > 1.96.
+    10: differences 2, 0, 2, 0 (mean 1, SE 1.155 / 2 = 0.577: z 1.73, kept out);
+    300: 1, 1, 1, 1.5 (mean 1.125, SE 0.125: z 9); 30: -1 on every group (z -inf)."""
+    base = np.array([50.0, 60.0, 70.0, 80.0])
+    both = {100.0: base, 10.0: base + [2, 0, 2, 0], 300.0: base + [1, 1, 1, 1.5], 30.0: base - 1}
+    both = {t: {"precision": float(v.mean()), "per_group": list(v)} for t, v in both.items()}
+    assert choose(both, "precision", "best", 100.0) == (300.0, None)
+    tau, z = choose(both, "precision", "keep-default", 100.0)
+    assert tau == 300.0
+    assert z[10.0] == pytest.approx(1.0 / (np.std([2, 0, 2, 0], ddof=1) / 2))
+    assert z[100.0] == 0.0 and z[30.0] == -np.inf
+    del both[300.0]
+    assert choose(both, "precision", "best", 100.0)[0] == 10.0             # the higher mean
+    assert choose(both, "precision", "keep-default", 100.0)[0] == 100.0    # but not significantly
+    # the per-group precisions group_metrics reports average to its precision
+    ids = np.array([0, 1, 2])
+    val = {5: (np.array([0, 1]), {4}), 6: (np.array([2]), {1, 2})}
+    m = group_metrics(np.array([[4, -1, -1], [-1, -1, -1], [2, 9, 1]]), np.array([[1.0, 0, 0], [0, 0, 0],
+                                                                                   [0.5, 0.4, 0.3]]), ids, val)
+    assert np.mean(m["per_group"]) == pytest.approx(m["precision"])
+    assert len(m["per_group"]) == 2

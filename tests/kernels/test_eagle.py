@@ -1,3 +1,5 @@
+from math import comb
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -6,6 +8,7 @@ from tests.oracles import exhaustive_scores, grlr_reference
 from xmc_spark.kernels.eagle import (
     Triples,
     assign,
+    dedup_max,
     drift,
     expected_carriers,
     grlr_block,
@@ -242,7 +245,6 @@ def test_label_prevalence_inverts_the_group_rate():
 
 @pytest.mark.parametrize("size", [1, 2, 4, 10])
 def test_expected_carriers_equal_the_binomial_mean(size):
-    from math import comb
     for p in (0.0, 0.01, 0.3, 0.7, 1.0):
         pmf = np.array([comb(size, k) * p ** k * (1 - p) ** (size - k) for k in range(size + 1)])
         ref = (np.arange(1, size + 1) * pmf[1:]).sum() / pmf[1:].sum() if p > 0 else 1.0
@@ -265,7 +267,6 @@ def test_prevalence_recovers_the_rate_of_simulated_random_groups():
     se_p = np.sqrt(q * (1 - q) / G) * (1 - q) ** (1 / g - 1) / g
     assert np.all(np.abs(est - p) < 4 * se_p)
     c = expected_carriers(p, np.full(len(p), g))
-    from math import comb
     for k in range(len(p)):
         hit = per_group[per_group[:, k] > 0, k]
         pmf = np.array([comb(g, j) * p[k] ** j * (1 - p[k]) ** (g - j) for j in range(1, g + 1)])
@@ -294,27 +295,29 @@ def test_segment_carriers_keep_given_counts_and_estimate_the_rest():
     prevalence = np.linspace(0.05, 0.6, 7)
     size = np.diff(tr.seg)
     est = expected_carriers(prevalence[tr.lab[tr.seg[:-1]]], size)
-    given = np.zeros(len(s), bool)
-    given[tr.order[tr.lab == 2]] = True               # label 2's triples had a count (input order)
-    c = segment_carriers(tr, prevalence, given)
-    seg_lab = tr.lab[tr.seg[:-1]]
-    given_c = np.array([counts[int(tr.grp[a]), int(tr.lab[a])] for a in tr.seg[:-1]], float)
+    # label 2's triples had a count, the others did not (given: a mask in input order)
+    inp = [(g, k, i) for g, labels in glabels.items() for k in labels for i in groups[g]]
+    mixed = Triples([k for _, k, _ in inp], [g for g, _, _ in inp], [i for _, _, i in inp], [i for _, _, i in inp],
+                    7, count=[counts[g, k] if k == 2 else 1 for g, k, _ in inp], given=[k == 2 for _, k, _ in inp])
+    c = segment_carriers(mixed, prevalence)
+    seg_lab = mixed.lab[mixed.seg[:-1]]
+    given_c = np.array([counts[int(mixed.grp[a]), int(mixed.lab[a])] for a in mixed.seg[:-1]], float)
     np.testing.assert_allclose(c, np.where(seg_lab == 2, np.clip(given_c, 1, size), est))
     assert np.all((c >= 1) & (c <= size))
-    # no counts in the input: every segment estimated; assign() applies them
+    # counts without a mask are all given; no counts: every segment estimated
+    np.testing.assert_allclose(segment_carriers(tr, prevalence), np.clip(
+        np.array([counts[int(tr.grp[a]), int(tr.lab[a])] for a in tr.seg[:-1]], float), 1, size))
     X = sp.csr_matrix(np.random.default_rng(1).normal(size=(6, 3)))
     E = sp.csr_matrix(np.random.default_rng(2).normal(size=(7, 3)))
     bare = _triples(groups, glabels, 7)
     np.testing.assert_allclose(segment_carriers(bare, prevalence), est)
     sid, lab, w = assign(bare, X, E, joint=True, tau=3.0, prevalence=prevalence)
-    sc = bare.scores(E, X)
-    ref = dedup_max_weights(bare, joint_weights(bare, sc, 3.0, 20, 1.0, est)[1])
+    ref = dedup_max(bare.sample_id, bare.lab, joint_weights(bare, bare.scores(E, X), 3.0, 20, 1.0, est)[1])[2]
     np.testing.assert_allclose(w, ref)
-
-
-def dedup_max_weights(tr, w):
-    from xmc_spark.kernels.eagle import dedup_max
-    return dedup_max(tr.sample_id, tr.lab, w)[2]
+    # assign() on the mixed triples: the carriers of segment_carriers
+    sid, lab, w = assign(mixed, X, E, joint=True, tau=3.0, prevalence=prevalence)
+    ref = dedup_max(mixed.sample_id, mixed.lab, joint_weights(mixed, mixed.scores(E, X), 3.0, 20, 1.0, c)[1])[2]
+    np.testing.assert_allclose(w, ref)
 
 
 # ---- model-guided re-assignment (eagle.refine_rounds) -----------------------------------------
@@ -412,8 +415,7 @@ def test_reassignment_recovers_the_truth_from_a_carrier_scoring_model():
     (sid, lab, w), pj = refine_assign(tr, s, p0, tau=10.0, mix=0.0, soft=True, joint_iters=20)
     np.testing.assert_allclose(pj, joint_weights(tr, s, 10.0, 20)[0])
     # given carriers (eagle.estimate_counts) replace the counts in the transport and the weight
-    cr = 1.0 + 0.5 * np.arange(len(size)) % np.maximum(size, 1)
-    cr = np.minimum(cr, size)
+    cr = np.minimum(1.0 + 0.5 * (np.arange(len(size)) % 3), size)
     (sid, lab, w), pj = refine_assign(tr, s, p0, tau=10.0, mix=0.0, soft=True, joint_iters=20, carriers=cr)
     np.testing.assert_allclose(pj, joint_weights(tr, s, 10.0, 20, carriers=cr)[0])
     got = dict(zip(zip(sid.tolist(), lab.tolist()), w))

@@ -97,9 +97,76 @@ def test_joint_with_estimated_counts_equals_kernel(spark, agg_dir):
     ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
     one = {(int(s), int(k)): float(x) for s, k, x in zip(*_reference(d, groups, glabels, 6, "joint")[2:])}
     assert sum(ref.values()) > sum(one.values()) + 5                   # more than one carrier per label
-    got = {(r["sample_id"], int(k)): float(x) for r in train.collect()
-           for k, x in zip(r["label_idx"], r["label_weight"])}
-    assert set(got) == set(ref)
+    got = _pairs(train)
+    assert got.keys() == ref.keys()
+    for key, x in ref.items():
+        assert got[key] == pytest.approx(x, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def agg_mixed_dir(tmp_path_factory):
+    """Groups of 4 and 3 (some members in two groups), even labels with counts (``k:c``), odd
+    labels without, and one group with no labels (a line starting with a space)."""
+    d = tmp_path_factory.mktemp("aggm")
+    X, Y = random_problem(n=60, d=25, L=8, seed=7, density=0.3)
+    write_xc(d / "samples.txt", X, sp.csr_matrix((60, 8)))
+    rng = np.random.default_rng(2)
+    perm = rng.permutation(60)
+    groups = [sorted(perm[i:i + 4].tolist()) for i in range(0, 60, 4)]
+    groups += [sorted(rng.choice(60, 3, replace=False).tolist()) for _ in range(6)]
+    Yd = Y.toarray() > 0
+    lines, glabels = [], []
+    for j, mem in enumerate(groups):
+        labs = {} if j == 3 else {int(k): (int(Yd[mem, k].sum()) if k % 2 == 0 else None)
+                                  for k in np.flatnonzero(Yd[mem].any(axis=0))}
+        glabels.append(labs)
+        items = ",".join(f"{k}:{c}" if c is not None else str(k) for k, c in sorted(labs.items()))
+        lines.append(items + " " + " ".join(map(str, mem)))
+    (d / "groups.txt").write_text("\n".join(lines) + "\n")
+    return d, groups, glabels
+
+
+def test_joint_with_estimated_and_given_counts_equals_kernel(spark, agg_mixed_dir):
+    """Given counts are kept and only the uncounted (group, label)s are estimated, whichever
+    task a label's triples land in (2 or 5 buckets, a head label split across tasks); the
+    prevalence counts labelled groups only, and their mean size in membership rows (shared
+    members count in each group); a re-assignment round with mix 1 keeps the weights (its
+    carriers are the first assignment's)."""
+    d, groups, glabels = agg_mixed_dir
+    agg = aggregated.read(spark, str(d), IngestParams())
+    assert agg.stats["n_groups_without_labels"] == 1
+    labelled = [j for j, labs in enumerate(glabels) if labs]
+    carried = np.bincount([k for j in labelled for k in glabels[j]], minlength=8)
+    mean_size = sum(len(groups[j]) for j in labelled) / len(labelled)
+    assert mean_size != pytest.approx(len({i for j in labelled for i in groups[j]}) / len(labelled))
+    prevalence = label_prevalence(carried, len(labelled), mean_size)
+    Xl, _ = read_xc(str(d / "samples.txt"))
+    lab, grp, row, cnt, given = [], [], [], [], []
+    for j in labelled:
+        for k, c in glabels[j].items():
+            for i in groups[j]:
+                lab.append(k), grp.append(j), row.append(i), cnt.append(c or 1), given.append(c is not None)
+    tr = Triples(lab, grp, row, row, 8, count=cnt, given=given)
+    assert 0 < tr.given.sum() < len(lab)
+    E, _ = grlr_block(tr, Xl, T=6)
+
+    def ref_pairs(prev):
+        sid, lb, w = assign(tr, Xl, E, tau=30.0, joint=True, prevalence=prev)
+        return {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
+    ref = ref_pairs(prevalence)
+    assert max(abs(x - ref_pairs(None).get(key, 0.0)) for key, x in ref.items()) > 0.05
+    params = EagleParams(mode="joint", T=6, head_groups=6, min_weight=0.0, joint_tau=30.0, estimate_counts=True)
+    for n_buckets in (2, 5):
+        train, info, _, _ = eagle.run(agg, params, n_buckets=n_buckets)
+        assert info["eagle.head_labels"] >= 1
+        assert info["eagle.estimated_prevalence_max"] == pytest.approx(prevalence.max(), abs=1e-6)
+        got = _pairs(train)
+        assert got.keys() == ref.keys()
+        for key, x in ref.items():
+            assert got[key] == pytest.approx(x, abs=1e-5)
+    rounds = EagleParams(**{**params.to_dict(), "refine_rounds": 1, "refine_mix": 1.0})
+    got = _pairs(eagle.run(agg, rounds, n_buckets=2, train_model=_tiny_trainer(agg))[0])
+    assert got.keys() == ref.keys()
     for key, x in ref.items():
         assert got[key] == pytest.approx(x, abs=1e-5)
 
@@ -259,16 +326,14 @@ def _pairs(train):
 # minutes: test_refine_round_on_spark_equals_kernel checks a soft round's mix against the kernels, and
 # tests/kernels/test_eagle.py the hard (eagle-mode) re-assignment kernel
 @pytest.mark.parametrize("mode", [pytest.param("eagle", marks=pytest.mark.on_demand),
-                                  pytest.param("soft", marks=pytest.mark.on_demand), "joint", "joint_est"])
+                                  pytest.param("soft", marks=pytest.mark.on_demand), "joint"])
 def test_refine_with_full_mix_equals_zero_rounds(spark, agg_dir, mode):
-    # mix 1 keeps the first assignment's distribution: one round changes nothing (joint_est:
-    # only if the round's weight min(1, c p0) uses the same estimated carriers c as the first)
+    # mix 1 keeps the first assignment's distribution: one round changes nothing
     d, _, _ = agg_dir
     agg = aggregated.read(spark, str(d), IngestParams())
-    kw = dict(mode="joint", estimate_counts=True) if mode == "joint_est" else dict(mode=mode)
-    base = EagleParams(T=6, min_weight=0.0, **kw)
+    base = EagleParams(mode=mode, T=6, min_weight=0.0)
     train0, info0, _, _ = eagle.run(agg, base, n_buckets=3)
-    train1, info1, _, _ = eagle.run(agg, EagleParams(T=6, min_weight=0.0, refine_rounds=1, refine_mix=1.0, **kw),
+    train1, info1, _, _ = eagle.run(agg, EagleParams(mode=mode, T=6, min_weight=0.0, refine_rounds=1, refine_mix=1.0),
                                     n_buckets=3, train_model=_tiny_trainer(agg))
     assert "eagle.refine.seconds" not in info0
     p0, p1 = _pairs(train0), _pairs(train1)

@@ -107,7 +107,7 @@ class Triples:
     for tie-breaking); ``rows`` index X.
     """
 
-    def __init__(self, lab, grp, row, sample_id, n_lab: int, label_ids=None, count=None):
+    def __init__(self, lab, grp, row, sample_id, n_lab: int, label_ids=None, count=None, given=None):
         lab = np.asarray(lab, np.int64)
         grp = np.asarray(grp, np.int64)
         row = np.asarray(row, np.int64)
@@ -116,6 +116,9 @@ class Triples:
         self.order = order                  # input position of each sorted triple
         self.lab, self.grp, self.row, self.sample_id = lab[order], grp[order], row[order], sample_id[order]
         self.count = None if count is None else np.asarray(count, np.int64)[order]
+        # which triples' counts were given (the rest read as 1): all of them unless ``given`` says
+        self.given = None if count is None else (
+            np.ones(len(order), bool) if given is None else np.asarray(given, bool)[order])
         self.n_lab = int(n_lab)
         self.label_ids = np.arange(n_lab, dtype=np.int64) if label_ids is None else np.asarray(label_ids, np.int64)
         self.seg = _segments(self.lab, self.grp)
@@ -180,13 +183,12 @@ def assign(tr: Triples, X: sp.csr_matrix, E: sp.csr_matrix, soft: bool = False, 
     Hard: each segment's arg-max member, or its top-c members when counts are present.
     Soft: every member, weight min(1, weight_scale * g * softmax(tau * score)).
     Joint: every member, weight :func:`joint_weights` (``tr`` must hold whole groups); with
-    ``prevalence`` (over global label ids) the uncounted segments' column sums are their
-    :func:`expected_carriers` (every segment's, when ``tr`` has no counts).
+    ``prevalence`` (over global label ids) the column sums of the segments without a given
+    count (``tr.given``) are their :func:`expected_carriers` (:func:`segment_carriers`).
     """
     s = tr.scores(E, X)
     if joint:
-        carriers = None if prevalence is None else segment_carriers(
-            tr, prevalence, None if tr.count is None else np.ones(len(s), bool))
+        carriers = None if prevalence is None else segment_carriers(tr, prevalence)
         w = joint_weights(tr, s, tau, joint_iters, weight_scale, carriers)[1]
         sid, lab = tr.sample_id, tr.lab
     elif soft:
@@ -235,8 +237,9 @@ def label_prevalence(groups_with_label: np.ndarray, n_groups: int, mean_size: fl
     carries it with probability q_k = 1 - (1 - p_k)^g, so p_k = 1 - (1 - q_k)^(1/g), with q_k
     the share of the ``n_groups`` labelled groups that carry k (``groups_with_label``) and g their
     mean size. q_k is capped at 1 - 1/(2 n_groups) (a label in every group gets a finite
-    estimate). Exact for random groups of equal size; groups of similar samples (k-means) hold
-    a label's carriers together, so there it is an underestimate.
+    estimate). A consistent estimate for random groups of equal size (with unequal sizes the
+    mean size is an approximation); groups of similar samples (k-means) hold a label's carriers
+    together, so there it is an underestimate.
     """
     n_groups = max(int(n_groups), 1)
     q = np.minimum(np.asarray(groups_with_label, np.float64) / n_groups, 1.0 - 0.5 / n_groups)
@@ -254,17 +257,16 @@ def expected_carriers(p: np.ndarray, size: np.ndarray) -> np.ndarray:
     return np.clip(c, 1.0, np.maximum(size, 1.0))
 
 
-def segment_carriers(tr: Triples, prevalence: np.ndarray, given: Optional[np.ndarray] = None) -> np.ndarray:
-    """Each (group, label) segment's number of carriers for :func:`joint_weights`: the given
-    count (:func:`segment_counts`) where ``given`` (a mask over the triples) says the input had
-    one, else :func:`expected_carriers` from the label's ``prevalence`` (indexed by global label
-    id, ``tr.label_ids``) and the segment's number of members."""
+def segment_carriers(tr: Triples, prevalence: np.ndarray) -> np.ndarray:
+    """Each (group, label) segment's number of carriers for :func:`joint_weights`: its count
+    (:func:`segment_counts`) where the input gave one (``tr.given``), else
+    :func:`expected_carriers` from the label's ``prevalence`` (indexed by global label id,
+    ``tr.label_ids``) and the segment's number of members."""
     size = np.diff(tr.seg)
     est = expected_carriers(np.asarray(prevalence, np.float64)[tr.label_ids[tr.seg_lab]], size)
-    if given is None or tr.count is None:
+    if tr.count is None:
         return est
-    has = np.asarray(given, bool)[tr.order][tr.seg[:-1]]
-    return np.where(has, segment_counts(tr), est)
+    return np.where(tr.given[tr.seg[:-1]], segment_counts(tr), est)
 
 
 def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weight_scale: float = 1.0,

@@ -69,10 +69,19 @@ _REFINE_ARROW = pa.schema([("kind", pa.int32()), ("group_id", pa.int64()), ("sam
                            ("p", pa.float64()), ("weight", pa.float64()), ("stats", pa.list_(pa.float64()))])
 
 
-def _counts(t: pa.Table) -> Optional[np.ndarray]:
-    """The ``count`` column as int64 (nulls as 1), or None when no row has a count."""
+def _counts(t: pa.Table) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """(the ``count`` column as int64 with nulls as 1, the mask of rows that had one), or
+    (None, None) when no row has a count."""
     cc = t.column("count")
-    return None if cc.null_count == t.num_rows else cc.fill_null(1).to_numpy().astype(np.int64)
+    if cc.null_count == t.num_rows:
+        return None, None
+    return cc.fill_null(1).to_numpy().astype(np.int64), cc.is_valid().to_numpy(zero_copy_only=False)
+
+
+def _count_array(tr: Triples) -> Optional[pa.Array]:
+    """The triples' counts (sorted order) as an int32 column, null where none was given, so that
+    a later job tells counted (group, label)s from uncounted ones (``eagle.estimate_counts``)."""
+    return None if tr.count is None else pa.array(tr.count.astype(np.int32), pa.int32(), mask=~tr.given)
 
 
 def _triples_from_arrow(t: pa.Table, n_features: int, use_counts: bool, heads: Optional[np.ndarray] = None):
@@ -85,8 +94,8 @@ def _triples_from_arrow(t: pa.Table, n_features: int, use_counts: bool, heads: O
     sid = t.column("sample_id").to_numpy().astype(np.int64)
     usid, first, rpos = np.unique(sid, return_index=True, return_inverse=True)
     X = csr_from_table(t.take(pa.array(first)), "feature_idx", "feature_val", n_features)
-    cnt = _counts(t) if use_counts else None
-    tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt)
+    cnt, given = _counts(t) if use_counts else (None, None)
+    tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt, given=given)
     return tr, X, ulab
 
 
@@ -105,7 +114,7 @@ def _rows(kind, sample_id=None, label_idx=None, weight=None, it=None, value=None
 
 
 def _assign_rows(tr, X, E, ulab, params: EagleParams) -> pa.Table:
-    cnt = None if tr.count is None else tr.count.astype(np.int32)
+    cnt = _count_array(tr)
     if params.mode == "joint":              # assigned per group by _joint_path
         return _rows(SCORE_KIND, sample_id=tr.sample_id, label_idx=ulab[tr.lab].astype(np.int32),
                      value=tr.scores(E, X), group_id=tr.grp, count=cnt)
@@ -154,10 +163,10 @@ def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int, prevalen
         ulab, lpos = np.unique(lab, return_inverse=True)
         sid = t.column("sample_id").to_numpy().astype(np.int64)
         _, rpos = np.unique(sid, return_inverse=True)
-        cnt = _counts(t)
-        tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt)
-        carriers = None if prevalence is None else segment_carriers(
-            tr, prevalence.value, t.column("count").is_valid().to_numpy(zero_copy_only=False))
+        cnt, given = _counts(t)
+        tr = Triples(lpos, t.column("group_id").to_numpy(), rpos, sid, len(ulab), label_ids=ulab, count=cnt,
+                     given=given)
+        carriers = None if prevalence is None else segment_carriers(tr, prevalence.value)
         p, w = joint_weights(tr, t.column("value").to_numpy()[tr.order], params.joint_tau, params.joint_iters,
                              params.weight_scale, carriers)
         asid, alab, aw = dedup_max(tr.sample_id, tr.lab, w)
@@ -166,7 +175,7 @@ def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int, prevalen
                        weight=aw[keep])]
         if params.refine_rounds > 0:
             parts.append(_rows(PROB_KIND, sample_id=tr.sample_id, label_idx=ulab[tr.lab].astype(np.int32), value=p,
-                               group_id=tr.grp, count=None if cnt is None else tr.count.astype(np.int32)))
+                               group_id=tr.grp, count=_count_array(tr)))
         worker_progress("eagle_joint", group_label_member_triples=t.num_rows)
         return pa.concat_tables(parts)
 
@@ -247,13 +256,20 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
     triples = agg.group_labels.join(agg.groups, "group_id")
     info: Dict = {"eagle.mode": params.mode}
     emb_df = prev = None
+    if params.estimate_counts and params.mode != "joint":
+        log.warning("eagle.estimate_counts applies to eagle.mode=joint only; ignored with mode %s", params.mode)
     if params.mode == "baseline":
         assigned = triples.select("sample_id", "label_idx", F.lit(1.0).alias("weight")).distinct()
     else:
         feats = agg.samples.select("sample_id", "feature_idx", "feature_val")
         head_groups = params.head_groups or max(1, -(-agg.stats["n_group_label_pairs"] // max(n_buckets, 1)))
-        per_label = {int(r["label_idx"]): int(r["count"]) for r in
-                     agg.group_labels.groupBy("label_idx").count().filter(F.col("count") > head_groups).collect()}
+        carried = None
+        if params.mode == "joint" and params.estimate_counts:     # every label's groups: one O(labels) pull
+            carried = _groups_per_label(agg)
+            per_label = {int(k): int(carried[k]) for k in np.flatnonzero(carried > head_groups)}
+        else:
+            per_label = {int(r["label_idx"]): int(r["count"]) for r in agg.group_labels.groupBy("label_idx").count()
+                         .filter(F.col("count") > head_groups).collect()}
         heads = np.array(sorted(per_label), dtype=np.int64)
         info["eagle.head_groups"] = int(head_groups)
         info["eagle.head_labels"] = len(heads)
@@ -291,7 +307,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         probs = out
         if params.mode == "joint":
             if params.estimate_counts:
-                p_lab = _prevalence(agg)
+                p_lab = _prevalence(agg, carried)
                 info["eagle.estimated_prevalence_max"] = round(float(p_lab.max(initial=0.0)), 6)
                 prev = share(spark, p_lab, name="the labels' estimated prevalence")
             probs = _joint_path(out.filter(F.col("kind") == SCORE_KIND), params, n_buckets, prev).localCheckpoint()
@@ -320,21 +336,29 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
             if not params.use_counts:
                 anchor = anchor.withColumn("count", F.lit(None).cast("int"))
         assigned = refine(agg, anchor, assigned, params, train_model, n_buckets, info, prev)
+    if prev is not None:               # every job that reads it has run (the assignments are checkpointed)
+        prev.unpersist()
     return training_table(agg.samples, assigned), info, emb_df, assigned
 
 
-def _prevalence(agg: AggregatedInput) -> np.ndarray:
+def _groups_per_label(agg: AggregatedInput) -> np.ndarray:
+    """The number of groups carrying each label (n_labels ints; (group, label) pairs are
+    unique), from one small job: O(labels) rows to the driver."""
+    per = agg.group_labels.groupBy("label_idx").count().collect()
+    carried = np.zeros(agg.info.n_labels, np.int64)
+    if per:
+        carried[np.array([r["label_idx"] for r in per])] = np.array([r["count"] for r in per])
+    return carried
+
+
+def _prevalence(agg: AggregatedInput, carried: np.ndarray) -> np.ndarray:
     """:func:`~xmc_spark.kernels.eagle.label_prevalence` of every label (n_labels floats) from
-    two small jobs: the labelled groups carrying each label (O(labels) rows to the driver), and
-    the number and total size of the labelled groups."""
-    per = agg.group_labels.groupBy("label_idx").count().withColumnRenamed("count", "n").collect()
+    ``carried`` (:func:`_groups_per_label`) and one more small job: the number of labelled groups
+    and their total size in membership rows (a sample in two groups counts in both)."""
     labelled = agg.group_labels.select("group_id").distinct()
     s = agg.groups.join(labelled, "group_id").agg(F.count(F.lit(1)).alias("m"),
                                                    F.countDistinct("group_id").alias("g")).first()
     n_groups = int(s["g"] or 0)
-    carried = np.zeros(agg.info.n_labels, np.int64)
-    if per:
-        carried[np.array([r["label_idx"] for r in per])] = np.array([r["n"] for r in per])
     return label_prevalence(carried, n_groups, (s["m"] or 0) / max(n_groups, 1))
 
 
@@ -372,16 +396,15 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None) -> 
     sid = tri.column("sample_id").to_numpy().astype(np.int64)
     lab = tri.column("label_idx").to_numpy().astype(np.int64)
     ulab, lpos = np.unique(lab, return_inverse=True)
-    cnt = _counts(tri)
+    cnt, given = _counts(tri)
     tr = Triples(lpos, tri.column("group_id").to_numpy(), np.searchsorted(usid, sid), sid, len(ulab),
-                 label_ids=ulab, count=cnt)
+                 label_ids=ulab, count=cnt, given=given)
     p0 = tri.column("p0").to_numpy()[tr.order]
     prev = tri.column("p_prev")
     p_prev = p0 if prev.null_count == tri.num_rows else prev.to_numpy(zero_copy_only=False)[tr.order]
     s = path_scores(tree, append_bias(X, bias), tr.row, ulab[tr.lab], post)
     joint = params.mode == "joint"
-    carriers = None if prevalence is None or not joint else segment_carriers(
-        tr, prevalence.value, tri.column("count").is_valid().to_numpy(zero_copy_only=False))
+    carriers = None if prevalence is None or not joint else segment_carriers(tr, prevalence.value)
     (asid, alab, w), p = refine_assign(tr, s, p0, params.refine_tau, params.refine_mix,
                                        params.mode in ("soft", "joint"), params.weight_scale, params.refine_weights,
                                        joint_iters=params.joint_iters if joint else None, carriers=carriers)
@@ -398,7 +421,7 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None) -> 
         "sample_id": pa.array(np.concatenate([asid[keep], tr.sample_id, [0]]), i64),
         "label_idx": pa.array(np.concatenate([ulab[alab[keep]], ulab[tr.lab], [0]]), i32),
         "count": pa.concat_arrays([pa.nulls(n_a, i32),
-                                   pa.nulls(n_t, i32) if cnt is None else pa.array(tr.count, i32),
+                                   pa.nulls(n_t, i32) if cnt is None else _count_array(tr),
                                    pa.nulls(1, i32)]),
         "p0": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p0, pa.float64()), pa.nulls(1, pa.float64())]),
         "p": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p, pa.float64()), pa.nulls(1, pa.float64())]),
