@@ -527,7 +527,8 @@ class EagleParams(BaseParams):
     joint_iters: int = 20        # joint: Sinkhorn rounds (columns to the labels' counts, rows to equal shares)
     use_counts: bool = True      # a (group, label) with count c goes to its top-c members (joint: W's column sums c)
     estimate_counts: bool = False  # joint: a (group, label) without a count sums to its expected number of
-                                   # carriers, from the label's prevalence estimated over the groups (not 1)
+                                   # carriers, from the label's prevalence over the groups (not 1); off: it
+                                   # lost to one carrier on test in 6 of 6 settings (README, EAGLE)
     head_groups: int = 0         # labels in more groups than this: GRLR split across tasks
                                  # (0: auto, the (group, label) pairs over the task count)
     refine_rounds: int = 0       # model-guided re-assignment: train on the assignment, score

@@ -103,18 +103,24 @@ def test_joint_with_estimated_counts_equals_kernel(spark, agg_dir):
         assert got[key] == pytest.approx(x, abs=1e-5)
 
 
+def _groups_of_4_and_3(d, seed, rng_seed, n_extra, density=0.2):
+    """60 random samples (8 labels) written to ``d/samples.txt`` without labels; groups of 4 over
+    all of them plus ``n_extra`` groups of 3 that reuse samples. Returns (groups, Y as bool)."""
+    X, Y = random_problem(n=60, d=25, L=8, seed=seed, density=density)
+    write_xc(d / "samples.txt", X, sp.csr_matrix((60, 8)))
+    rng = np.random.default_rng(rng_seed)
+    perm = rng.permutation(60)
+    groups = [sorted(perm[i:i + 4].tolist()) for i in range(0, 60, 4)]
+    groups += [sorted(rng.choice(60, 3, replace=False).tolist()) for _ in range(n_extra)]
+    return groups, Y.toarray() > 0
+
+
 @pytest.fixture(scope="module")
 def agg_mixed_dir(tmp_path_factory):
     """Groups of 4 and 3 (some members in two groups), even labels with counts (``k:c``), odd
     labels without, and one group with no labels (a line starting with a space)."""
     d = tmp_path_factory.mktemp("aggm")
-    X, Y = random_problem(n=60, d=25, L=8, seed=7, density=0.3)
-    write_xc(d / "samples.txt", X, sp.csr_matrix((60, 8)))
-    rng = np.random.default_rng(2)
-    perm = rng.permutation(60)
-    groups = [sorted(perm[i:i + 4].tolist()) for i in range(0, 60, 4)]
-    groups += [sorted(rng.choice(60, 3, replace=False).tolist()) for _ in range(6)]
-    Yd = Y.toarray() > 0
+    groups, Yd = _groups_of_4_and_3(d, seed=7, rng_seed=2, n_extra=6, density=0.3)
     lines, glabels = [], []
     for j, mem in enumerate(groups):
         labs = {} if j == 3 else {int(k): (int(Yd[mem, k].sum()) if k % 2 == 0 else None)
@@ -176,13 +182,7 @@ def agg_counts_dir(tmp_path_factory):
     """Groups of 4 over 60 samples plus 8 groups of 3 that reuse samples (a sample in two
     groups), labels with counts 1-3; as samples.txt + groups.txt (``label:count``)."""
     d = tmp_path_factory.mktemp("aggc")
-    X, Y = random_problem(n=60, d=25, L=8, seed=5)
-    write_xc(d / "samples.txt", X, sp.csr_matrix((60, 8)))
-    rng = np.random.default_rng(1)
-    perm = rng.permutation(60)
-    groups = [sorted(perm[i:i + 4].tolist()) for i in range(0, 60, 4)]
-    groups += [sorted(rng.choice(60, 3, replace=False).tolist()) for _ in range(8)]
-    Yd = Y.toarray() > 0
+    groups, Yd = _groups_of_4_and_3(d, seed=5, rng_seed=1, n_extra=8)
     lines, glabels = [], []
     for mem in groups:
         labs = {int(k): int(min(Yd[mem, k].sum(), 3)) for k in np.flatnonzero(Yd[mem].any(axis=0))}
