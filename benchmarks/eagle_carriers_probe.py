@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,24 +44,27 @@ def main() -> None:
     g = args.group_size
     grp_of = np.empty(n, np.int64)
     grp_of[np.random.default_rng(0).permutation(n)] = np.arange(n) // g
-    # group x label carrier counts, then one triple per (group, label, member)
+    # group x label carrier counts (sparse), then one triple per (group, label, member)
     G = int(grp_of.max()) + 1
-    M = np.zeros((G, L), np.int64)
-    np.add.at(M, (np.repeat(grp_of, np.diff(Y.indptr)), Y.indices), 1)
-    members = [np.flatnonzero(grp_of == j) for j in range(G)]
-    gi, ki = np.nonzero(M)
-    lab = np.concatenate([np.full(len(members[j]), k) for j, k in zip(gi, ki)])
-    grp = np.concatenate([np.full(len(members[j]), j) for j in gi])
-    row = np.concatenate([members[j] for j in gi])
+    M = sp.csr_matrix((np.ones(Y.nnz), (np.repeat(grp_of, np.diff(Y.indptr)), Y.indices)), shape=(G, L))
+    M.sum_duplicates()
+    by_group = np.argsort(grp_of, kind="stable")
+    mptr = np.concatenate([[0], np.cumsum(np.bincount(grp_of, minlength=G))])
+    gi = np.repeat(np.arange(G), np.diff(M.indptr))
+    ki = M.indices
+    size_of = np.diff(mptr)[gi]
+    lab = np.repeat(ki, size_of)
+    grp = np.repeat(gi, size_of)
+    first = np.repeat(np.cumsum(size_of) - size_of, size_of)           # each segment's first triple
+    row = by_group[np.repeat(mptr[gi], size_of) + np.arange(len(lab)) - first]
     tr = Triples(lab, grp, row, row, L)
     E, _ = grlr_block(tr, X, 20, 0.1)
     s = tr.scores(E, X)
-    labelled = M.sum(axis=1) > 0
+    labelled = np.diff(M.indptr) > 0
     size = np.diff(tr.seg)
-    p = label_prevalence((M[labelled] > 0).sum(axis=0), int(labelled.sum()),
-                         np.mean([len(members[j]) for j in np.flatnonzero(labelled)]))
+    p = label_prevalence(np.bincount(ki, minlength=L), int(labelled.sum()), np.diff(mptr)[labelled].mean())
     est = expected_carriers(p[tr.lab[tr.seg[:-1]]], size)
-    true_c = M[tr.grp[tr.seg[:-1]], tr.lab[tr.seg[:-1]]].astype(np.float64)
+    true_c = np.asarray(M[tr.grp[tr.seg[:-1]], tr.lab[tr.seg[:-1]]]).ravel()
     y = np.asarray(Y[tr.row, tr.lab]).ravel() > 0
     print(f"{Path(args.data).name}, random groups of {g}: {G} groups, {len(size)} (group, label)s, "
           f"{len(s)} triples; carriers per (group, label): estimated {est.mean():.3f}, true {true_c.mean():.3f} "

@@ -157,8 +157,9 @@ def choose(both: dict, metric: str, select: str, default: float):
     """The tau picked from ``both`` = {tau: group_metrics}. ``best``: the highest mean ``metric``
     (ties to the smaller tau). ``keep-default``: ``default`` unless some candidate's per-group
     precision beats it by more than 1.96 standard errors of the paired differences over the
-    held-out groups; then the best of those by mean. Returns (tau, {tau: paired z against the
-    default} or None)."""
+    held-out groups; then the best of those by mean (a candidate whose differences have no
+    spread, or a single group, gets z 0). Returns (tau, {tau: paired z against the default} or
+    None)."""
     if select == "best":
         return max(both, key=lambda t: (both[t][metric], -t)), None
     base = np.asarray(both[default]["per_group"])
@@ -166,7 +167,8 @@ def choose(both: dict, metric: str, select: str, default: float):
     for t, m in both.items():
         d = np.asarray(m["per_group"]) - base
         se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else 0.0
-        z[t] = 0.0 if t == default else (float(d.mean() / se) if se > 0 else float(np.sign(d.mean()) * np.inf))
+        # no spread (or one group): no evidence either way, so never "significantly better"
+        z[t] = float(d.mean() / se) if se > 0 else 0.0
     better = [t for t in both if z[t] > 1.96]
     return (max(better, key=lambda t: (both[t]["precision"], -t)) if better else default), z
 
@@ -201,16 +203,23 @@ def main() -> None:
     work = Path(args.work) / data.name
     work.mkdir(parents=True, exist_ok=True)
     base = PipelineParams().set_dotted("mlflow.enabled", False).set_dotted("tree.max_leaf_size", args.leaf)
-    spark = get_spark(base.spark)
-    train, test = data / "train.txt", data / "test.txt"
-    results = {"oracle": run(spark, train, test, work / "oracle", base)}
-    print(f"oracle: {results['oracle']['p@1']:.2f}", flush=True)
     taus = [float(t) for t in args.taus.split(",")]
     asked = set(args.modes.split(","))
     unknown = asked - {"baseline", "eagle0", "eagle", "refined", *VALIDATED}
     if unknown:
         ap.error(f"--modes: unknown column(s) {', '.join(sorted(unknown))}")
     modes = asked | {"baseline"} | ({"soft"} if "refined" in asked else set())
+    if args.select == "keep-default":
+        if args.val_metric != "precision":
+            ap.error("--select keep-default compares per-group precision: use --val-metric precision")
+        for m in modes & set(VALIDATED):
+            d = float(getattr(base.eagle, VALIDATED[m][1]))
+            if d not in taus:
+                ap.error(f"--select keep-default: {m}'s default {VALIDATED[m][1]} {d:g} is not among --taus")
+    spark = get_spark(base.spark)
+    train, test = data / "train.txt", data / "test.txt"
+    results = {"oracle": run(spark, train, test, work / "oracle", base)}
+    print(f"oracle: {results['oracle']['p@1']:.2f}", flush=True)
     for setting in args.settings.split(","):
         d = work / setting
         if setting.startswith("R-"):
@@ -237,10 +246,6 @@ def main() -> None:
                       f"coverage {both[t]['coverage']:.2f}", flush=True)
             scores = {t: v[args.val_metric] for t, v in both.items()}
             default = float(getattr(base.eagle, key))
-            if args.select == "keep-default" and args.val_metric != "precision":
-                ap.error("--select keep-default compares per-group precision: use --val-metric precision")
-            if args.select == "keep-default" and default not in both:
-                ap.error(f"--select keep-default: the default {key} {default:g} is not among --taus")
             best_tau, z = choose(both, args.val_metric, args.select, default)
             if z is not None:
                 res[f"paired_z_{mode}"] = {str(k): v for k, v in z.items()}

@@ -47,7 +47,8 @@ def test_keep_default_needs_a_significant_paired_gain():
     """choose(): 'best' takes the highest mean; 'keep-default' keeps the default tau unless a
     candidate's per-group differences have mean / standard error > 1.96.
     10: differences 2, 0, 2, 0 (mean 1, SE 1.155 / 2 = 0.577: z 1.73, kept out);
-    300: 1, 1, 1, 1.5 (mean 1.125, SE 0.125: z 9); 30: -1 on every group (z -inf)."""
+    300: 1, 1, 1, 1.5 (mean 1.125, SE 0.125: z 9); 30: -1 on every group (no spread: z 0, as a
+    candidate +1 on every group would get: no evidence, never picked)."""
     base = np.array([50.0, 60.0, 70.0, 80.0])
     both = {100.0: base, 10.0: base + [2, 0, 2, 0], 300.0: base + [1, 1, 1, 1.5], 30.0: base - 1}
     both = {t: {"precision": float(v.mean()), "per_group": list(v)} for t, v in both.items()}
@@ -55,7 +56,9 @@ def test_keep_default_needs_a_significant_paired_gain():
     tau, z = choose(both, "precision", "keep-default", 100.0)
     assert tau == 300.0
     assert z[10.0] == pytest.approx(1.0 / (np.std([2, 0, 2, 0], ddof=1) / 2))
-    assert z[100.0] == 0.0 and z[30.0] == -np.inf
+    assert z[100.0] == 0.0 and z[30.0] == 0.0 and z[300.0] == pytest.approx(9.0)
+    flat = {100.0: both[100.0], 10.0: {"precision": 66.0, "per_group": list(base + 1)}}
+    assert choose(flat, "precision", "keep-default", 100.0) == (100.0, {100.0: 0.0, 10.0: 0.0})
     del both[300.0]
     assert choose(both, "precision", "best", 100.0)[0] == 10.0             # the higher mean
     assert choose(both, "precision", "keep-default", 100.0)[0] == 100.0    # but not significantly

@@ -333,8 +333,8 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         else:
             anchor = probs.filter(F.col("kind") == PROB_KIND).select(
                 "group_id", "sample_id", "label_idx", "count", F.col("value").alias("p0"))
-            if not params.use_counts:
-                anchor = anchor.withColumn("count", F.lit(None).cast("int"))
+        if not params.use_counts:
+            anchor = anchor.withColumn("count", F.lit(None).cast("int"))
         assigned = refine(agg, anchor, assigned, params, train_model, n_buckets, info, prev)
     if prev is not None:               # every job that reads it has run (the assignments are checkpointed)
         prev.unpersist()
