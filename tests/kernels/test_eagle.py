@@ -18,6 +18,7 @@ from xmc_spark.kernels.eagle import (
     refine_assign,
     segment_carriers,
     segment_softmax,
+    top_members,
 )
 from xmc_spark.kernels.sparse import append_bias
 from xmc_spark.model import XMCModel
@@ -95,6 +96,24 @@ def test_hard_assignment_and_counts():
     tr = _triples(groups, glabels, 2, counts={(0, 0): 2})
     sid, lab, w = assign(tr, X, E)
     assert sorted(zip(sid.tolist(), lab.tolist())) == [(0, 1), (1, 0), (2, 0), (3, 1)]
+
+
+def test_count_one_takes_the_same_member_with_or_without_counts():
+    # one group of 4, labels 3 and 6, members 0 and 1 tied on top for both: without counts the
+    # arg-max takes tied position (label mod 2); a count of 1 must take the same member, so a
+    # (group, label)'s member does not depend on whether other triples of its task had counts
+    groups = {0: [0, 1, 2, 3]}
+    bare = _triples(groups, {0: [3, 6]}, 7)
+    counted = _triples(groups, {0: [3, 6]}, 7, counts={(0, 3): 1, (0, 6): 1})
+    s = np.where(bare.row < 2, 1.0, 0.5)
+    ref = top_members(bare, s)
+    assert bare.row[ref].tolist() == [1, 0]            # label 3 -> 3 mod 2 = 1, label 6 -> 0
+    np.testing.assert_array_equal(top_members(counted, s), ref)
+    # a count of 2 keeps both tied members
+    two = _triples(groups, {0: [3, 6]}, 7, counts={(0, 3): 2, (0, 6): 1})
+    keep = top_members(two, s)
+    assert sorted(two.row[keep & (two.lab == 3)].tolist()) == [0, 1]
+    assert two.row[keep & (two.lab == 6)].tolist() == [0]
 
 
 def test_soft_assignment_weights():

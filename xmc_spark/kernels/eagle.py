@@ -317,8 +317,11 @@ def joint_weights(tr: Triples, s: np.ndarray, tau: float, iters: int = 20, weigh
 
 
 def top_members(tr: Triples, s: np.ndarray) -> np.ndarray:
-    """Mask of each segment's top-c triples by ``s`` (c = the count, 1 without counts); ties
-    go to the member at position (label mod #members) onwards, as in :func:`_segment_argmax`."""
+    """Mask of each segment's top-c triples by ``s`` (c = the count, 1 without counts). A
+    segment of count 1 takes :func:`_segment_argmax`'s member (ties: position label mod #tied),
+    with or without counts elsewhere in ``tr``, so that its choice does not depend on which
+    triples share a task; with c > 1, ties go to the members from position (label mod
+    #members) onwards."""
     if tr.count is None:
         keep = np.zeros(len(s), bool)
         chosen, _ = tr.argmax(s)
@@ -332,7 +335,13 @@ def top_members(tr: Triples, s: np.ndarray) -> np.ndarray:
     order = np.lexsort((tie, -s, seg_of))
     rank = np.empty(len(s), np.int64)
     rank[order] = np.arange(len(s)) - tr.seg[seg_of[order]]
-    return rank < np.maximum(tr.count, 1)
+    keep = rank < np.maximum(tr.count, 1)
+    one = np.maximum(tr.count[tr.seg[:-1]], 1) == 1
+    if one.any():
+        chosen, _ = tr.argmax(s)
+        keep[np.repeat(one, size)] = False
+        keep[chosen[one]] = True
+    return keep
 
 
 # ---- model-guided re-assignment (eagle.refine_rounds) ----------------------------------------
