@@ -68,7 +68,9 @@ def main() -> None:
     y = np.asarray(Y[tr.row, tr.lab]).ravel() > 0
     print(f"{Path(args.data).name}, random groups of {g}: {G} groups, {len(size)} (group, label)s, "
           f"{len(s)} triples; carriers per (group, label): estimated {est.mean():.3f}, true {true_c.mean():.3f} "
-          f"(correlation {np.corrcoef(est, true_c)[0, 1]:.2f})")
+          f"(correlation {np.corrcoef(est, true_c)[0, 1]:.2f}); {100 * np.mean(true_c > 1):.1f}% of the (group, "
+          f"label)s have several carriers, holding {100 * true_c[true_c > 1].sum() / true_c.sum():.1f}% "
+          "of the true pairs")
     print("| joint_tau | carriers | weight | weighted recall | weighted precision |")
     print("|---|---|---|---|---|")
     for tau in (float(t) for t in args.taus.split(",")):
