@@ -30,7 +30,8 @@ pick (``--select``): ``best``, the highest mean (ties to the smaller tau); or ``
 the column's default tau (``eagle.tau`` 30 for soft, ``eagle.joint_tau`` 100 for the joint
 columns) unless a candidate's per-group precision beats it by a paired z > 1.96 over the
 held-out groups (recorded as ``paired_z_<column>``). The test set is never used for the choice.
-``refined`` is soft with that tau plus ``eagle.refine_rounds`` of model-guided re-assignment;
+``refined`` is soft with that tau plus ``eagle.refine_rounds`` of model-guided re-assignment
+(``refined_joint``: the same on joint with its tau);
 the rounds (1..--refine-rounds) and ``eagle.refine_mix`` are chosen on the same held-out groups
 (see :func:`refined`). Prints a markdown table and writes OUT/eagle_<set>.json (after every
 setting).
@@ -180,8 +181,9 @@ def main() -> None:
     ap.add_argument("--settings", default="R-4,R-10,C")
     ap.add_argument("--taus", default="10,30,100,300")
     ap.add_argument("--modes", default="baseline,eagle0,eagle,soft,joint,refined",
-                    help="columns to run, of baseline, eagle0, eagle, soft, joint, joint_est, refined (baseline is "
-                         "always run: the gap needs it; soft too when refined is asked for)")
+                    help="columns to run, of baseline, eagle0, eagle, soft, joint, joint_est, refined, refined_joint "
+                         "(baseline is always run: the gap needs it; soft too when refined is asked for, joint when "
+                         "refined_joint is)")
     ap.add_argument("--refine-rounds", type=int, default=2, help="refined: the most rounds validated")
     ap.add_argument("--refine-mixes", default="0,0.5", help="refined: mixing weights validated")
     ap.add_argument("--refine-taus", default="10", help="refined: softmax temperatures validated")
@@ -205,10 +207,11 @@ def main() -> None:
     base = PipelineParams().set_dotted("mlflow.enabled", False).set_dotted("tree.max_leaf_size", args.leaf)
     taus = [float(t) for t in args.taus.split(",")]
     asked = set(args.modes.split(","))
-    unknown = asked - {"baseline", "eagle0", "eagle", "refined", *VALIDATED}
+    unknown = asked - {"baseline", "eagle0", "eagle", "refined", "refined_joint", *VALIDATED}
     if unknown:
         ap.error(f"--modes: unknown column(s) {', '.join(sorted(unknown))}")
-    modes = asked | {"baseline"} | ({"soft"} if "refined" in asked else set())
+    modes = asked | {"baseline"} | ({"soft"} if "refined" in asked else set()) | (
+        {"joint"} if "refined_joint" in asked else set())
     if args.select == "keep-default":
         if args.val_metric != "precision":
             ap.error("--select keep-default compares per-group precision: use --val-metric precision")
@@ -233,7 +236,7 @@ def main() -> None:
             res[mode] = run(spark, d / "data", test, d / mode, base, eagle__mode=mode)
             print(f"{setting} {mode}: {res[mode]['p@1']:.2f}", flush=True)
         # tau on a validation split of the training groups, for soft, joint and joint_est
-        if modes & (set(VALIDATED) | {"refined"}):
+        if modes & (set(VALIDATED) | {"refined", "refined_joint"}):
             val, Xv = validation_split(spark, d / "data", d / "val_data")
         for mode in [m for m in VALIDATED if m in modes]:
             eagle_mode, key, extra = VALIDATED[mode]
@@ -264,6 +267,9 @@ def main() -> None:
         if "refined" in modes:
             res["refined"] = refined(spark, d, test, base, res["soft"]["tau"], val, Xv, meta["n_features"], args,
                                      setting)
+        if "refined_joint" in modes:
+            res["refined_joint"] = refined(spark, d, test, base, res["joint"]["tau"], val, Xv, meta["n_features"],
+                                           args, setting, mode="joint")
         results[setting] = res
         (Path(args.work) / f"eagle_{data.name}.json").write_text(json.dumps(results, indent=2, default=str))
     (Path(args.work) / f"eagle_{data.name}.json").write_text(json.dumps(results, indent=2, default=str))
@@ -279,7 +285,8 @@ def main() -> None:
 
         def f(m, r=r):
             return f"{r[m]['p@1']:.2f} / {r[m]['p@3']:.2f} / {r[m]['p@5']:.2f}" if m in r else "-"
-        best = max([m for m in ("eagle0", "eagle", "soft", "joint", "joint_est", "refined") if m in r],
+        best = max([m for m in ("eagle0", "eagle", "soft", "joint", "joint_est", "refined", "refined_joint")
+                    if m in r],
                    key=lambda m: r[m]["p@1"], default="baseline")
         b = r["baseline"]["p@1"]
         gap = o["p@1"] - b
@@ -296,19 +303,30 @@ def main() -> None:
               f"{e['seconds'].get('eagle', 0):.1f} / {e['seconds']['train']:.1f} | "
               f"{e.get('eagle.pair_precision', 0):.1f} / {e.get('eagle.pair_recall', 0):.1f} / "
               f"{e.get('eagle.pair_weighted_precision', 0):.1f} |")
+    for setting in args.settings.split(","):
+        rj = results[setting].get("refined_joint")
+        if rj:
+            print(f"refined_joint at {setting}: {rj['p@1']:.2f} / {rj['p@3']:.2f} / {rj['p@5']:.2f} "
+                  f"(rounds {rj['rounds']}, {rj['weights']}, mix {rj['mix']:g}, refine_tau {rj['refine_tau']:g}; "
+                  f"joint_tau {results[setting]['joint']['tau']:g})")
 
 
-def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_features: int, args, setting):
-    """The refined column: soft (tau as chosen) + model-guided re-assignment. Rounds (1..R) and
-    the mixing weight are chosen on the held-out training groups: one validation run per mix
-    with R rounds, the model of every round scored there (the stage's hook gives the models
-    trained inside it; the run's own model is round R's). The test set is not used."""
+def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_features: int, args, setting,
+            mode: str = "soft"):
+    """The refined column: ``mode`` (soft, or joint for ``refined_joint``; tau as chosen for it)
+    + model-guided re-assignment. Rounds (1..R) and the mixing weight are chosen on the held-out
+    training groups: one validation run per mix with R rounds, the model of every round scored
+    there (the stage's hook gives the models trained inside it; the run's own model is round
+    R's). The test set is not used."""
     from xmc_spark.stages import eagle as eagle_stage
     R = args.refine_rounds
     scores, drifts = {}, {}
     metric = args.val_metric
     # round scores of earlier runs, for --reuse (precision: the file's name before coverage existed)
-    cache_file = d / ("refine_validation.json" if metric == "precision" else f"refine_validation_{metric}.json")
+    prefix = "" if mode == "soft" else f"{mode}_"
+    key = "tau" if mode == "soft" else "joint_tau"
+    cache_file = d / (f"refine_{prefix}validation.json" if metric == "precision"
+                      else f"refine_{prefix}validation_{metric}.json")
     cache = json.loads(cache_file.read_text()) if REUSE and cache_file.is_file() else {}
     for rt in [float(t) for t in args.refine_taus.split(",")]:
         for wts in args.refine_weights.split(","):
@@ -318,11 +336,11 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
                 eagle_stage.ROUND_MODEL_HOOK = lambda r, model, got=got: got.update(
                     {r: group_score(model, val, Xv, n_features)[metric]})
                 try:
-                    out = d / f"val_refine_{name}"
+                    out = d / f"val_refine_{prefix}{name}"
                     # a reused run fires no hook: reuse it only when its rounds' scores are cached
-                    m = run(spark, d / "val_data", None, out, base, reuse=name in cache, eagle__mode="soft",
-                            eagle__tau=tau, eagle__refine_rounds=R, eagle__refine_mix=mix, eagle__refine_tau=rt,
-                            eagle__refine_weights=wts)
+                    m = run(spark, d / "val_data", None, out, base, reuse=name in cache, eagle__mode=mode,
+                            **{f"eagle__{key}": tau}, eagle__refine_rounds=R, eagle__refine_mix=mix,
+                            eagle__refine_tau=rt, eagle__refine_weights=wts)
                 finally:
                     eagle_stage.ROUND_MODEL_HOOK = None
                 if not got and name in cache:         # a reused run: its rounds' scores as recorded
@@ -333,19 +351,20 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
                 scores.update({(r, wts, mix, rt): v for r, v in got.items()})
                 drifts[name] = {k: m.get(k) for k in ("eagle.refine.drift_tv", "eagle.refine.change_tv",
                                                       "eagle.refine.seconds")}
-                print(f"{setting} refined {name}: validation group {metric} by round "
+                print(f"{setting} refined{'_' + mode if prefix else ''} {name}: validation group {metric} by round "
                       f"{[round(float(got[r]), 2) for r in sorted(got)]}; drift TV {m.get('eagle.refine.drift_tv')}",
                       flush=True)
     # the best validation score over rounds >= 1; ties: fewer rounds, then more weight on GRLR
     rounds, wts, mix, rt = max((k for k in scores if k[0] >= 1), key=lambda k: (scores[k], -k[0], k[2]))
-    res = run(spark, d / "data", test, d / "refined", base, eagle__mode="soft", eagle__tau=tau,
-              eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=rt,
+    res = run(spark, d / "data", test, d / f"refined{'_' + mode if prefix else ''}", base, eagle__mode=mode,
+              **{f"eagle__{key}": tau}, eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=rt,
               eagle__refine_weights=wts)
     res.update({"rounds": rounds, "mix": mix, "weights": wts, "refine_tau": rt, "val_metric": metric,
                 "validation_round0": scores[(0, wts, mix, rt)],
                 "validation": {f"r{r}_{w}_mix{x:g}_rt{t:g}": v for (r, w, x, t), v in sorted(scores.items())},
                 "validation_drift": drifts})
-    print(f"{setting} refined (rounds={rounds}, {wts}, mix={mix:g}, refine_tau={rt:g}): {res['p@1']:.2f} "
+    print(f"{setting} refined{'_' + mode if prefix else ''} (rounds={rounds}, {wts}, mix={mix:g}, "
+          f"refine_tau={rt:g}): {res['p@1']:.2f} "
           f"(validation {scores[(rounds, wts, mix, rt)]:.2f}, 0 rounds {scores[(0, wts, mix, rt)]:.2f})", flush=True)
     return res
 
