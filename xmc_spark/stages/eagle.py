@@ -29,7 +29,7 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, local_frame
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, local_frame, to_arrow
 from ..compat import never_broadcast, share
 from ..kernels.eagle import (
     Triples,
@@ -263,14 +263,8 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
     else:
         feats = agg.samples.select("sample_id", "feature_idx", "feature_val")
         head_groups = params.head_groups or max(1, -(-agg.stats["n_group_label_pairs"] // max(n_buckets, 1)))
-        carried = None
-        if params.mode == "joint" and params.estimate_counts:     # every label's groups: one O(labels) pull
-            carried = _groups_per_label(agg)
-            per_label = {int(k): int(carried[k]) for k in np.flatnonzero(carried > head_groups)}
-        else:
-            per_label = {int(r["label_idx"]): int(r["count"]) for r in agg.group_labels.groupBy("label_idx").count()
-                         .filter(F.col("count") > head_groups).collect()}
-        heads = np.array(sorted(per_label), dtype=np.int64)
+        carried = _groups_per_label(agg)           # O(labels): the head labels, and the prevalence
+        heads = np.flatnonzero(carried > head_groups).astype(np.int64)
         info["eagle.head_groups"] = int(head_groups)
         info["eagle.head_labels"] = len(heads)
         T = _iterations(params)
@@ -279,7 +273,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
             # split the narrow triples first, so each feature join runs once on its part
             body = triples.join(F.broadcast(hl), "label_idx", "left_anti").join(feats, "sample_id")
             head_rows = triples.join(F.broadcast(hl), "label_idx").join(feats, "sample_id")
-            n_chunks = max(n_buckets, int(np.ceil(sum(per_label.values()) / head_groups)))
+            n_chunks = max(n_buckets, int(np.ceil(carried[heads].sum() / head_groups)))
             hout, hobj, E = _head_path(head_rows, heads, n_features, params, n_chunks)
             idx, val = csr_rows_to_arrays(E)
             head_emb = spark.createDataFrame(
@@ -343,23 +337,20 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
 
 def _groups_per_label(agg: AggregatedInput) -> np.ndarray:
     """The number of groups carrying each label (n_labels ints; (group, label) pairs are
-    unique), from one small job: O(labels) rows to the driver."""
-    per = agg.group_labels.groupBy("label_idx").count().collect()
+    unique), from one small job: O(labels) rows to the driver, as one Arrow table."""
+    per = to_arrow(agg.group_labels.groupBy("label_idx").count())
     carried = np.zeros(agg.info.n_labels, np.int64)
-    if per:
-        carried[np.array([r["label_idx"] for r in per])] = np.array([r["count"] for r in per])
+    carried[per.column("label_idx").to_numpy()] = per.column("count").to_numpy()
     return carried
 
 
 def _prevalence(agg: AggregatedInput, carried: np.ndarray) -> np.ndarray:
     """:func:`~xmc_spark.kernels.eagle.label_prevalence` of every label (n_labels floats) from
-    ``carried`` (:func:`_groups_per_label`) and one more small job: the number of labelled groups
-    and their total size in membership rows (a sample in two groups counts in both)."""
-    labelled = agg.group_labels.select("group_id").distinct()
-    s = agg.groups.join(labelled, "group_id").agg(F.count(F.lit(1)).alias("m"),
-                                                   F.countDistinct("group_id").alias("g")).first()
-    n_groups = int(s["g"] or 0)
-    return label_prevalence(carried, n_groups, (s["m"] or 0) / max(n_groups, 1))
+    ``carried`` (:func:`_groups_per_label`), the labelled groups' number (``agg.stats``) and one
+    more small job: their total size in membership rows (a sample in two groups counts in both)."""
+    n_groups = agg.stats["n_groups"] - agg.stats["n_groups_without_labels"]
+    members = agg.groups.join(agg.group_labels.select("group_id").distinct(), "group_id").count()
+    return label_prevalence(carried, n_groups, members / max(n_groups, 1))
 
 
 def training_table(samples: DataFrame, assigned: DataFrame) -> DataFrame:
