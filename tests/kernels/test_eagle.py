@@ -12,6 +12,8 @@ from xmc_spark.kernels.eagle import (
     drift,
     expected_carriers,
     grlr_block,
+    grlr_sums,
+    grlr_update,
     joint_weights,
     label_prevalence,
     path_scores,
@@ -81,6 +83,42 @@ def test_grlr_block_equals_algorithm1(seed):
         ref = grlr_reference(Xd, groups, label_groups, k, T=7, eta=0.1)
         np.testing.assert_allclose(E[k].toarray().ravel(), ref, atol=1e-9)
     assert obj.shape == (8, L)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_grlr_block_equals_the_head_paths_steps(seed):
+    # the fused per-label kernel against the sparse step functions the head path runs one Spark
+    # job per step (grlr_sums, grlr_update), bit for bit: members shared by groups, duplicate
+    # rows (exact ties), an all-zero member, binary-valued rows as ingest normalizes them
+    rng = np.random.default_rng(seed)
+    n, d, L, G = 90, 40, 10, 40
+    X = (sp.random(n, d, density=0.15, random_state=seed, format="csr") > 0).astype(np.float32)
+    X = sp.vstack([X[:n - 6], X[:5], sp.csr_matrix((1, d)), -X[:3]], format="csr")   # duplicates, a zero row, negations
+    norms = np.sqrt(np.asarray(X.multiply(X).sum(axis=1)).ravel())
+    X = sp.csr_matrix(sp.diags(1 / np.maximum(norms, 1e-12)) @ X, dtype=np.float32)
+    groups = {g: sorted(rng.choice(n, int(rng.integers(1, 6)), replace=False).tolist()) for g in range(G)}
+    glabels = {g: sorted(set(rng.choice(L - 2, int(rng.integers(1, 4))).tolist())) for g in range(G)}
+    for i in range(5):                  # a row and its duplicate in one group: tied at every step
+        groups[G + i] = [i, n - 6 + i]
+        glabels[G + i] = [1, 3, 5]
+    for i in range(3):                  # rows x and -x: e_0 = 0, every member tied (Figure 1)
+        groups[G + 5 + i] = [i, n + i]
+        glabels[G + 5 + i] = [L - 2, L - 1]
+    tr = _triples(groups, glabels, L + 2)                       # two labels without groups
+    T, eta = 9, 0.3
+    G0, _ = grlr_sums(tr, X, None)
+    E = grlr_update(None, G0, eta)
+    objs = []
+    for _ in range(T):
+        Gt, obj = grlr_sums(tr, X, E)
+        objs.append(obj)
+        E = grlr_update(E, Gt, eta)
+    objs.append(grlr_sums(tr, X, E)[1])
+    got, got_obj = grlr_block(tr, X, T=T, eta=eta)
+    assert got.shape == E.shape and got.dtype == np.float64
+    assert abs(got - E).max() == 0.0
+    np.testing.assert_array_equal(got_obj, np.vstack(objs))
+    assert got[L].nnz == 0 and got[L + 1].nnz == 0
 
 
 def test_hard_assignment_and_counts():

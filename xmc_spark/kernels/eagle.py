@@ -63,26 +63,31 @@ def _segment_argmax(seg_ptr, scores, lab_id):
     chosen = np.empty(ns, dtype=np.int64)
     total = 0.0
     for s in range(ns):
-        lo = seg_ptr[s]
-        hi = seg_ptr[s + 1]
-        best = scores[lo]
-        for t in range(lo + 1, hi):
-            if scores[t] > best:
-                best = scores[t]
-        nt = 0
-        for t in range(lo, hi):
-            if scores[t] == best:
-                nt += 1
-        pick = lab_id[s] % nt
-        c = 0
-        for t in range(lo, hi):
-            if scores[t] == best:
-                if c == pick:
-                    chosen[s] = t
-                    break
-                c += 1
-        total += best
+        chosen[s] = _argmax_at(scores, seg_ptr[s], seg_ptr[s + 1], lab_id[s])
+        total += scores[chosen[s]]
     return chosen, total
+
+
+@njit()
+def _argmax_at(scores, lo, hi, lab_id):
+    """The arg-max of scores[lo:hi] (non-empty); among exact ties the one at position
+    lab_id mod #tied."""
+    best = scores[lo]
+    for t in range(lo + 1, hi):
+        if scores[t] > best:
+            best = scores[t]
+    nt = 0
+    for t in range(lo, hi):
+        if scores[t] == best:
+            nt += 1
+    pick = lab_id % nt
+    c = 0
+    for t in range(lo, hi):
+        if scores[t] == best:
+            if c == pick:
+                return t
+            c += 1
+    return lo
 
 
 def _segments(lab: np.ndarray, grp: np.ndarray) -> np.ndarray:
@@ -160,18 +165,120 @@ def grlr_update(E: Optional[sp.csr_matrix], G: sp.csr_matrix, eta: float) -> sp.
     return l2_normalize_rows(E + eta * l2_normalize_rows(G, np.float64), np.float64)
 
 
+@njit()
+def _label_columns(xptr, xidx, lab, row, n_cols, at, sup):
+    """Each label's support, the union of its triples' rows' columns (every e_t of the label
+    lies in it: e_0 sums all the rows, later steps add chosen ones). With ``sup`` empty, counts
+    them into at[k + 1]; else writes label k's columns from sup[at[k]] on (advancing at[k])."""
+    mark = -np.ones(n_cols, dtype=np.int64)
+    for t in range(lab.shape[0]):
+        k = lab[t]
+        r = row[t]
+        for p in range(xptr[r], xptr[r + 1]):
+            c = xidx[p]
+            if mark[c] != k:
+                mark[c] = k
+                if sup.shape[0] == 0:
+                    at[k + 1] += 1
+                else:
+                    sup[at[k]] = c
+                    at[k] += 1
+
+
+@njit()
+def _add_row(acc, xptr, xidx, xval, r):
+    for p in range(xptr[r], xptr[r + 1]):
+        acc[xidx[p]] += xval[p]
+
+
+@njit()
+def _norm_on(v, sup, lo, hi):
+    s = 0.0
+    for q in range(lo, hi):
+        s += v[sup[q]] * v[sup[q]]
+    return np.sqrt(s)
+
+
+@njit()
+def _grlr_labels(xptr, xidx, xval, n_cols, lab, row, seg, seg_lab, seg_lab_id, n_lab, T, eta):
+    """GRLR (Algorithm 1) label by label, each label's embedding held dense while its T steps
+    run: the same arithmetic as :func:`grlr_sums` / :func:`grlr_update` (float64 sums, a zero
+    sum stays zero, ties as :func:`_segment_argmax`), without a sparse matrix per step. Returns
+    (CSR offsets, column indices, values) of E and the objective (T+1 x n_lab)."""
+    sptr = np.zeros(n_lab + 1, dtype=np.int64)
+    _label_columns(xptr, xidx, lab, row, n_cols, sptr, np.empty(0, dtype=np.int64))
+    sptr = np.cumsum(sptr)
+    sup = np.empty(sptr[n_lab], dtype=np.int64)
+    _label_columns(xptr, xidx, lab, row, n_cols, sptr[:-1].copy(), sup)
+    for k in range(n_lab):
+        sup[sptr[k]:sptr[k + 1]] = np.sort(sup[sptr[k]:sptr[k + 1]])
+    vals = np.zeros(sptr[n_lab], dtype=np.float64)
+    obj = np.zeros((T + 1, n_lab), dtype=np.float64)
+    e = np.zeros(n_cols, dtype=np.float64)
+    g = np.zeros(n_cols, dtype=np.float64)
+    scores = np.zeros(lab.shape[0], dtype=np.float64)
+    n_seg = seg.shape[0] - 1
+    s0 = 0
+    while s0 < n_seg:                                  # one label: its segments s0..s1-1
+        k = seg_lab[s0]
+        s1 = s0
+        while s1 < n_seg and seg_lab[s1] == k:
+            s1 += 1
+        lo, hi = sptr[k], sptr[k + 1]
+        for t in range(seg[s0], seg[s1]):              # e_0 = Proj(sum of every member)
+            _add_row(e, xptr, xidx, xval, row[t])
+        nrm = _norm_on(e, sup, lo, hi)
+        if nrm > 0:
+            for q in range(lo, hi):
+                e[sup[q]] = e[sup[q]] / nrm
+        for it in range(T + 1):
+            for t in range(seg[s0], seg[s1]):
+                r = row[t]
+                v = 0.0
+                for p in range(xptr[r], xptr[r + 1]):
+                    v += e[xidx[p]] * xval[p]
+                scores[t] = v
+            total = 0.0
+            for s in range(s0, s1):                    # arg-max member of each group
+                t = _argmax_at(scores, seg[s], seg[s + 1], seg_lab_id[s])
+                _add_row(g, xptr, xidx, xval, row[t])
+                total += scores[t]
+            obj[it, k] = total
+            if it == T:
+                break
+            gn = _norm_on(g, sup, lo, hi)              # e = Proj(e + eta Proj(G))
+            if gn > 0:
+                for q in range(lo, hi):
+                    e[sup[q]] = e[sup[q]] + eta * (g[sup[q]] / gn)
+            nrm = _norm_on(e, sup, lo, hi)
+            if nrm > 0:
+                for q in range(lo, hi):
+                    e[sup[q]] = e[sup[q]] / nrm
+            for q in range(lo, hi):
+                g[sup[q]] = 0.0
+        for q in range(lo, hi):
+            vals[q] = e[sup[q]]
+            e[sup[q]] = 0.0
+            g[sup[q]] = 0.0
+        s0 = s1
+    return sptr, sup, vals, obj
+
+
 def grlr_block(tr: Triples, X: sp.csr_matrix, T: int = 20, eta: float = 0.1) -> Tuple[sp.csr_matrix, np.ndarray]:
     """GRLR for every label of a block. Returns (E, objective) where E is (n_lab x d) CSR and
-    objective[t, k] = sum over label k's groups of max_i <e_t, x_i> for t = 0..T."""
-    G, _ = grlr_sums(tr, X, None)
-    E = grlr_update(None, G, eta)
-    objs = []
-    for _ in range(T):
-        G, obj = grlr_sums(tr, X, E)
-        objs.append(obj)
-        E = grlr_update(E, G, eta)
-    objs.append(grlr_sums(tr, X, E)[1])
-    return E, np.vstack(objs)
+    objective[t, k] = sum over label k's groups of max_i <e_t, x_i> for t = 0..T.
+
+    The same steps as :func:`grlr_sums` then :func:`grlr_update` (which the stage's head path
+    runs one Spark job per step), fused per label (:func:`_grlr_labels`)."""
+    X = sp.csr_matrix(X)
+    i64 = np.int64
+    n_cols = X.shape[1]
+    ptr, idx, val, obj = _grlr_labels(X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64),
+                                      n_cols, tr.lab, tr.row, tr.seg, tr.seg_lab, tr.label_ids[tr.seg_lab],
+                                      tr.n_lab, int(T), float(eta))
+    E = sp.csr_matrix((val, idx, ptr), shape=(tr.n_lab, n_cols))
+    E.eliminate_zeros()                                # as sparse sums drop exact zeros
+    return E, obj
 
 
 def assign(tr: Triples, X: sp.csr_matrix, E: sp.csr_matrix, soft: bool = False, tau: float = 30.0,
