@@ -229,6 +229,25 @@ def test_baseline_gives_every_member_all_group_labels(spark, agg_dir):
             assert got[i] == labs
 
 
+def test_label_buckets_spread_the_block_labels_longest_first(spark):
+    # the block path's labels (carried, not heads) go to the partitions LPT places them in:
+    # each partition's groups within the largest label's of the others'; heads and labels
+    # without a group get no bucket
+    from pyspark.sql import functions as F
+
+    carried = np.array([0, 9, 1, 7, 3, 3, 2, 40, 5, 1, 4, 6, 2, 8])
+    heads = np.array([7])
+    b = eagle._label_buckets(spark, carried, heads, 4)
+    rows = b.repartition(4, "_bucket").withColumn("_part", F.spark_partition_id()).collect()
+    assert sorted(r["label_idx"] for r in rows) == [k for k in range(len(carried)) if carried[k] and k != 7]
+    load = np.zeros(4)
+    for r in rows:
+        load[r["_part"]] += carried[r["label_idx"]]
+    assert load.sum() == carried.sum() - carried[0] - carried[7]
+    assert load.max() - load.min() <= 9                  # LPT: within the largest single cost
+    assert len({r["_bucket"] for r in rows}) == 4 and (load > 0).all()
+
+
 def test_diagnostics_against_truth(spark):
     a = spark.createDataFrame([(0, 1, 1.0), (0, 2, 0.5), (1, 1, 1.0)], "sample_id long, label_idx int, weight double")
     t = spark.createDataFrame([(0, [1]), (1, [3]), (2, [4])], "sample_id long, label_idx array<int>")
