@@ -195,15 +195,27 @@ def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int, prevalen
         worker_progress("eagle_joint", group_label_member_triples=t.num_rows)
         return pa.concat_tables(parts)
 
-    keyed = scored.select("group_id", "sample_id", "label_idx", "count", "value").withColumn(
-        "_bucket", F.pmod(F.xxhash64("group_id"), F.lit(n_buckets)))
-    return grouped_apply(keyed, ["_bucket"], run_groups, OUT_SCHEMA)
+    return _by_groups(scored.select("group_id", "sample_id", "label_idx", "count", "value"), n_buckets, run_groups,
+                      OUT_SCHEMA)
 
 
 def _partition_table(batches) -> Optional[pa.Table]:
     """A whole partition as one Arrow table (segments must not be cut at batch ends)."""
     bl = [b for b in batches if b.num_rows]
     return pa.Table.from_batches(bl) if bl else None
+
+
+def _by_groups(rows: DataFrame, n_parts: int, func: Callable[[pa.Table], pa.Table], schema: str) -> DataFrame:
+    """``func`` on each of ``n_parts`` hash partitions of ``rows`` by ``group_id``, as one Arrow
+    table (whole groups in each): exactly ``n_parts`` tasks, which adaptive execution does not
+    coalesce into fewer, uneven ones (grouping 8 hashed buckets gave 4 tasks of 109K-319K
+    triples in delicious R-4's re-assignment), and no sort by a bucket key."""
+    def run(batches):
+        t = _partition_table(batches)
+        if t is not None:
+            yield from func(t).to_batches()
+
+    return rows.repartition(n_parts, "group_id").mapInArrow(run, schema)
 
 
 def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: EagleParams,
@@ -388,9 +400,10 @@ def training_table(samples: DataFrame, assigned: DataFrame) -> DataFrame:
 ROUND_MODEL_HOOK: Optional[Callable] = None
 
 
-def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None) -> pa.Table:
+def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None, keep_probs: bool = True) -> pa.Table:
     """One task of a re-assignment: whole groups, their triples and their members' features
-    (``prevalence``: the joint mode's estimated carriers, as in :func:`_joint_path`)."""
+    (``prevalence``: the joint mode's estimated carriers, as in :func:`_joint_path`); the
+    triples' p rows only with ``keep_probs`` (the last round has no next one to anchor)."""
     tree, bias, post, n_features = bmodel.value
     is_mem = t.column("label_idx").is_null().to_numpy(zero_copy_only=False)
     mem = t.filter(pa.array(is_mem))
@@ -422,7 +435,7 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None) -> 
     worker_progress("eagle_refine", group_label_member_triples=tri.num_rows)
     n_a, n_t = int(keep.sum()), len(p)
     i32, i64 = pa.int32(), pa.int64()
-    return pa.table({
+    out = pa.table({
         "kind": pa.array(np.concatenate([np.full(n_a, ASSIGN_KIND), np.full(n_t, PROB_KIND), [STAT_KIND]]), i32),
         "group_id": pa.concat_arrays([pa.nulls(n_a, i64), pa.array(tr.grp, i64), pa.nulls(1, i64)]),
         "sample_id": pa.array(np.concatenate([asid[keep], tr.sample_id, [0]]), i64),
@@ -435,15 +448,19 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None) -> 
         "weight": pa.array(np.concatenate([w[keep], np.full(n_t + 1, np.nan)]), pa.float64()),
         "stats": pa.array([None] * (n_a + n_t) + [stats], pa.list_(pa.float64())),
     })
+    if not keep_probs:                      # the assignments and the stats row
+        out = out.take(pa.array(np.append(np.arange(n_a), n_a + n_t)))
+    return out
 
 
 def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EagleParams, n_buckets: int,
-                prevalence=None) -> DataFrame:
+                prevalence=None, keep_probs: bool = True) -> DataFrame:
     """One re-assignment as a Spark job: ``anchor`` (group_id, sample_id, label_idx, count, p0,
     optional p_prev) and each labelled group's members' features, grouped by a hash of the
     group into ``n_buckets`` tasks; each task scores its triples with the model's path
     scores (:func:`~xmc_spark.kernels.eagle.path_scores`) and re-assigns
-    (:func:`~xmc_spark.kernels.eagle.refine_assign`). Rows as ``REFINE_SCHEMA``."""
+    (:func:`~xmc_spark.kernels.eagle.refine_assign`). Rows as ``REFINE_SCHEMA``; the triples'
+    p (the next round's anchor) only with ``keep_probs``."""
     if not hasattr(model, "tree_arrays"):
         from ..params import ConfigError
         raise ConfigError("eagle.refine_rounds needs a model whose weights fit predict.max_broadcast_mb "
@@ -461,10 +478,8 @@ def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EaglePar
                          F.lit(None).cast("array<float>").alias("feature_val")).unionByName(
         members.select("group_id", "sample_id", *[F.lit(None).cast(t).alias(c) for c, t in nulls.items()],
                        "feature_idx", "feature_val"))
-    keyed = rows.withColumn("_bucket", F.pmod(F.xxhash64("group_id"), F.lit(n_buckets)))
-
-    return grouped_apply(keyed, ["_bucket"], lambda t: _refine_block(t, bmodel, params, prevalence),
-                         REFINE_SCHEMA)
+    return _by_groups(rows, n_buckets, lambda t: _refine_block(t, bmodel, params, prevalence, keep_probs),
+                      REFINE_SCHEMA)
 
 
 def refine(agg: AggregatedInput, anchor: DataFrame, assigned: DataFrame, params: EagleParams, train_model,
@@ -500,7 +515,8 @@ def refine(agg: AggregatedInput, anchor: DataFrame, assigned: DataFrame, params:
         if ROUND_MODEL_HOOK is not None:
             ROUND_MODEL_HOOK(r - 1, model)
         t_model = time.perf_counter() - t0
-        out = score_round(agg, anchor, model, params, n_buckets, prevalence).localCheckpoint()
+        out = score_round(agg, anchor, model, params, n_buckets, prevalence,
+                          keep_probs=r < params.refine_rounds).localCheckpoint()
         st = np.zeros(5)
         for row in out.filter(F.col("kind") == STAT_KIND).select("stats").collect():
             st += np.asarray(row["stats"])
