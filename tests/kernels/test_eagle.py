@@ -85,11 +85,29 @@ def test_grlr_block_equals_algorithm1(seed):
     assert obj.shape == (8, L)
 
 
+def _head_path_steps(tr, X, T, eta):
+    """GRLR by the sparse step functions the stage's head path runs one Spark job per step."""
+    E = grlr_update(None, grlr_sums(tr, X, None)[0], eta)
+    objs = []
+    for _ in range(T):
+        Gt, obj = grlr_sums(tr, X, E)
+        objs.append(obj)
+        E = grlr_update(E, Gt, eta)
+    objs.append(grlr_sums(tr, X, E)[1])
+    return E, np.vstack(objs)
+
+
+def _global_ids(tr, ids):
+    """``tr`` with its label positions standing for the global ids ``ids`` (ties use those)."""
+    return Triples(tr.lab, tr.grp, tr.row, tr.sample_id, tr.n_lab, label_ids=ids)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_grlr_block_equals_the_head_paths_steps(seed):
-    # the fused per-label kernel against the sparse step functions the head path runs one Spark
-    # job per step (grlr_sums, grlr_update), bit for bit: members shared by groups, duplicate
-    # rows (exact ties), an all-zero member, binary-valued rows as ingest normalizes them
+    # the fused per-label kernel against the head path's sparse step functions, exactly (unit
+    # rows of binary features, as ingest gives bibtex's and delicious's, sum exactly in float64):
+    # members shared by groups, duplicate rows, an all-zero member, x / -x groups (every member
+    # tied at e_0 = 0: Figure 1), ties broken by global label ids other than the positions
     rng = np.random.default_rng(seed)
     n, d, L, G = 90, 40, 10, 40
     X = (sp.random(n, d, density=0.15, random_state=seed, format="csr") > 0).astype(np.float32)
@@ -104,21 +122,33 @@ def test_grlr_block_equals_the_head_paths_steps(seed):
     for i in range(3):                  # rows x and -x: e_0 = 0, every member tied (Figure 1)
         groups[G + 5 + i] = [i, n + i]
         glabels[G + 5 + i] = [L - 2, L - 1]
-    tr = _triples(groups, glabels, L + 2)                       # two labels without groups
+    tr = _global_ids(_triples(groups, glabels, L + 2), 7 * np.arange(L + 2) + 3)   # two labels without groups
     T, eta = 9, 0.3
-    G0, _ = grlr_sums(tr, X, None)
-    E = grlr_update(None, G0, eta)
-    objs = []
-    for _ in range(T):
-        Gt, obj = grlr_sums(tr, X, E)
-        objs.append(obj)
-        E = grlr_update(E, Gt, eta)
-    objs.append(grlr_sums(tr, X, E)[1])
+    E, objs = _head_path_steps(tr, X, T, eta)
     got, got_obj = grlr_block(tr, X, T=T, eta=eta)
     assert got.shape == E.shape and got.dtype == np.float64
     assert abs(got - E).max() == 0.0
-    np.testing.assert_array_equal(got_obj, np.vstack(objs))
+    np.testing.assert_array_equal(got_obj, objs)
     assert got[L].nnz == 0 and got[L + 1].nnz == 0
+    # the x / -x labels (ids 59 and 66) take opposite members
+    assert np.allclose(got[L - 2].toarray(), -got[L - 1].toarray())
+
+
+def test_grlr_block_equals_the_head_paths_steps_up_to_rounding():
+    # real-valued rows: the kernel adds a label's rows in triple order, the sparse product in row
+    # order, so the float64 sums may round differently; the result agrees to rounding
+    rng = np.random.default_rng(5)
+    n, d, L, G = 200, 50, 12, 80
+    X = sp.random(n, d, density=0.2, random_state=5, format="csr", data_rvs=lambda k: rng.lognormal(0, 2, k))
+    norms = np.sqrt(np.asarray(X.multiply(X).sum(axis=1)).ravel())
+    X = sp.csr_matrix(sp.diags(1 / np.maximum(norms, 1e-12)) @ X, dtype=np.float32)
+    groups = {g: sorted(rng.choice(n, 4, replace=False).tolist()) for g in range(G)}
+    glabels = {g: sorted(set(rng.choice(L, 3).tolist())) for g in range(G)}
+    tr = _triples(groups, glabels, L)
+    E, objs = _head_path_steps(tr, X, 12, 0.1)
+    got, got_obj = grlr_block(tr, X, T=12, eta=0.1)
+    np.testing.assert_allclose(got.toarray(), E.toarray(), atol=1e-12)
+    np.testing.assert_allclose(got_obj, objs, rtol=1e-12)
 
 
 def test_hard_assignment_and_counts():

@@ -5,7 +5,7 @@ The work unit is a list of *triples* (label, group, member row) sorted by (label
 sample id): the segment of one (label, group) lists that group's members. X holds the
 members' feature rows (CSR, rows L2-normalized by ingest).
 
-GRLR (Algorithm 1) for every label of a block at once:
+GRLR (Algorithm 1) for every label of a block, label by label:
     e_0 = Proj(sum of the members of all the label's groups)
     e_t = Proj(e_{t-1} + eta Proj(sum over the label's groups of its arg-max member under e_{t-1}))
 Ties inside a group (e.g. a zero embedding) go to the member at position (label mod number of
@@ -166,9 +166,9 @@ def grlr_update(E: Optional[sp.csr_matrix], G: sp.csr_matrix, eta: float) -> sp.
 
 
 @njit()
-def _label_columns(xptr, xidx, lab, row, n_cols, at, sup):
+def _label_columns(xptr, xidx, lab, row, n_cols, at, sup, count):
     """Each label's support, the union of its triples' rows' columns (every e_t of the label
-    lies in it: e_0 sums all the rows, later steps add chosen ones). With ``sup`` empty, counts
+    lies in it: e_0 sums all the rows, later steps add chosen ones). With ``count``, counts
     them into at[k + 1]; else writes label k's columns from sup[at[k]] on (advancing at[k])."""
     mark = -np.ones(n_cols, dtype=np.int64)
     for t in range(lab.shape[0]):
@@ -178,7 +178,7 @@ def _label_columns(xptr, xidx, lab, row, n_cols, at, sup):
             c = xidx[p]
             if mark[c] != k:
                 mark[c] = k
-                if sup.shape[0] == 0:
+                if count:
                     at[k + 1] += 1
                 else:
                     sup[at[k]] = c
@@ -202,14 +202,17 @@ def _norm_on(v, sup, lo, hi):
 @njit()
 def _grlr_labels(xptr, xidx, xval, n_cols, lab, row, seg, seg_lab, seg_lab_id, n_lab, T, eta):
     """GRLR (Algorithm 1) label by label, each label's embedding held dense while its T steps
-    run: the same arithmetic as :func:`grlr_sums` / :func:`grlr_update` (float64 sums, a zero
-    sum stays zero, ties as :func:`_segment_argmax`), without a sparse matrix per step. Returns
-    (CSR offsets, column indices, values) of E and the objective (T+1 x n_lab)."""
+    run: the arithmetic of :func:`grlr_sums` / :func:`grlr_update` (float64 sums, a zero sum
+    stays zero, ties as :func:`_segment_argmax`), without a sparse matrix per step. A label's
+    rows are added in triple order (group, sample), where the sparse product adds them in row
+    order: identical results where those float64 sums are exact (unit rows of binary features,
+    as bibtex's and delicious's), else equal up to rounding. Returns (CSR offsets, column
+    indices, values) of E and the objective (T+1 x n_lab)."""
     sptr = np.zeros(n_lab + 1, dtype=np.int64)
-    _label_columns(xptr, xidx, lab, row, n_cols, sptr, np.empty(0, dtype=np.int64))
+    _label_columns(xptr, xidx, lab, row, n_cols, sptr, np.empty(0, dtype=np.int64), True)
     sptr = np.cumsum(sptr)
     sup = np.empty(sptr[n_lab], dtype=np.int64)
-    _label_columns(xptr, xidx, lab, row, n_cols, sptr[:-1].copy(), sup)
+    _label_columns(xptr, xidx, lab, row, n_cols, sptr[:-1].copy(), sup, False)
     for k in range(n_lab):
         sup[sptr[k]:sptr[k + 1]] = np.sort(sup[sptr[k]:sptr[k + 1]])
     vals = np.zeros(sptr[n_lab], dtype=np.float64)
@@ -241,7 +244,8 @@ def _grlr_labels(xptr, xidx, xval, n_cols, lab, row, seg, seg_lab, seg_lab_id, n
             total = 0.0
             for s in range(s0, s1):                    # arg-max member of each group
                 t = _argmax_at(scores, seg[s], seg[s + 1], seg_lab_id[s])
-                _add_row(g, xptr, xidx, xval, row[t])
+                if it < T:
+                    _add_row(g, xptr, xidx, xval, row[t])
                 total += scores[t]
             obj[it, k] = total
             if it == T:
@@ -268,8 +272,9 @@ def grlr_block(tr: Triples, X: sp.csr_matrix, T: int = 20, eta: float = 0.1) -> 
     """GRLR for every label of a block. Returns (E, objective) where E is (n_lab x d) CSR and
     objective[t, k] = sum over label k's groups of max_i <e_t, x_i> for t = 0..T.
 
-    The same steps as :func:`grlr_sums` then :func:`grlr_update` (which the stage's head path
-    runs one Spark job per step), fused per label (:func:`_grlr_labels`)."""
+    The steps of :func:`grlr_sums` then :func:`grlr_update` (which the stage's head path runs
+    one Spark job per step), fused per label (:func:`_grlr_labels`: identical where the float64
+    sums of rows are exact, else up to rounding)."""
     X = sp.csr_matrix(X)
     i64 = np.int64
     n_cols = X.shape[1]

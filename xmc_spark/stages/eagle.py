@@ -2,13 +2,16 @@
 
 Work is keyed by label. The (label, group, member) triples, each with its member's features,
 are the join group_labels x groups x samples. Labels carried by at most ``eagle.head_groups``
-groups are hashed into buckets and run GRLR to the end inside one task each
-(:func:`~xmc_spark.kernels.eagle.grlr_block`), then assign their groups' labels there too.
+groups are placed on tasks longest first by their number of groups and run GRLR to the end
+inside one task each (:func:`~xmc_spark.kernels.eagle.grlr_block`), then assign their groups'
+labels there too.
 A head label (more groups than that) would put too much on one task, so its (label, group)
 segments are spread over tasks and each GRLR iteration is one Spark job: every task sums its
 arg-max members per label (:func:`~xmc_spark.kernels.eagle.grlr_sums`), the driver adds the
 parts and updates the head embeddings (O(heads x features)), broadcast to the next iteration.
-Both paths compute the same numbers as the kernel on the whole data.
+Both paths compute the kernel's numbers on the whole data (identical where the float64 sums
+of member rows are exact, as for unit rows of binary features; otherwise up to the order in
+which a label's rows are added).
 
 Modes (``eagle.mode``): ``baseline`` (every member gets all its group's labels), ``eagle0``
 (T = 0), ``eagle`` (T = ``eagle.T``), ``soft`` (every member keeps the labels with weight
@@ -29,7 +32,7 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, grouped_apply, local_frame, to_arrow
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, local_frame, to_arrow
 from ..compat import never_broadcast, share
 from ..kernels.eagle import (
     Triples,
@@ -162,8 +165,8 @@ def _block_path(rows: DataFrame, n_features: int, params: EagleParams, buckets: 
         worker_progress("eagle", labels=len(ulab), group_label_member_triples=t.num_rows)
         return pa.concat_tables(parts)
 
-    keyed = rows.join(F.broadcast(buckets), "label_idx").repartition(n_buckets, "_bucket")
-    return grouped_apply(keyed, ["_bucket"], run_block, OUT_SCHEMA)
+    # partition_keys: each bucket key is sent to a partition of its own, so a partition is a bucket
+    return _by_key(rows.join(F.broadcast(buckets), "label_idx"), "_bucket", n_buckets, run_block, OUT_SCHEMA)
 
 
 def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int, prevalence=None) -> DataFrame:
@@ -195,8 +198,8 @@ def _joint_path(scored: DataFrame, params: EagleParams, n_buckets: int, prevalen
         worker_progress("eagle_joint", group_label_member_triples=t.num_rows)
         return pa.concat_tables(parts)
 
-    return _by_groups(scored.select("group_id", "sample_id", "label_idx", "count", "value"), n_buckets, run_groups,
-                      OUT_SCHEMA)
+    return _by_key(scored.select("group_id", "sample_id", "label_idx", "count", "value"), "group_id", n_buckets,
+                   run_groups, OUT_SCHEMA)
 
 
 def _partition_table(batches) -> Optional[pa.Table]:
@@ -205,17 +208,25 @@ def _partition_table(batches) -> Optional[pa.Table]:
     return pa.Table.from_batches(bl) if bl else None
 
 
-def _by_groups(rows: DataFrame, n_parts: int, func: Callable[[pa.Table], pa.Table], schema: str) -> DataFrame:
-    """``func`` on each of ``n_parts`` hash partitions of ``rows`` by ``group_id``, as one Arrow
-    table (whole groups in each): exactly ``n_parts`` tasks, which adaptive execution does not
-    coalesce into fewer, uneven ones (grouping 8 hashed buckets gave 4 tasks of 109K-319K
-    triples in delicious R-4's re-assignment), and no sort by a bucket key."""
+def _by_key(rows: DataFrame, key: str, n_parts: int, func: Callable[[pa.Table], pa.Table], schema: str) -> DataFrame:
+    """``func`` on each of ``n_parts`` hash partitions of ``rows`` by ``key``, as one Arrow table
+    (every row of a key value in one): exactly ``n_parts`` tasks, which adaptive execution does
+    not coalesce into fewer, uneven ones (grouping 8 hashed buckets gave 4 tasks of 109K-319K
+    triples in delicious R-4's re-assignment), and no sort by the key."""
     def run(batches):
         t = _partition_table(batches)
         if t is not None:
             yield from func(t).to_batches()
 
-    return rows.repartition(n_parts, "group_id").mapInArrow(run, schema)
+    return rows.repartition(n_parts, key).mapInArrow(run, schema)
+
+
+def task_count(spark, n_pairs: int, n_buckets: int) -> int:
+    """The tasks of EAGLE's label- and group-keyed jobs: ``n_buckets`` (the shuffle partitions),
+    fewer where the (group, label) pairs would leave a task under ~25K of them (these jobs are
+    never coalesced by adaptive execution), but never under the default parallelism."""
+    par = spark.sparkContext.defaultParallelism
+    return int(max(1, min(n_buckets, max(par, -(-n_pairs // 25_000)))))
 
 
 def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: EagleParams,
@@ -283,6 +294,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
     n_features = agg.info.n_features
     triples = agg.group_labels.join(agg.groups, "group_id")
     info: Dict = {"eagle.mode": params.mode}
+    n_tasks = task_count(spark, agg.stats["n_group_label_pairs"], n_buckets)
     emb_df = prev = None
     if params.estimate_counts and params.mode != "joint":
         log.warning("eagle.estimate_counts applies to eagle.mode=joint only; ignored with mode %s", params.mode)
@@ -309,7 +321,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
                 EMBEDDING_SCHEMA)
         else:
             body, hout, hobj, head_emb = triples.join(feats, "sample_id"), None, np.zeros(T), None
-        out = _block_path(body, n_features, params, _label_buckets(spark, carried, heads, n_buckets), n_buckets)
+        out = _block_path(body, n_features, params, _label_buckets(spark, carried, heads, n_tasks), n_tasks)
         if hout is not None:
             out = out.unionByName(hout)
         out = out.localCheckpoint()                     # one evaluation of every GRLR
@@ -332,7 +344,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
                 p_lab = _prevalence(agg, carried)
                 info["eagle.estimated_prevalence_max"] = round(float(p_lab.max(initial=0.0)), 6)
                 prev = share(spark, p_lab, name="the labels' estimated prevalence")
-            probs = _joint_path(out.filter(F.col("kind") == SCORE_KIND), params, n_buckets, prev).localCheckpoint()
+            probs = _joint_path(out.filter(F.col("kind") == SCORE_KIND), params, n_tasks, prev).localCheckpoint()
             assigned = (probs.filter(F.col("kind") == ASSIGN_KIND).groupBy("sample_id", "label_idx")
                         .agg(F.max("weight").alias("weight")))
         emb_df = out.filter(F.col("kind") == EMB_KIND).select(
@@ -357,7 +369,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
                 "group_id", "sample_id", "label_idx", "count", F.col("value").alias("p0"))
         if not params.use_counts:
             anchor = anchor.withColumn("count", F.lit(None).cast("int"))
-        assigned = refine(agg, anchor, assigned, params, train_model, n_buckets, info, prev)
+        assigned = refine(agg, anchor, assigned, params, train_model, n_tasks, info, prev)
     if prev is not None:               # every job that reads it has run (the assignments are checkpointed)
         prev.unpersist()
     return training_table(agg.samples, assigned), info, emb_df, assigned
@@ -433,24 +445,23 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None, kee
     tv1, ch1 = drift(tr, p, p_prev)
     stats = [float(len(tr.seg) - 1), tv0, float(ch0), tv1, float(ch1)]
     worker_progress("eagle_refine", group_label_member_triples=tri.num_rows)
-    n_a, n_t = int(keep.sum()), len(p)
+    n_a = int(keep.sum())
+    tp = slice(None) if keep_probs else slice(0, 0)     # the last round: no triples' p for a next one
+    n_t = len(p[tp])
     i32, i64 = pa.int32(), pa.int64()
-    out = pa.table({
+    cnt_t = pa.nulls(n_t, i32) if cnt is None else _count_array(tr)[tp]
+    return pa.table({
         "kind": pa.array(np.concatenate([np.full(n_a, ASSIGN_KIND), np.full(n_t, PROB_KIND), [STAT_KIND]]), i32),
-        "group_id": pa.concat_arrays([pa.nulls(n_a, i64), pa.array(tr.grp, i64), pa.nulls(1, i64)]),
-        "sample_id": pa.array(np.concatenate([asid[keep], tr.sample_id, [0]]), i64),
-        "label_idx": pa.array(np.concatenate([ulab[alab[keep]], ulab[tr.lab], [0]]), i32),
-        "count": pa.concat_arrays([pa.nulls(n_a, i32),
-                                   pa.nulls(n_t, i32) if cnt is None else _count_array(tr),
-                                   pa.nulls(1, i32)]),
-        "p0": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p0, pa.float64()), pa.nulls(1, pa.float64())]),
-        "p": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p, pa.float64()), pa.nulls(1, pa.float64())]),
+        "group_id": pa.concat_arrays([pa.nulls(n_a, i64), pa.array(tr.grp[tp], i64), pa.nulls(1, i64)]),
+        "sample_id": pa.array(np.concatenate([asid[keep], tr.sample_id[tp], [0]]), i64),
+        "label_idx": pa.array(np.concatenate([ulab[alab[keep]], ulab[tr.lab][tp], [0]]), i32),
+        "count": pa.concat_arrays([pa.nulls(n_a, i32), cnt_t, pa.nulls(1, i32)]),
+        "p0": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p0[tp], pa.float64()),
+                                pa.nulls(1, pa.float64())]),
+        "p": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p[tp], pa.float64()), pa.nulls(1, pa.float64())]),
         "weight": pa.array(np.concatenate([w[keep], np.full(n_t + 1, np.nan)]), pa.float64()),
         "stats": pa.array([None] * (n_a + n_t) + [stats], pa.list_(pa.float64())),
     })
-    if not keep_probs:                      # the assignments and the stats row
-        out = out.take(pa.array(np.append(np.arange(n_a), n_a + n_t)))
-    return out
 
 
 def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EagleParams, n_buckets: int,
@@ -478,8 +489,8 @@ def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EaglePar
                          F.lit(None).cast("array<float>").alias("feature_val")).unionByName(
         members.select("group_id", "sample_id", *[F.lit(None).cast(t).alias(c) for c, t in nulls.items()],
                        "feature_idx", "feature_val"))
-    return _by_groups(rows, n_buckets, lambda t: _refine_block(t, bmodel, params, prevalence, keep_probs),
-                      REFINE_SCHEMA)
+    return _by_key(rows, "group_id", n_buckets, lambda t: _refine_block(t, bmodel, params, prevalence, keep_probs),
+                   REFINE_SCHEMA)
 
 
 def refine(agg: AggregatedInput, anchor: DataFrame, assigned: DataFrame, params: EagleParams, train_model,
