@@ -13,6 +13,10 @@ whether building one is worth it. For a configuration of ``benchmarks/accuracy_t
 3. train on all training rows, apply the chosen (k, w) on the test split, neighbours from all
    training rows. The test set chooses nothing.
 
+``--vote centroid`` replaces the kNN vote by the cosine of the row with each label's sum of
+positive rows divided by count^a (a chosen in ``--as`` as k is): a label-level vote with
+no training rows at prediction time.
+
     python benchmarks/knn_rerank_probe.py --data ../shared/data/delicious \\
         --config "C 0.5 + l2-hinge + 3 trees 2/8/32"
 
@@ -55,6 +59,25 @@ def knn_votes(Xq: sp.csr_matrix, Xa: sp.csr_matrix, Ya: sp.csr_matrix, k: int) -
     return np.asarray((W @ Ya).todense()) / np.maximum(sims.sum(1, keepdims=True), 1e-12)
 
 
+def centroid_votes(Xq: sp.csr_matrix, Xa: sp.csr_matrix, Ya: sp.csr_matrix, a: float) -> np.ndarray:
+    """rows of Xq x labels: cosine rows against each label's sum of (unit) positive rows, divided by
+    its count^a (a = 1: the mean, a label centroid; a = 0: a kNN vote over all rows with a linear
+    kernel). O(labels x features) at prediction time, unlike the kNN vote."""
+    S = (Ya.T @ l2_normalize_rows(Xa)).tocsr()
+    cnt = np.asarray(Ya.sum(axis=0)).ravel()
+    return np.asarray((l2_normalize_rows(Xq) @ S.T).todense()) / np.maximum(cnt, 1) ** a
+
+
+def candidate_votes(kind: str, Xq, Xa, Ya, param: float, lab: np.ndarray) -> np.ndarray:
+    """The vote of each of a row's candidate labels (``lab``): kNN (``param`` = k) or centroid
+    (``param`` = a); centroid votes are scaled by the row's largest, as the kNN vote is a
+    weighted share in [0, 1]."""
+    if kind == "knn":
+        return np.take_along_axis(knn_votes(Xq, Xa, Ya, int(param)), np.maximum(lab, 0), 1)
+    v = np.take_along_axis(centroid_votes(Xq, Xa, Ya, param), np.maximum(lab, 0), 1)
+    return v / np.maximum(v.max(axis=1, keepdims=True), 1e-12)
+
+
 def precision(lab: np.ndarray, Y: sp.csr_matrix) -> list:
     m = M.evaluate(lab[:, :max(KS)], Y, np.ones(Y.shape[1]), KS)
     return [round(m[f"p@{k}"], 2) for k in KS]
@@ -64,7 +87,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="folder with train.txt and test.txt (XC format)")
     ap.add_argument("--config", default="single tree", help=f"one of {list(CONFIGS)}")
-    ap.add_argument("--ks", default="10,25,50")
+    ap.add_argument("--vote", choices=("knn", "centroid"), default="knn",
+                    help="knn: the k nearest training rows; centroid: each label's sum of positive rows / count^a")
+    ap.add_argument("--ks", default="10,25,50", help="knn: the k grid")
+    ap.add_argument("--as", dest="a_grid", default="0,0.25,0.5,0.75,1", help="centroid: the a grid")
     ap.add_argument("--topk", type=int, default=100, help="tree candidates re-ranked")
     args = ap.parse_args()
     X, Y = read_xc(str(Path(args.data) / "train.txt"))
@@ -81,8 +107,9 @@ def main() -> None:
     lab, sc = fit(X[tr], Y[tr]).predict(X[va], topk=args.topk)
     val_tree = precision(lab, Y[va])
     best = None
-    for k in [int(v) for v in args.ks.split(",")]:       # the mixing weight: PRIME's own chooser
-        votes = np.take_along_axis(knn_votes(X[va], X[tr], Y[tr], k), np.maximum(lab, 0), 1)
+    grid = [float(v) for v in (args.ks if args.vote == "knn" else args.a_grid).split(",")]
+    for k in grid:                                         # the mixing weight: PRIME's own chooser
+        votes = candidate_votes(args.vote, X[va], X[tr], Y[tr], k, lab)
         w, table = PR.choose_weight(lab, sc, votes, Y[va], ks=KS)
         if best is None or table[w] > best[2]:
             best = (k, w, table[w], precision(PR.rerank(lab, sc, votes, w)[0], Y[va]))
@@ -92,9 +119,10 @@ def main() -> None:
     fit_s = time.perf_counter() - t
     lab, sc = model.predict(Xt, topk=args.topk)
     t = time.perf_counter()
-    votes = np.take_along_axis(knn_votes(Xt, X, Y, k), np.maximum(lab, 0), 1)
+    votes = candidate_votes(args.vote, Xt, X, Y, k, lab)
     knn_s = time.perf_counter() - t
-    out = {"data": Path(args.data).name, "config": args.config, "k": k, "w": w,
+    out = {"data": Path(args.data).name, "config": args.config, "vote": args.vote,
+           "k" if args.vote == "knn" else "a": k, "w": w,
            "validation": {"tree": val_tree, "re-ranked": val},
            "test": {"tree": precision(lab, Yt), "re-ranked": precision(PR.rerank(lab, sc, votes, w)[0], Yt)},
            "seconds": {"fit": round(fit_s, 1), "knn_test": round(knn_s, 1)}}
