@@ -33,7 +33,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, local_frame, to_arrow
-from ..compat import never_broadcast, share
+from ..compat import default_parallelism, never_broadcast, share
 from ..kernels.eagle import (
     Triples,
     assign,
@@ -225,7 +225,7 @@ def task_count(spark, n_pairs: int, n_buckets: int) -> int:
     """The tasks of EAGLE's label- and group-keyed jobs: ``n_buckets`` (the shuffle partitions),
     fewer where the (group, label) pairs would leave a task under ~25K of them (these jobs are
     never coalesced by adaptive execution), but never under the default parallelism."""
-    par = spark.sparkContext.defaultParallelism
+    par = default_parallelism(spark)
     return int(max(1, min(n_buckets, max(par, -(-n_pairs // 25_000)))))
 
 
