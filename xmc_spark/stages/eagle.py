@@ -54,6 +54,7 @@ from ..params import EagleParams
 from ..progress import worker_progress
 from ..schemas import EMBEDDING_SCHEMA
 from .aggregated import AggregatedInput
+from .node_training import lpt_ranks, partition_keys
 
 log = logging.getLogger("xmc_spark.eagle")
 
@@ -143,7 +144,6 @@ def _label_buckets(spark, carried: np.ndarray, heads: np.ndarray, n_parts: int) 
     sends to those partitions. A hash of the label put the 200K R-4 set's 8 buckets into 4
     coalesced tasks of 171K-807K triples (the largest ran 7.0 of the job's 11.9 s on 2 cores).
     O(labels) on the driver."""
-    from .node_training import lpt_ranks, partition_keys
     labels = np.setdiff1d(np.flatnonzero(carried), heads)
     keys = partition_keys(n_parts)[lpt_ranks(carried[labels], n_parts)] if len(labels) else labels
     return local_frame(spark, {"label_idx": pa.array(labels.astype(np.int32)),
@@ -302,7 +302,8 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         assigned = triples.select("sample_id", "label_idx", F.lit(1.0).alias("weight")).distinct()
     else:
         feats = agg.samples.select("sample_id", "feature_idx", "feature_val")
-        head_groups = params.head_groups or max(1, -(-agg.stats["n_group_label_pairs"] // max(n_buckets, 1)))
+        # auto: a label with more groups than one task's share of the pairs (the tasks the block path runs)
+        head_groups = params.head_groups or max(1, -(-agg.stats["n_group_label_pairs"] // n_tasks))
         carried = _groups_per_label(agg)           # O(labels): the head labels, and the prevalence
         heads = np.flatnonzero(carried > head_groups).astype(np.int64)
         info["eagle.head_groups"] = int(head_groups)
@@ -313,7 +314,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
             # split the narrow triples first, so each feature join runs once on its part
             body = triples.join(F.broadcast(hl), "label_idx", "left_anti").join(feats, "sample_id")
             head_rows = triples.join(F.broadcast(hl), "label_idx").join(feats, "sample_id")
-            n_chunks = max(n_buckets, int(np.ceil(carried[heads].sum() / head_groups)))
+            n_chunks = max(n_tasks, int(np.ceil(carried[heads].sum() / head_groups)))
             hout, hobj, E = _head_path(head_rows, heads, n_features, params, n_chunks)
             idx, val = csr_rows_to_arrays(E)
             head_emb = spark.createDataFrame(
