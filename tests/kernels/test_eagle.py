@@ -420,6 +420,46 @@ def test_path_scores_equal_exhaustive_scoring(overlap):
     rows, labels = rng.integers(0, X.shape[0], 300), rng.integers(0, m.n_labels, 300)
     s = path_scores(m.tree_arrays(), Xb, rows, labels)
     np.testing.assert_allclose(s, E[rows, labels], rtol=1e-4, atol=1e-30)   # the oracle is float32
+    # node by node, and every node at once from the feature-major weights: the same to the bit
+    by_node = path_scores(m.tree_arrays(), Xb, rows, labels, mode=1)
+    every = path_scores(m.tree_arrays(), Xb, rows, labels, mode=2)
+    np.testing.assert_array_equal(by_node, every)
+    np.testing.assert_array_equal(s, by_node)
+
+
+def test_path_scores_node_by_node_and_every_node_at_once_match_brute_force():
+    # 64 leaves of one label under a binary tree, node columns dense over 400 features and rows
+    # of ~3 features (the case where computing every node at once is less work)
+    rng = np.random.default_rng(3)
+    d, L = 400, 64
+    M = 2 * L - 1
+    child_ptr = 1 + np.concatenate([[0], np.cumsum(np.where(np.arange(M) < L - 1, 2, 0))])  # heap order
+    W = sp.csc_matrix(rng.normal(size=(d + 1, M - 1)) * 0.3)
+    slot_ptr = np.concatenate([np.zeros(L, np.int64), np.arange(1, L + 1)])
+    SW = sp.csc_matrix(rng.normal(size=(d + 1, L)) * 0.3)
+    tree = (child_ptr, W, slot_ptr, SW, np.arange(L), L)
+    X = sp.random(50, d, density=3 / d, format="csr", random_state=4)
+    Xb = append_bias(X, 1.0)
+    rows = np.repeat(np.arange(50), 10)
+    labels = rng.integers(0, L, len(rows))
+    ref = path_scores(tree, Xb, rows, labels, mode=1)
+    # brute force: the product of post(w^T x) from the leaf's slot up to the root's children
+    parent = np.concatenate([[-1], np.repeat(np.arange(M), np.diff(child_ptr))])
+    margins = (Xb @ W).toarray()
+
+    def post(m):                                               # l3-hinge
+        return np.exp(-np.maximum(0.0, 1.0 - m) ** 3)
+
+    for t in range(0, len(rows), 37):
+        i, k = rows[t], labels[t]
+        v = post((Xb[i] @ SW[:, k]).toarray()[0, 0])
+        node = L - 1 + k
+        while node > 0:
+            v *= post(margins[i, node - 1])
+            node = parent[node]
+        np.testing.assert_allclose(ref[t], v, rtol=1e-12)
+    np.testing.assert_array_equal(path_scores(tree, Xb, rows, labels), ref)
+    np.testing.assert_array_equal(path_scores(tree, Xb, rows, labels, mode=2), ref)
 
 
 def _figure1():

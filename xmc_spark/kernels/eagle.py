@@ -459,57 +459,107 @@ def top_members(tr: Triples, s: np.ndarray) -> np.ndarray:
 # ---- model-guided re-assignment (eagle.refine_rounds) ----------------------------------------
 
 @njit()
+def _path_cost(xptr, i, k, lptr, lslots, slot_node, parent, wptr, stamp, run):
+    """Work of the node classifiers on label k's paths not yet stamped for this run (stamps
+    them): what :func:`_dot` scans (w's non-zeros, or x's features times a binary search)."""
+    nx = xptr[i + 1] - xptr[i]
+    cost = 0.0
+    for q in range(lptr[k], lptr[k + 1]):
+        node = slot_node[lslots[q]]
+        while node > 0 and stamp[node] != run:
+            stamp[node] = run
+            nw = wptr[node] - wptr[node - 1]
+            cost += nx * (1.0 + np.log2(1.0 + nw)) if nw > 16 * nx else nw
+            node = parent[node]
+    return cost
+
+
+@njit()
 def _path_scores(xptr, xidx, xval, n_cols, prow, plab, parent, wptr, widx, wval, slot_node, lptr, lslots,
-                 sptr, sidx, sval, post):
+                 sptr, sidx, sval, post, rptr, ridx, rval, mode):
     """Path score of label plab[t] for row prow[t]: per slot of the label, the product of the
     transformed margins of the slot's classifier and of every node above its leaf (root
     excluded: it has no classifier), averaged over the label's slots; 0 for a label with no
-    slot. A node's factor is computed once per run of equal rows (pairs sorted by row)."""
+    slot. Pairs sorted by row; per run of equal rows each node's factor is computed once,
+    either node by node (:func:`_dot`) or, where that is more work (upper levels' dense
+    columns against a short row), all nodes at once from the feature-major copy of the node
+    weights (rptr/ridx/rval: W as rows = features), adding each of x's features' entries to
+    its nodes. Both sum a node's shared features in increasing order with float64 products,
+    so they agree to the last bit (x's indices sorted). ``mode`` 0 chooses per row by the
+    work, 1 always node by node, 2 always all nodes (for tests)."""
     n = prow.shape[0]
     out = np.zeros(n, dtype=np.float64)
     M = parent.shape[0]
     memo = np.zeros(M, dtype=np.float64)
     stamp = -np.ones(M, dtype=np.int64)
+    seen = -np.ones(M, dtype=np.int64)
+    acc = np.zeros(M, dtype=np.float64)
     dense = np.zeros(n_cols, dtype=np.float64)
-    cur = -1
+    t0 = 0
     run = -1
-    for t in range(n):
-        i = prow[t]
-        if i != cur:
-            if cur >= 0:
-                for p in range(xptr[cur], xptr[cur + 1]):
-                    dense[xidx[p]] = 0.0
+    while t0 < n:
+        i = prow[t0]
+        t1 = t0
+        while t1 < n and prow[t1] == i:
+            t1 += 1
+        run += 1
+        for p in range(xptr[i], xptr[i + 1]):
+            dense[xidx[p]] = xval[p]
+        full = mode == 2
+        if mode == 0:
+            path = 0.0
+            for t in range(t0, t1):
+                path += _path_cost(xptr, i, plab[t], lptr, lslots, slot_node, parent, wptr, seen, run)
+            every = 0.0
             for p in range(xptr[i], xptr[i + 1]):
-                dense[xidx[p]] = xval[p]
-            cur = i
-            run += 1
-        k = plab[t]
-        acc = 0.0
-        cnt = 0
-        for q in range(lptr[k], lptr[k + 1]):
-            s = lslots[q]
-            v = _transform(_dot(xptr, xidx, xval, i, dense, sptr, sidx, sval, s), post)
-            node = slot_node[s]
-            while node > 0:
-                if stamp[node] != run:
-                    memo[node] = _transform(_dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node - 1), post)
-                    stamp[node] = run
-                v *= memo[node]
-                node = parent[node]
-            acc += v
-            cnt += 1
-        if cnt > 0:
-            out[t] = acc / cnt
+                every += rptr[xidx[p] + 1] - rptr[xidx[p]]
+            full = every < path
+        if full:                 # every node's margin: acc[node] = w_node . x_i
+            for p in range(xptr[i], xptr[i + 1]):
+                f = xidx[p]
+                v = np.float64(xval[p])
+                for q in range(rptr[f], rptr[f + 1]):
+                    acc[ridx[q] + 1] += np.float64(rval[q]) * v
+        for t in range(t0, t1):
+            k = plab[t]
+            tot = 0.0
+            cnt = 0
+            for q in range(lptr[k], lptr[k + 1]):
+                s = lslots[q]
+                v = _transform(_dot(xptr, xidx, xval, i, dense, sptr, sidx, sval, s), post)
+                node = slot_node[s]
+                while node > 0:
+                    if stamp[node] != run:
+                        m = acc[node] if full else _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node - 1)
+                        memo[node] = _transform(m, post)
+                        stamp[node] = run
+                    v *= memo[node]
+                    node = parent[node]
+                tot += v
+                cnt += 1
+            if cnt > 0:
+                out[t] = tot / cnt
+        if full:
+            for p in range(xptr[i], xptr[i + 1]):
+                f = xidx[p]
+                for q in range(rptr[f], rptr[f + 1]):
+                    acc[ridx[q] + 1] = 0.0
+        for p in range(xptr[i], xptr[i + 1]):
+            dense[xidx[p]] = 0.0
+        t0 = t1
     return out
 
 
 def path_scores(tree, Xb: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
-                post_processor: str = "l3-hinge") -> np.ndarray:
+                post_processor: str = "l3-hinge", mode: int = 0) -> np.ndarray:
     """The model's score of label ``labels[t]`` for row ``rows[t]`` of Xb (bias column
     appended), combined along the label's path as beam search combines it (each node's
     factor is post(w^T x), e.g. exp(-max(0, 1 - w^T x)^3) for l3-hinge; a label in several
     leaves gets the mean over them), without searching: only the classifiers on the paths to
-    the asked labels are evaluated. ``tree`` = ``XMCModel.tree_arrays()``."""
+    the asked labels are evaluated, node by node or, for a row whose paths would cost more
+    that way (short rows against the upper levels' dense columns), every node at once from a
+    feature-major copy of the node weights (``mode``: 0 chooses per row, 1 / 2 force one way;
+    the results are identical). ``tree`` = ``XMCModel.tree_arrays()``."""
     child_ptr, W, slot_ptr, SW, slot_label, n_labels = tree
     i64 = np.int64
     child_ptr = np.asarray(child_ptr, i64)
@@ -525,7 +575,9 @@ def path_scores(tree, Xb: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
     SW = sp.csc_matrix(SW)
     W = W if W.has_sorted_indices else W.sorted_indices()
     SW = SW if SW.has_sorted_indices else SW.sorted_indices()
+    Wr = W.tocsr()                   # feature-major: row f lists the nodes that use feature f
     X = sp.csr_matrix(Xb)
+    X = X if X.has_sorted_indices else X.sorted_indices()
     rows = np.asarray(rows, i64)
     labels = np.asarray(labels, i64)
     order = np.argsort(rows, kind="mergesort")
@@ -533,7 +585,8 @@ def path_scores(tree, Xb: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
     out[order] = _path_scores(X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64), X.shape[1],
                               rows[order], labels[order], parent, W.indptr.astype(i64), W.indices.astype(i64),
                               W.data.astype(np.float64), slot_node, lptr, lslots, SW.indptr.astype(i64),
-                              SW.indices.astype(i64), SW.data.astype(np.float64), POST_PROCESSORS[post_processor])
+                              SW.indices.astype(i64), SW.data.astype(np.float64), POST_PROCESSORS[post_processor],
+                              Wr.indptr.astype(i64), Wr.indices.astype(i64), Wr.data.astype(np.float64), int(mode))
     return out
 
 
