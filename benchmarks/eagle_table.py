@@ -188,6 +188,8 @@ def main() -> None:
     ap.add_argument("--refine-mixes", default="0,0.5", help="refined: mixing weights validated")
     ap.add_argument("--refine-taus", default="10", help="refined: softmax temperatures validated")
     ap.add_argument("--refine-weights", default="softmax,ratio", help="refined: weightings validated")
+    ap.add_argument("--refine-min-weights", default="0",
+                    help="refined: eagle.refine_min_weight values validated (pairs below are dropped)")
     ap.add_argument("--val-metric", choices=("precision", "coverage"), default="precision",
                     help="the held-out groups' metric that chooses tau (and refined's rounds, weights, mix)")
     ap.add_argument("--select", choices=("best", "keep-default"), default="best",
@@ -328,44 +330,49 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
     cache_file = d / (f"refine_{prefix}validation.json" if metric == "precision"
                       else f"refine_{prefix}validation_{metric}.json")
     cache = json.loads(cache_file.read_text()) if REUSE and cache_file.is_file() else {}
-    for rt in [float(t) for t in args.refine_taus.split(",")]:
-        for wts in args.refine_weights.split(","):
-            for mix in [float(m) for m in args.refine_mixes.split(",")]:
-                name = f"{wts}_mix{mix:g}" + ("" if rt == 10 else f"_rt{rt:g}")
-                got = {}
-                eagle_stage.ROUND_MODEL_HOOK = lambda r, model, got=got: got.update(
-                    {r: group_score(model, val, Xv, n_features)[metric]})
-                try:
-                    out = d / f"val_refine_{prefix}{name}"
-                    # a reused run fires no hook: reuse it only when its rounds' scores are cached
-                    m = run(spark, d / "val_data", None, out, base, reuse=name in cache, eagle__mode=mode,
-                            **{f"eagle__{key}": tau}, eagle__refine_rounds=R, eagle__refine_mix=mix,
-                            eagle__refine_tau=rt, eagle__refine_weights=wts)
-                finally:
-                    eagle_stage.ROUND_MODEL_HOOK = None
-                if not got and name in cache:         # a reused run: its rounds' scores as recorded
-                    got = {int(r): v for r, v in cache[name].items()}
-                got[R] = saved_model_metrics(out / "model", val, Xv, n_features)[metric]
-                cache[name] = got
-                cache_file.write_text(json.dumps(cache, indent=1))
-                scores.update({(r, wts, mix, rt): v for r, v in got.items()})
-                drifts[name] = {k: m.get(k) for k in ("eagle.refine.drift_tv", "eagle.refine.change_tv",
-                                                      "eagle.refine.seconds")}
-                print(f"{setting} refined{'_' + mode if prefix else ''} {name}: validation group {metric} by round "
-                      f"{[round(float(got[r]), 2) for r in sorted(got)]}; drift TV {m.get('eagle.refine.drift_tv')}",
-                      flush=True)
-    # the best validation score over rounds >= 1; ties: fewer rounds, then more weight on GRLR
-    rounds, wts, mix, rt = max((k for k in scores if k[0] >= 1), key=lambda k: (scores[k], -k[0], k[2]))
+    grid = [(rt, wts, mix, mw) for rt in [float(t) for t in args.refine_taus.split(",")]
+            for wts in args.refine_weights.split(",") for mix in [float(m) for m in args.refine_mixes.split(",")]
+            for mw in [float(w) for w in args.refine_min_weights.split(",")]]
+    for rt, wts, mix, mw in grid:
+        name = f"{wts}_mix{mix:g}" + ("" if rt == 10 else f"_rt{rt:g}") + ("" if mw == 0 else f"_mw{mw:g}")
+        got = {}
+        eagle_stage.ROUND_MODEL_HOOK = lambda r, model, got=got: got.update(
+            {r: group_score(model, val, Xv, n_features)[metric]})
+        try:
+            out = d / f"val_refine_{prefix}{name}"
+            # a reused run fires no hook: reuse it only when its rounds' scores are cached
+            m = run(spark, d / "val_data", None, out, base, reuse=name in cache, eagle__mode=mode,
+                    **{f"eagle__{key}": tau}, eagle__refine_rounds=R, eagle__refine_mix=mix,
+                    eagle__refine_tau=rt, eagle__refine_weights=wts, eagle__refine_min_weight=mw)
+        finally:
+            eagle_stage.ROUND_MODEL_HOOK = None
+        if not got and name in cache:         # a reused run: its rounds' scores as recorded
+            got = {int(r): v for r, v in cache[name].items()}
+        got[R] = saved_model_metrics(out / "model", val, Xv, n_features)[metric]
+        cache[name] = got
+        cache_file.write_text(json.dumps(cache, indent=1))
+        scores.update({(r, wts, mix, rt, mw): v for r, v in got.items()})
+        drifts[name] = {k: m.get(k) for k in ("eagle.refine.drift_tv", "eagle.refine.change_tv",
+                                              "eagle.refine.seconds")}
+        print(f"{setting} refined{'_' + mode if prefix else ''} {name}: validation group {metric} by round "
+              f"{[round(float(got[r]), 2) for r in sorted(got)]}; drift TV {m.get('eagle.refine.drift_tv')}",
+              flush=True)
+    # the best validation score over rounds >= 1; ties: fewer rounds, more weight on GRLR, then
+    # fewer pairs kept (the larger min weight)
+    rounds, wts, mix, rt, mw = max((k for k in scores if k[0] >= 1),
+                                   key=lambda k: (scores[k], -k[0], k[2], k[4]))
     res = run(spark, d / "data", test, d / f"refined{'_' + mode if prefix else ''}", base, eagle__mode=mode,
               **{f"eagle__{key}": tau}, eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=rt,
-              eagle__refine_weights=wts)
-    res.update({"rounds": rounds, "mix": mix, "weights": wts, "refine_tau": rt, "val_metric": metric,
-                "validation_round0": scores[(0, wts, mix, rt)],
-                "validation": {f"r{r}_{w}_mix{x:g}_rt{t:g}": v for (r, w, x, t), v in sorted(scores.items())},
+              eagle__refine_weights=wts, eagle__refine_min_weight=mw)
+    res.update({"rounds": rounds, "mix": mix, "weights": wts, "refine_tau": rt, "refine_min_weight": mw,
+                "val_metric": metric, "validation_round0": scores[(0, wts, mix, rt, mw)],
+                "validation": {f"r{r}_{w}_mix{x:g}_rt{t:g}" + ("" if v_mw == 0 else f"_mw{v_mw:g}"): v
+                               for (r, w, x, t, v_mw), v in sorted(scores.items())},
                 "validation_drift": drifts})
     print(f"{setting} refined{'_' + mode if prefix else ''} (rounds={rounds}, {wts}, mix={mix:g}, "
-          f"refine_tau={rt:g}): {res['p@1']:.2f} "
-          f"(validation {scores[(rounds, wts, mix, rt)]:.2f}, 0 rounds {scores[(0, wts, mix, rt)]:.2f})", flush=True)
+          f"refine_tau={rt:g}, refine_min_weight={mw:g}): {res['p@1']:.2f} "
+          f"(validation {scores[(rounds, wts, mix, rt, mw)]:.2f}, 0 rounds {scores[(0, wts, mix, rt, mw)]:.2f})",
+          flush=True)
     return res
 
 

@@ -536,6 +536,7 @@ class EagleParams(BaseParams):
     refine_tau: float = 10.0     # softmax temperature over a (group, label)'s members' path scores
     refine_mix: float = 0.5      # weight of the first (GRLR) assignment's distribution in the mix
     refine_weights: str = "softmax"  # softmax over a (group, label)'s members, or ratio: score / best
+    refine_min_weight: float = 0.0   # re-assignment: pairs below this weight or min_weight are dropped
 
     def validate(self, prefix=""):
         _check(self.mode in ("baseline", "eagle0", "eagle", "soft", "joint"), prefix + "mode",
@@ -551,6 +552,7 @@ class EagleParams(BaseParams):
         _check(self.refine_rounds >= 0, prefix + "refine_rounds", "must be >= 0")
         _check(self.refine_tau >= 0, prefix + "refine_tau", "must be >= 0")
         _check(0 <= self.refine_mix <= 1, prefix + "refine_mix", "must be in [0, 1]")
+        _check(0 <= self.refine_min_weight < 1, prefix + "refine_min_weight", "must be in [0, 1)")
         _check(self.refine_weights in ("softmax", "ratio"), prefix + "refine_weights",
                f"must be softmax or ratio, got {self.refine_weights!r}")
 

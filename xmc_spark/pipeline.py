@@ -201,14 +201,17 @@ def ingest_stage(ctx: StageContext) -> StageResult:
         raise ConfigError("stage ingest needs --train")
     spark, p, tables = ctx.spark, ctx.params, ctx.tables
     with ctx.timer.stage("ingest"):
-        agg = train_df = test_df = tinfo = None
+        agg = train_df = test_df = tinfo = carried = None
         if aggregated.is_aggregated(spark, ctx.train):
             agg = aggregated.read(spark, ctx.train, p.ingest)
             info = agg.info
+            if ctx.test:        # a test label no group carries can never be assigned (EAGLE reuses the counts)
+                carried = eagle.groups_per_label(agg)
         else:
             train_df, info = ingest.read_samples(spark, ctx.train, p.ingest, count_labels=True)
         if ctx.test:
-            seen = info.label_counts > 0 if agg is None and info.label_counts is not None else None
+            counts = carried if agg is not None else info.label_counts
+            seen = counts > 0 if counts is not None else None
             test_df, tinfo = ingest.read_samples(spark, ctx.test, p.ingest, expect_features=info.n_features,
                                                  expect_labels=info.n_labels, seen_labels=seen)
         if train_df is not None:                 # every input is valid: write
@@ -220,21 +223,29 @@ def ingest_stage(ctx: StageContext) -> StageResult:
              "n_test": tinfo.n_samples if tinfo else None, **(agg.stats if agg is not None else {})}
     if agg is not None:
         ctx.memo["aggregated"] = agg
+        if carried is not None:
+            ctx.memo["groups_per_label"] = carried
     elif info.label_counts is not None:       # the tree stage's label frequencies, in this process
         ctx.memo["label_counts"] = info.label_counts
-    if agg is None and test_df is not None:
-        facts.update(_unseen(ctx, info.n_labels, info.label_counts, tinfo))
+    if test_df is not None:
+        facts.update(_unseen(ctx, info.n_labels, carried if agg is not None else info.label_counts, tinfo,
+                             per_sample=agg is None))
     return StageResult(facts)
 
 
-def _unseen(ctx: StageContext, n_labels: int, counts=None, tinfo=None) -> Dict[str, int]:
-    """Counts of test labels that never occur in the training table (reported, never fatal),
+def _unseen(ctx: StageContext, n_labels: int, counts=None, tinfo=None, per_sample: bool = True) -> Dict[str, int]:
+    """Counts of test labels that never occur in the training labels (reported, never fatal),
     from the training label counts, which the tree stage then reuses (``ctx.memo``, O(labels)).
     Text inputs had both counted by ingest's check jobs (``counts``, and ``tinfo`` the test's
-    DatasetInfo: no further job); otherwise they are counted from the written tables."""
+    DatasetInfo: no further job); otherwise they are counted from the written tables. Group-level
+    input (``per_sample`` False): ``counts`` are the groups carrying each label, so a test label
+    is unseen when no group carries it; every EAGLE mode gives each (group, label) at least one
+    member (weight >= 1 / group size, above ``eagle.min_weight`` for groups under 1000 members),
+    so these are the labels the training table will lack."""
     if counts is None:
         counts = evaluation.label_counts(ctx.tables.read("train"), n_labels)
-    ctx.memo["label_counts"] = counts
+    if per_sample:
+        ctx.memo["label_counts"] = counts
     if tinfo is not None and tinfo.label_counts is not None and tinfo.rows_with_unseen is not None:
         unseen = evaluation.unseen_from_counts(counts, tinfo.label_counts, tinfo.rows_with_unseen)
     else:
@@ -257,7 +268,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     with ctx.timer.stage("eagle"):
         fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch)
         train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark),
-                                                   train_model=fit)
+                                                   train_model=fit, carried=ctx.memo.pop("groups_per_label", None))
         if emb is not None:
             tables.write("eagle_embeddings", emb)
         tables.write("train", train_df)
@@ -265,8 +276,9 @@ def eagle_stage(ctx: StageContext) -> StageResult:
         with ctx.timer.stage("eagle_diagnostics"):
             facts.update(eagle.diagnostics(assigned, agg.truth))
     agg.samples.unpersist()
-    if ing.test:
-        facts.update(_unseen(ctx, ing.n_labels))
+    # the training table's label counts (the tree stage's frequencies): from the assigned pairs,
+    # one per (sample, label); the test's unseen labels were counted by ingest, against the groups
+    ctx.memo["label_counts"] = eagle.label_counts(assigned, ing.n_labels)
     series = {k: v for k, v in facts.items()
               if k == "eagle.objective" or (k.startswith("eagle.refine.") and isinstance(v, list))}
     return StageResult(facts, series=series)

@@ -292,7 +292,9 @@ def test_make_groups_then_run_eagle(tmp_path, spark):
     from tests.conftest import random_problem, write_xc
 
     X, Y = random_problem(n=400, d=60, L=12, seed=9)
-    write_xc(tmp_path / "train.txt", X[:320], Y[:320])
+    Ytr = Y[:320].tolil()
+    Ytr[:, 11] = 0                       # label 11: in the test set only, so no group carries it
+    write_xc(tmp_path / "train.txt", X[:320], Ytr.tocsr())
     write_xc(tmp_path / "test.txt", X[320:], Y[320:])
     assert main_in_process("make-groups", "--train", str(tmp_path / "train.txt"), "--strategy", "random",
                            "--group-size", "4", "--out", str(tmp_path / "r4")) == 0
@@ -309,6 +311,10 @@ def test_make_groups_then_run_eagle(tmp_path, spark):
     assert len(m["eagle.objective"]) == 21 and all(v > 0 for v in m["eagle.objective"])
     assert 0 < m["eagle.pair_precision"] <= 100 and 0 < m["eagle.pair_recall"] <= 100
     assert m["p@1"] > 40
+    # counted by ingest against the labels the groups carry
+    n11 = int(Y[320:, 11].sum())
+    unseen = (m["test_unseen_labels"], m["test_unseen_positives"], m["test_rows_with_unseen"])
+    assert n11 > 0 and unseen == (1, n11, n11)
     assert (out / "tables" / "eagle_embeddings" / "_delta_log").is_dir()
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns/mlflow.db")

@@ -363,9 +363,11 @@ def test_refine_with_full_mix_equals_zero_rounds(spark, agg_dir, mode):
     assert info1["eagle.refine.drift_top_changed"] == [0.0]
 
 
-def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch):
+@pytest.mark.parametrize("refine_min_weight", [0.0, 0.3])
+def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine_min_weight):
     """Two soft rounds through the stage (models from the pipeline's trainer, caught by the
-    hook) against the kernels on the whole data: GRLR, softmax anchor, path scores, mix."""
+    hook) against the kernels on the whole data: GRLR, softmax anchor, path scores, mix; with
+    ``refine_min_weight`` the rounds' pairs below it are dropped (the triples' p are kept)."""
     from xmc_spark.kernels.eagle import drift, path_scores, refine_assign, segment_softmax
     from xmc_spark.kernels.sparse import append_bias
     d, groups, glabels = agg_dir
@@ -373,7 +375,7 @@ def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch):
     models = []
     monkeypatch.setattr(eagle, "ROUND_MODEL_HOOK", lambda r, m: models.append(m))
     params = EagleParams(mode="soft", T=6, tau=30.0, min_weight=0.0, refine_rounds=2, refine_tau=10.0,
-                         refine_mix=0.3, head_groups=12)
+                         refine_mix=0.3, head_groups=12, refine_min_weight=refine_min_weight)
     train, info, _, _ = eagle.run(agg, params, n_buckets=3, train_model=_tiny_trainer(agg))
     assert len(models) == 2 and models[0].index.depth >= 2
     E, _, sid, lb, w = _reference(d, groups, glabels, 6, "soft")
@@ -390,7 +392,8 @@ def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch):
         assert info["eagle.refine.change_tv"][r] == pytest.approx(drift(tr, p, prev)[0] / n_seg, abs=1e-5)
         prev = p
     got = _pairs(train)
-    ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
+    ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w) if x >= refine_min_weight}
+    assert len(ref) < len(sid) if refine_min_weight else len(ref) == len(sid)
     assert set(got) == set(ref)
     for key, x in ref.items():
         assert got[key] == pytest.approx(x, abs=1e-5)

@@ -282,13 +282,15 @@ def _head_path(rows: DataFrame, heads: np.ndarray, n_features: int, params: Eagl
     return parts.mapInArrow(final, OUT_SCHEMA), np.array(objs), E
 
 
-def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_model=None):
+def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_model=None,
+        carried: Optional[np.ndarray] = None):
     """(training table, info, label embeddings table or None, assigned pairs) from aggregated
     input; the assigned (sample_id, label_idx, weight) pairs are checkpointed, for
     :func:`diagnostics`.
 
     The training table has the samples schema plus ``label_weight`` (array<float> aligned with
     ``label_idx``); every input sample is in it (those that got no label with empty lists).
+    ``carried``: :func:`groups_per_label`, when the caller has it.
     """
     spark = agg.samples.sparkSession
     n_features = agg.info.n_features
@@ -304,7 +306,8 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         feats = agg.samples.select("sample_id", "feature_idx", "feature_val")
         # auto: a label with more groups than one task's share of the pairs (the tasks the block path runs)
         head_groups = params.head_groups or max(1, -(-agg.stats["n_group_label_pairs"] // n_tasks))
-        carried = _groups_per_label(agg)           # O(labels): the head labels, and the prevalence
+        if carried is None:                         # O(labels): the head labels, and the prevalence
+            carried = groups_per_label(agg)
         heads = np.flatnonzero(carried > head_groups).astype(np.int64)
         info["eagle.head_groups"] = int(head_groups)
         info["eagle.head_labels"] = len(heads)
@@ -376,18 +379,28 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
     return training_table(agg.samples, assigned), info, emb_df, assigned
 
 
-def _groups_per_label(agg: AggregatedInput) -> np.ndarray:
-    """The number of groups carrying each label (n_labels ints; (group, label) pairs are
-    unique), from one small job: O(labels) rows to the driver, as one Arrow table."""
-    per = to_arrow(agg.group_labels.groupBy("label_idx").count())
-    carried = np.zeros(agg.info.n_labels, np.int64)
-    carried[per.column("label_idx").to_numpy()] = per.column("count").to_numpy()
-    return carried
+def _per_label(pairs: DataFrame, n_labels: int) -> np.ndarray:
+    """Rows per label_idx (n_labels ints), from one small job: O(labels) rows to the driver, as
+    one Arrow table."""
+    per = to_arrow(pairs.groupBy("label_idx").count())
+    counts = np.zeros(n_labels, np.int64)
+    counts[per.column("label_idx").to_numpy()] = per.column("count").to_numpy()
+    return counts
+
+
+def groups_per_label(agg: AggregatedInput) -> np.ndarray:
+    """The number of groups carrying each label ((group, label) pairs are unique)."""
+    return _per_label(agg.group_labels, agg.info.n_labels)
+
+
+def label_counts(assigned: DataFrame, n_labels: int) -> np.ndarray:
+    """The training table's rows per label, from the assigned (sample, label) pairs (unique)."""
+    return _per_label(assigned, n_labels)
 
 
 def _prevalence(agg: AggregatedInput, carried: np.ndarray) -> np.ndarray:
     """:func:`~xmc_spark.kernels.eagle.label_prevalence` of every label (n_labels floats) from
-    ``carried`` (:func:`_groups_per_label`), the labelled groups' number (``agg.stats``) and one
+    ``carried`` (:func:`groups_per_label`), the labelled groups' number (``agg.stats``) and one
     more small job: their total size in membership rows (a sample in two groups counts in both)."""
     n_groups = agg.stats["n_groups"] - agg.stats["n_groups_without_labels"]
     members = agg.groups.join(agg.group_labels.select("group_id").distinct(), "group_id").count()
@@ -441,7 +454,7 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None, kee
     (asid, alab, w), p = refine_assign(tr, s, p0, params.refine_tau, params.refine_mix,
                                        params.mode in ("soft", "joint"), params.weight_scale, params.refine_weights,
                                        joint_iters=params.joint_iters if joint else None, carriers=carriers)
-    keep = w >= params.min_weight
+    keep = w >= max(params.min_weight, params.refine_min_weight)
     tv0, ch0 = drift(tr, p, p0)
     tv1, ch1 = drift(tr, p, p_prev)
     stats = [float(len(tr.seg) - 1), tv0, float(ch0), tv1, float(ch1)]
