@@ -309,15 +309,17 @@ def main() -> None:
         rj = results[setting].get("refined_joint")
         if rj:
             print(f"refined_joint at {setting}: {rj['p@1']:.2f} / {rj['p@3']:.2f} / {rj['p@5']:.2f} "
-                  f"(rounds {rj['rounds']}, {rj['weights']}, mix {rj['mix']:g}, refine_tau {rj['refine_tau']:g}; "
+                  f"(rounds {rj['rounds']}, {rj['weights']}, mix {rj['mix']:g}, refine_tau {rj['refine_tau']:g}, "
+                  f"refine_min_weight {rj.get('refine_min_weight', 0):g}; "
                   f"joint_tau {results[setting]['joint']['tau']:g})")
 
 
 def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_features: int, args, setting,
             mode: str = "soft"):
     """The refined column: ``mode`` (soft, or joint for ``refined_joint``; tau as chosen for it)
-    + model-guided re-assignment. Rounds (1..R) and the mixing weight are chosen on the held-out
-    training groups: one validation run per mix with R rounds, the model of every round scored
+    + model-guided re-assignment. Rounds (1..R), the weighting, the mixing weight, ``refine_tau``
+    and ``refine_min_weight`` (the grids of --refine-*) are chosen on the held-out training
+    groups: one validation run per grid point with R rounds, the model of every round scored
     there (the stage's hook gives the models trained inside it; the run's own model is round
     R's). The test set is not used."""
     from xmc_spark.stages import eagle as eagle_stage
@@ -358,9 +360,9 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
               f"{[round(float(got[r]), 2) for r in sorted(got)]}; drift TV {m.get('eagle.refine.drift_tv')}",
               flush=True)
     # the best validation score over rounds >= 1; ties: fewer rounds, more weight on GRLR, then
-    # fewer pairs kept (the larger min weight)
+    # the smaller min weight (the default keeps every pair above eagle.min_weight)
     rounds, wts, mix, rt, mw = max((k for k in scores if k[0] >= 1),
-                                   key=lambda k: (scores[k], -k[0], k[2], k[4]))
+                                   key=lambda k: (scores[k], -k[0], k[2], -k[4]))
     res = run(spark, d / "data", test, d / f"refined{'_' + mode if prefix else ''}", base, eagle__mode=mode,
               **{f"eagle__{key}": tau}, eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=rt,
               eagle__refine_weights=wts, eagle__refine_min_weight=mw)

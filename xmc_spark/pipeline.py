@@ -267,8 +267,9 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing.train, ctx.params.ingest)
     with ctx.timer.stage("eagle"):
         fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch)
+        carried = ctx.memo.pop("groups_per_label", None)
         train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark),
-                                                   train_model=fit, carried=ctx.memo.pop("groups_per_label", None))
+                                                   train_model=fit, carried=carried)
         if emb is not None:
             tables.write("eagle_embeddings", emb)
         tables.write("train", train_df)
@@ -278,7 +279,16 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     agg.samples.unpersist()
     # the training table's label counts (the tree stage's frequencies): from the assigned pairs,
     # one per (sample, label); the test's unseen labels were counted by ingest, against the groups
-    ctx.memo["label_counts"] = eagle.label_counts(assigned, ing.n_labels)
+    counts = eagle.label_counts(assigned, ing.n_labels)
+    ctx.memo["label_counts"] = counts
+    if ing.test:
+        carried = carried if carried is not None else eagle.groups_per_label(agg)
+        lost = int(np.count_nonzero((carried > 0) & (counts == 0)))
+        if lost:        # e.g. eagle.refine_min_weight above a group's best weight: count them again
+            log.warning("%d labels that groups carry got no training pair (below eagle.min_weight / "
+                        "refine_min_weight): the test's unseen labels are counted against the training table", lost)
+            facts["eagle.carried_labels_unassigned"] = lost
+            facts.update(_unseen(ctx, ing.n_labels, counts, per_sample=False))
     series = {k: v for k, v in facts.items()
               if k == "eagle.objective" or (k.startswith("eagle.refine.") and isinstance(v, list))}
     return StageResult(facts, series=series)
@@ -309,7 +319,7 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
 def tree_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
     samples = ctx.tables.read("train")
-    counts = ctx.memo.get("label_counts")       # ingest's, in the same process (same train table)
+    counts = ctx.memo.get("label_counts")       # ingest's or eagle's, in the same process (same train table)
     if counts is None or len(counts) != ing.n_labels:
         counts = evaluation.label_counts(samples, ing.n_labels)
     index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)

@@ -428,38 +428,49 @@ def test_path_scores_equal_exhaustive_scoring(overlap):
 
 
 def test_path_scores_node_by_node_and_every_node_at_once_match_brute_force():
-    # 64 leaves of one label under a binary tree, node columns dense over 400 features and rows
-    # of ~3 features (the case where computing every node at once is less work)
+    # a binary tree of 64 leaves (one label each; label 64 has no slot: score 0), node columns
+    # dense over 400 features, sparse leaf-level columns; rows of ~3 features (where every node at
+    # once is less work), of ~200 (node by node), and an empty one
     rng = np.random.default_rng(3)
     d, L = 400, 64
     M = 2 * L - 1
     child_ptr = 1 + np.concatenate([[0], np.cumsum(np.where(np.arange(M) < L - 1, 2, 0))])  # heap order
     W = sp.csc_matrix(rng.normal(size=(d + 1, M - 1)) * 0.3)
     slot_ptr = np.concatenate([np.zeros(L, np.int64), np.arange(1, L + 1)])
-    SW = sp.csc_matrix(rng.normal(size=(d + 1, L)) * 0.3)
-    tree = (child_ptr, W, slot_ptr, SW, np.arange(L), L)
-    X = sp.random(50, d, density=3 / d, format="csr", random_state=4)
+    SW = sp.random(d + 1, L, density=0.02, format="csc", random_state=5, data_rvs=rng.standard_normal)
+    tree = (child_ptr, W, slot_ptr, SW, np.arange(L), L + 1)
+    X = sp.vstack([sp.random(40, d, density=3 / d, random_state=4), sp.random(9, d, density=0.5, random_state=6),
+                   sp.csr_matrix((1, d))]).tocsr()
     Xb = append_bias(X, 1.0)
     rows = np.repeat(np.arange(50), 10)
-    labels = rng.integers(0, L, len(rows))
+    labels = rng.integers(0, L + 1, len(rows))
     ref = path_scores(tree, Xb, rows, labels, mode=1)
     # brute force: the product of post(w^T x) from the leaf's slot up to the root's children
-    parent = np.concatenate([[-1], np.repeat(np.arange(M), np.diff(child_ptr))])
     margins = (Xb @ W).toarray()
 
     def post(m):                                               # l3-hinge
         return np.exp(-np.maximum(0.0, 1.0 - m) ** 3)
 
-    for t in range(0, len(rows), 37):
+    for t in range(len(rows)):
         i, k = rows[t], labels[t]
+        if k == L:
+            assert ref[t] == 0.0
+            continue
         v = post((Xb[i] @ SW[:, k]).toarray()[0, 0])
         node = L - 1 + k
         while node > 0:
             v *= post(margins[i, node - 1])
-            node = parent[node]
+            node = (node - 1) // 2
         np.testing.assert_allclose(ref[t], v, rtol=1e-12)
     np.testing.assert_array_equal(path_scores(tree, Xb, rows, labels), ref)
     np.testing.assert_array_equal(path_scores(tree, Xb, rows, labels, mode=2), ref)
+    # float32 weights as the model stores them: the products are taken in float64 either way
+    tree32 = (child_ptr, W.astype(np.float32), slot_ptr, SW.astype(np.float32), np.arange(L), L + 1)
+    ref32 = path_scores(tree32, Xb, rows, labels, mode=1)
+    np.testing.assert_array_equal(path_scores(tree32, Xb, rows, labels, mode=2), ref32)
+    np.testing.assert_array_equal(path_scores(tree32, Xb, rows, labels), ref32)
+    with pytest.raises(ValueError, match="columns"):
+        path_scores(tree, X, rows, labels)                    # the bias column missing
 
 
 def _figure1():

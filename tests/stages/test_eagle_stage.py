@@ -193,26 +193,30 @@ def agg_counts_dir(tmp_path_factory):
     return d, groups, glabels
 
 
-def test_joint_with_counts_and_shared_members_equals_kernel(spark, agg_counts_dir):
-    """Joint mode with counts (they change the weights) and members in two groups (a (sample,
-    label) pair keeps its largest weight), the head label split across tasks: the Spark
-    stage's pairs and weights equal the kernel's."""
+@pytest.mark.parametrize("mode", ["joint", "soft"])
+def test_counts_and_shared_members_equal_kernel(spark, agg_counts_dir, mode):
+    """Joint and soft modes with counts (they change the weights) and members in two groups (a
+    (sample, label) pair keeps its largest weight, once, also where the head label's groups are
+    split across tasks): the Spark stage's pairs and weights equal the kernel's."""
     d, groups, glabels = agg_counts_dir
     agg = aggregated.read(spark, str(d), IngestParams())
     assert agg.stats["n_groups"] == 23
-    params = EagleParams(mode="joint", T=6, head_groups=10, min_weight=0.0, joint_tau=30.0)
+    params = EagleParams(mode=mode, T=6, head_groups=10, min_weight=0.0, joint_tau=30.0)
     train, info, emb, _ = eagle.run(agg, params, n_buckets=3)
     assert info["eagle.head_labels"] >= 1
 
     def reference(counts):
-        sid, lb, w = _reference(d, groups, glabels, 6, "joint", n_labels=8, counts=counts)[2:]
+        sid, lb, w = _reference(d, groups, glabels, 6, mode, n_labels=8, counts=counts)[2:]
         return {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w)}
     ref, uncounted = reference(True), reference(False)
-    assert max(abs(x - uncounted.get(key, 0.0)) for key, x in ref.items()) > 0.1   # the counts matter
+    if mode == "joint":
+        assert max(abs(x - uncounted.get(key, 0.0)) for key, x in ref.items()) > 0.1   # the counts matter
     n_triples = sum(len(mem) * len(labs) for mem, labs in zip(groups, glabels))
     assert len(ref) < n_triples                     # shared members: (sample, label) pairs merged
-    got = {(r["sample_id"], int(k)): float(x) for r in train.collect()
-           for k, x in zip(r["label_idx"], r["label_weight"])}
+    rows = train.collect()
+    assert all(len(set(r["label_idx"])) == len(r["label_idx"]) for r in rows)    # each label once
+    assert info["eagle.assigned_pairs"] == len(ref)
+    got = {(r["sample_id"], int(k)): float(x) for r in rows for k, x in zip(r["label_idx"], r["label_weight"])}
     assert set(got) == set(ref)
     for key, x in ref.items():
         assert got[key] == pytest.approx(x, abs=1e-5)

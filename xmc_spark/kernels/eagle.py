@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import numpy as np
 import scipy.sparse as sp
 
-from .beam_search import POST_PROCESSORS, _dot, _transform
+from .beam_search import POST_PROCESSORS, _dot, _ids, _transform, _values
 from .jit import njit
 from .sparse import l2_normalize_rows
 
@@ -513,7 +513,7 @@ def _path_scores(xptr, xidx, xval, n_cols, prow, plab, parent, wptr, widx, wval,
             every = 0.0
             for p in range(xptr[i], xptr[i + 1]):
                 every += rptr[xidx[p] + 1] - rptr[xidx[p]]
-            full = every < path
+            full = 2.0 * every < path       # the entries are added, then reset
         if full:                 # every node's margin: acc[node] = w_node . x_i
             for p in range(xptr[i], xptr[i + 1]):
                 f = xidx[p]
@@ -571,22 +571,30 @@ def path_scores(tree, Xb: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
     slot_label = np.asarray(slot_label, i64)
     lslots = np.argsort(slot_label, kind="mergesort").astype(i64)
     lptr = np.concatenate([[0], np.cumsum(np.bincount(slot_label, minlength=int(n_labels)))]).astype(i64)
+    if mode not in (0, 1, 2):
+        raise ValueError(f"path_scores: mode must be 0, 1 or 2, got {mode!r}")
     W = sp.csc_matrix(W)
     SW = sp.csc_matrix(SW)
     W = W if W.has_sorted_indices else W.sorted_indices()
     SW = SW if SW.has_sorted_indices else SW.sorted_indices()
-    Wr = W.tocsr()                   # feature-major: row f lists the nodes that use feature f
     X = sp.csr_matrix(Xb)
-    X = X if X.has_sorted_indices else X.sorted_indices()
+    if X.shape[1] != W.shape[0] or X.shape[1] != SW.shape[0]:
+        raise ValueError(f"path_scores: rows have {X.shape[1]} columns, the weights {W.shape[0]} / {SW.shape[0]}")
+    if not X.has_canonical_format:           # sorted, no repeated feature (the two ways then agree)
+        X = X.copy()
+        X.sum_duplicates()
+    # feature-major: row f lists the nodes that use feature f (not built when only node by node)
+    Wr = W.tocsr() if mode != 1 else sp.csr_matrix((W.shape[0], W.shape[1]), dtype=W.dtype)
     rows = np.asarray(rows, i64)
     labels = np.asarray(labels, i64)
     order = np.argsort(rows, kind="mergesort")
     out = np.empty(len(rows), np.float64)
+    # the weights as stored (float32 stays float32, each product is taken in float64; int32 ids stay)
     out[order] = _path_scores(X.indptr.astype(i64), X.indices.astype(i64), X.data.astype(np.float64), X.shape[1],
-                              rows[order], labels[order], parent, W.indptr.astype(i64), W.indices.astype(i64),
-                              W.data.astype(np.float64), slot_node, lptr, lslots, SW.indptr.astype(i64),
-                              SW.indices.astype(i64), SW.data.astype(np.float64), POST_PROCESSORS[post_processor],
-                              Wr.indptr.astype(i64), Wr.indices.astype(i64), Wr.data.astype(np.float64), int(mode))
+                              rows[order], labels[order], parent, _ids(W.indptr), _ids(W.indices),
+                              _values(W.data), slot_node, lptr, lslots, _ids(SW.indptr), _ids(SW.indices),
+                              _values(SW.data), POST_PROCESSORS[post_processor],
+                              _ids(Wr.indptr), _ids(Wr.indices), _values(Wr.data), int(mode))
     return out
 
 

@@ -298,6 +298,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
     info: Dict = {"eagle.mode": params.mode}
     n_tasks = task_count(spark, agg.stats["n_group_label_pairs"], n_buckets)
     emb_df = prev = None
+    recount = params.mode in ("baseline", "joint")     # pairs merged after the GRLR tasks: count them again
     if params.estimate_counts and params.mode != "joint":
         log.warning("eagle.estimate_counts applies to eagle.mode=joint only; ignored with mode %s", params.mode)
     if params.mode == "baseline":
@@ -342,6 +343,9 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         trace[:T] += hobj[:T]
         info["eagle.objective"] = [round(float(v), 6) for v in trace]
         assigned = out.filter(F.col("kind") == ASSIGN_KIND).select("sample_id", "label_idx", "weight")
+        if len(heads):      # a head label's chunks split its groups: a sample in two of them, in two chunks
+            assigned = assigned.groupBy("sample_id", "label_idx").agg(F.max("weight").alias("weight"))
+            recount = True
         probs = out
         if params.mode == "joint":
             if params.estimate_counts:
@@ -356,7 +360,7 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
         if head_emb is not None:
             emb_df = emb_df.unionByName(head_emb)
         log.info("EAGLE (%s, T=%d): objective %s", params.mode, T, info["eagle.objective"])
-    if params.mode in ("baseline", "joint"):
+    if recount:
         assigned = assigned.localCheckpoint()
         s = assigned.agg(F.count(F.lit(1)).alias("n"), F.sum("weight").alias("w")).first()
         info.update({"eagle.assigned_pairs": int(s["n"]), "eagle.assigned_weight": round(float(s["w"] or 0.0), 4)})
