@@ -279,7 +279,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     agg.samples.unpersist()
     # the training table's label counts (the tree stage's frequencies): from the assigned pairs,
     # one per (sample, label); the test's unseen labels were counted by ingest, against the groups
-    counts = eagle.label_counts(assigned, ing.n_labels)
+    counts = evaluation.rows_per_label(assigned, ing.n_labels)
     ctx.memo["label_counts"] = counts
     if ing.test:
         carried = carried if carried is not None else eagle.groups_per_label(agg)

@@ -32,7 +32,7 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, csr_rows_to_arrays, local_frame, to_arrow
+from ..arrow_utils import csr_from_table, csr_rows_to_arrays, local_frame
 from ..compat import default_parallelism, never_broadcast, share
 from ..kernels.eagle import (
     Triples,
@@ -54,6 +54,7 @@ from ..params import EagleParams
 from ..progress import worker_progress
 from ..schemas import EMBEDDING_SCHEMA
 from .aggregated import AggregatedInput
+from .evaluation import rows_per_label
 from .node_training import lpt_ranks, partition_keys
 
 log = logging.getLogger("xmc_spark.eagle")
@@ -383,23 +384,9 @@ def run(agg: AggregatedInput, params: EagleParams, n_buckets: int = 8, train_mod
     return training_table(agg.samples, assigned), info, emb_df, assigned
 
 
-def _per_label(pairs: DataFrame, n_labels: int) -> np.ndarray:
-    """Rows per label_idx (n_labels ints), from one small job: O(labels) rows to the driver, as
-    one Arrow table."""
-    per = to_arrow(pairs.groupBy("label_idx").count())
-    counts = np.zeros(n_labels, np.int64)
-    counts[per.column("label_idx").to_numpy()] = per.column("count").to_numpy()
-    return counts
-
-
 def groups_per_label(agg: AggregatedInput) -> np.ndarray:
     """The number of groups carrying each label ((group, label) pairs are unique)."""
-    return _per_label(agg.group_labels, agg.info.n_labels)
-
-
-def label_counts(assigned: DataFrame, n_labels: int) -> np.ndarray:
-    """The training table's rows per label, from the assigned (sample, label) pairs (unique)."""
-    return _per_label(assigned, n_labels)
+    return rows_per_label(agg.group_labels, agg.info.n_labels)
 
 
 def _prevalence(agg: AggregatedInput, carried: np.ndarray) -> np.ndarray:

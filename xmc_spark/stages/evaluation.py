@@ -9,7 +9,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import list_offsets_values
+from ..arrow_utils import list_offsets_values, to_arrow
 from ..compat import never_broadcast, share
 from ..kernels import metrics as M
 from ..kernels.sparse import csr_from_lists
@@ -17,10 +17,17 @@ from ..params import EvalParams
 
 
 def label_counts(samples: DataFrame, n_labels: int) -> np.ndarray:
-    rows = samples.select(F.explode("label_idx").alias("l")).groupBy("l").count().collect()
+    """Rows of ``samples`` carrying each label (n_labels ints)."""
+    return rows_per_label(samples.select(F.explode("label_idx").alias("label_idx")), n_labels)
+
+
+def rows_per_label(rows: DataFrame, n_labels: int) -> np.ndarray:
+    """Rows per ``label_idx`` value (n_labels ints), from one small job: O(labels) rows to the
+    driver, as one Arrow table."""
+    per = to_arrow(rows.groupBy("label_idx").count())
     counts = np.zeros(n_labels, dtype=np.int64)
-    if rows:
-        counts[np.array([r["l"] for r in rows])] = np.array([r["count"] for r in rows])
+    if per.num_rows:
+        counts[per.column("label_idx").to_numpy().astype(np.int64)] = per.column("count").to_numpy()
     return counts
 
 
