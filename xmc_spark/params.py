@@ -537,6 +537,8 @@ class EagleParams(BaseParams):
     refine_mix: float = 0.5      # weight of the first (GRLR) assignment's distribution in the mix
     refine_weights: str = "softmax"  # softmax over a (group, label)'s members, or ratio: score / best
     refine_min_weight: float = 0.0   # re-assignment: pairs below this weight or min_weight are dropped
+    refine_keep_tree: bool = True    # with rounds: the final model keeps the last round model's label
+                                     # tree (and its PIFA) instead of growing another
 
     def validate(self, prefix=""):
         _check(self.mode in ("baseline", "eagle0", "eagle", "soft", "joint"), prefix + "mode",

@@ -31,6 +31,7 @@ from .model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked, split_
 from .params import PipelineParams, PredictParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
+from .schemas import TREE_SCHEMA
 from .stages import (
     aggregated,
     eagle,
@@ -273,6 +274,13 @@ def eagle_stage(ctx: StageContext) -> StageResult:
         if emb is not None:
             tables.write("eagle_embeddings", emb)
         tables.write("train", train_df)
+        if fit.last is not None and ctx.params.eagle.refine_keep_tree and ctx.params.tree.n_trees() == 1:
+            # the last round model's PIFA and tree: the tree stage keeps them for the final model
+            # (the tree O(labels) rows; the embeddings were checkpointed when the model was trained)
+            emb_r, tree_r = fit.last
+            tables.write("label_embeddings", emb_r)
+            tables.write("eagle_tree", local_frame(spark, pa.Table.from_pandas(tree_r, preserve_index=False),
+                                                   TREE_SCHEMA))
     if agg.truth is not None:       # evaluation of the assignment, not part of EAGLE's cost
         with ctx.timer.stage("eagle_diagnostics"):
             facts.update(eagle.diagnostics(assigned, agg.truth))
@@ -312,7 +320,9 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
                               f_tilde=ft).toPandas()
         index = tree_index(tree, info.n_labels, params)
         w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch).localCheckpoint()
+        fit.last = (emb, tree)          # the latest model's PIFA and tree (eagle.refine_keep_tree)
         return model_from_weights(w, index, info.n_features, tp, params.predict)
+    fit.last = None
     return fit
 
 
@@ -322,9 +332,25 @@ def tree_stage(ctx: StageContext) -> StageResult:
     counts = ctx.memo.get("label_counts")       # ingest's or eagle's, in the same process (same train table)
     if counts is None or len(counts) != ing.n_labels:
         counts = evaluation.label_counts(samples, ing.n_labels)
-    index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)
+    if "eagle_tree" in ctx.tables.pins:        # written by this run key's current eagle stage record
+        index, facts = kept_tree(ctx.tables, ing.n_labels, ctx.params, ctx.timer)
+    else:
+        index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)
     ctx.memo["label_counts"] = counts
     return StageResult({"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)), **facts})
+
+
+def kept_tree(tables: Tables, n_labels: int, params: PipelineParams, timer: StageTimer):
+    """The tree of EAGLE's last round model (``eagle.refine_keep_tree``, one tree only; the eagle
+    stage wrote it and the PIFA it was grown from) as the ``tree`` table. It was grown on the
+    assignment before the last re-assignment, which moves few pairs' weight (README, EAGLE), so
+    growing another costs a second PIFA and tree for about the same clusters. Returns
+    (TreeIndex, facts) as :func:`grow_tree`."""
+    with timer.stage("tree"):
+        tables.write("tree", tables.read("eagle_tree"))
+        index = tree_index(tables.read("tree").toPandas(), n_labels, params)   # O(labels)
+        log.info("tree: EAGLE's round model's tree, %d leaves, depth %d", len(index.leaves), index.depth)
+    return index, {"tree.from_eagle": True}
 
 
 def train_stage(ctx: StageContext) -> StageResult:

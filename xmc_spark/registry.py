@@ -11,7 +11,9 @@ stage       needs        reads                                       writes (one
 ==========  ===========  ==========================================  ====================================
 ingest      -            --train, --test (files, tables, folders)    ``train`` (per-sample input), ``test``
 eagle       ingest       the aggregated --train folder                ``train``, ``eagle_embeddings``
-tree        eagle        ``train``                                   ``label_embeddings``, ``tree``
+                                                                     (rounds that keep their tree:
+                                                                     ``eagle_tree``, ``label_embeddings``)
+tree        eagle        ``train`` (``eagle_tree``)                  ``label_embeddings``, ``tree``
 train       tree         ``train``, ``tree``                         ``weights``, ``slots`` (+ ``matcher``,
                                                                      ``clusters``, ``negatives``), the
                                                                      model folder
@@ -55,10 +57,11 @@ _P = "xmc_spark.pipeline"
 STAGES: Dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("ingest", f"{_P}:ingest_stage", (), (), ("train", "test"), ("ingest",),
               help="validate --train/--test and write the train and test tables"),
-    StageSpec("eagle", f"{_P}:eagle_stage", ("ingest",), (), ("train", "eagle_embeddings"), ("eagle",),
+    StageSpec("eagle", f"{_P}:eagle_stage", ("ingest",), (),
+              ("train", "eagle_embeddings", "eagle_tree", "label_embeddings"), ("eagle",),
               help="group-level labels -> per-sample training table (nothing to do for per-sample input)"),
-    StageSpec("tree", f"{_P}:tree_stage", ("eagle",), ("train",), ("label_embeddings", "tree"),
-              ("embedding", "tree"), help="PIFA label embeddings and the label tree"),
+    StageSpec("tree", f"{_P}:tree_stage", ("eagle",), ("train", "eagle_tree"), ("label_embeddings", "tree"),
+              ("embedding", "tree"), help="PIFA label embeddings and the label tree (or EAGLE's kept tree)"),
     StageSpec("train", f"{_P}:train_stage", ("tree",), ("train", "tree"),
               ("weights", "slots", "matcher", "clusters", "negatives"), ("train", "clusters", "predict"),
               help="node classifiers (and overlapping clusters); the model folder"),

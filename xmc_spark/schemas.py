@@ -59,6 +59,7 @@ TABLES: Dict[str, T.StructType] = {
     "label_embeddings": _EMBEDDINGS,         # PIFA rows, L2-normalized; labels without samples absent
     "eagle_embeddings": _EMBEDDINGS,         # GRLR label embeddings
     "tree": _SLOTS,                          # the leaf of each label
+    "eagle_tree": _SLOTS,                    # the last EAGLE round model's tree (eagle.refine_keep_tree)
     "clusters": _SLOTS,                      # overlapping clusters: a label may sit in several leaves
     "slots": _SLOTS,                         # the label -> leaf slots the final weights belong to
     # key: node id, or slot id at leaves; in an ensemble tree << 52 | id (kernels.tree.encode_keys)

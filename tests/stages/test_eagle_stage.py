@@ -402,3 +402,40 @@ def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine
     for key, x in ref.items():
         assert got[key] == pytest.approx(x, abs=1e-5)
     assert len(info["eagle.refine.seconds"]) == 2 and info["eagle.assigned_pairs"] == len(ref)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monkeypatch, keep):
+    """``eagle.refine_keep_tree``: the pipeline's final model trains on the last round model's
+    tree (the ``tree`` table is that model's label -> leaf, and ``label_embeddings`` its PIFA);
+    off, the tree stage grows the tree the trainer grows on the final training table."""
+    from xmc_spark import pipeline
+    from xmc_spark.params import PipelineParams
+    from xmc_spark.storage import read_delta
+    d, _, _ = agg_dir
+    models = []
+    monkeypatch.setattr(eagle, "ROUND_MODEL_HOOK", lambda r, m: models.append(m))
+    params = (PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("train.threshold", 0.0)
+              .set_dotted("mlflow.enabled", False).set_dotted("eagle.T", 6).set_dotted("eagle.refine_rounds", 1)
+              .set_dotted("eagle.refine_mix", 0.0).set_dotted("eagle.refine_keep_tree", keep))
+    m = pipeline.run(spark, str(d), None, str(tmp_path / "run"), params)
+    tables = tmp_path / "run" / "tables"
+
+    def leaves(rows):
+        return dict(zip(rows["label_idx"].astype(int), rows["node"].astype(int)))
+    final = leaves(read_delta(spark, str(tables / "tree")).toPandas())
+    assert len(models) == 1 and len(final) == 10
+    if keep:
+        ix = models[0].index
+        assert final == dict(zip(ix.slot_label.tolist(), ix.slot_leaf.tolist()))
+        assert m["tree.from_eagle"] is True and "embedding" not in m["seconds"]
+        assert (tables / "eagle_tree" / "_delta_log").is_dir()
+    else:
+        train = read_delta(spark, str(tables / "train"))
+        fit = pipeline.eagle_model_trainer(params, aggregated.read(spark, str(d), IngestParams()).info)
+        fit(train)
+        assert final == leaves(fit.last[1])
+        assert "tree.from_eagle" not in m and "embedding" in m["seconds"]
+        assert not (tables / "eagle_tree").exists()
+    emb = read_delta(spark, str(tables / "label_embeddings")).toPandas()
+    assert len(emb) >= 8 and all(abs(np.linalg.norm(v) - 1) < 1e-5 for v in emb["emb_val"])
