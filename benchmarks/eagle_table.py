@@ -188,8 +188,9 @@ def main() -> None:
     ap.add_argument("--refine-mixes", default="0,0.5", help="refined: mixing weights validated")
     ap.add_argument("--refine-taus", default="10", help="refined: softmax temperatures validated")
     ap.add_argument("--refine-weights", default="softmax,ratio", help="refined: weightings validated")
-    ap.add_argument("--refine-min-weights", default="0",
-                    help="refined: eagle.refine_min_weight values validated (pairs below are dropped)")
+    ap.add_argument("--refine-min-weights", default="0.02",
+                    help="refined: eagle.refine_min_weight values validated (pairs below are dropped; the "
+                         "default is eagle's, chosen from 0,0.01,0.02,0.05,0.1 on 2026-12-01)")
     ap.add_argument("--val-metric", choices=("precision", "coverage"), default="precision",
                     help="the held-out groups' metric that chooses tau (and refined's rounds, weights, mix)")
     ap.add_argument("--select", choices=("best", "keep-default"), default="best",

@@ -9,7 +9,8 @@ from tests.conftest import random_problem, write_xc
 from xmc_spark.schemas import SAMPLES_SCHEMA, TABLES, SchemaError, check_samples_columns, check_table, ddl, is_optional
 
 ALL_TABLES = {"train", "test", "input", "label_embeddings", "tree", "weights", "slots", "matcher", "clusters",
-              "predictions", "metrics", "stage_info", "eagle_embeddings", "negatives", "prime", "tree_predictions"}
+              "predictions", "metrics", "stage_info", "eagle_embeddings", "negatives", "prime", "tree_predictions",
+              "eagle_tree"}
 
 
 def _empty(spark, schema):
@@ -114,8 +115,9 @@ def test_input_files_keep_their_castable_check(spark):
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, spark):
-    """Every table, written by the command line on a tiny aggregated input (EAGLE, overlapping
-    clusters, matcher-aware negatives, PRIME re-ranking, stage jobs with a run key) and by `predict`."""
+    """Every table, written by the command line on a tiny aggregated input (EAGLE with a round that
+    keeps its tree, overlapping clusters, matcher-aware negatives, PRIME re-ranking, stage jobs with
+    a run key) and by `predict`."""
     from xmc_spark.cli import main
     from xmc_spark.storage import RUN_KEY
 
@@ -136,7 +138,8 @@ def written(tmp_path_factory, spark):
     common = ["--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=3", "--set", "eagle.T=2"]
     root = d / "root"
     assert main(["stage", "all", "--run-key", "k1", "--train", str(agg), "--test", str(d / "test.txt"),
-                 "--root", str(root), "--set", "clusters.copies=2", "--set", "clusters.beam_size=2",
+                 "--root", str(root), "--set", "eagle.refine_rounds=1", "--set", "clusters.copies=2",
+                 "--set", "clusters.beam_size=2",
                  "--set", "train.negatives=tfn+man", "--set", "prime.mode=rerank", "--set", "prime.epochs=1",
                  "--set", "prime.dim=4", "--set", "prime.ffn=8", "--set", "prime.K=4", *common]) == 0
     assert main(["predict", "--model", str(root / "models" / "k1"), "--data", str(d / "test.txt"),

@@ -536,7 +536,9 @@ class EagleParams(BaseParams):
     refine_tau: float = 10.0     # softmax temperature over a (group, label)'s members' path scores
     refine_mix: float = 0.5      # weight of the first (GRLR) assignment's distribution in the mix
     refine_weights: str = "softmax"  # softmax over a (group, label)'s members, or ratio: score / best
-    refine_min_weight: float = 0.0   # re-assignment: pairs below this weight or min_weight are dropped
+    refine_min_weight: float = 0.02  # re-assignment: pairs below this weight or min_weight are dropped, but
+                                     # never a (group, label)'s best member (validated on bibtex and
+                                     # delicious R-4, 2026-12-01: README, EAGLE)
     refine_keep_tree: bool = True    # with rounds: the final model keeps the last round model's label
                                      # tree (and its PIFA) instead of growing another
 

@@ -9,6 +9,7 @@ Each ``*_stage(ctx) -> StageResult`` function is one stage of :mod:`.registry`, 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import shutil
@@ -259,7 +260,8 @@ def _unseen(ctx: StageContext, n_labels: int, counts=None, tinfo=None, per_sampl
 
 
 def eagle_stage(ctx: StageContext) -> StageResult:
-    """EAGLE on an aggregated --train: writes the per-sample ``train`` (and ``eagle_embeddings``)."""
+    """EAGLE on an aggregated --train: writes the per-sample ``train`` (and ``eagle_embeddings``;
+    with rounds that keep their tree, ``eagle_tree`` and ``label_embeddings``)."""
     ing = ctx.dataset
     if not ing.aggregated:
         log.info("stage eagle: the training input %s has per-sample labels: nothing to do", ing.train)
@@ -281,6 +283,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
             tables.write("label_embeddings", emb_r)
             tables.write("eagle_tree", local_frame(spark, pa.Table.from_pandas(tree_r, preserve_index=False),
                                                    TREE_SCHEMA))
+            facts[KEPT_TREE] = tree_config(ctx.params)
     if agg.truth is not None:       # evaluation of the assignment, not part of EAGLE's cost
         with ctx.timer.stage("eagle_diagnostics"):
             facts.update(eagle.diagnostics(assigned, agg.truth))
@@ -332,12 +335,30 @@ def tree_stage(ctx: StageContext) -> StageResult:
     counts = ctx.memo.get("label_counts")       # ingest's or eagle's, in the same process (same train table)
     if counts is None or len(counts) != ing.n_labels:
         counts = evaluation.label_counts(samples, ing.n_labels)
-    if "eagle_tree" in ctx.tables.pins:        # written by this run key's current eagle stage record
+    kept = ctx.records.get("eagle", {}).get(KEPT_TREE)
+    if kept is not None and kept != tree_config(ctx.params):
+        log.info("tree: EAGLE's round model kept a tree grown with other tree/embedding settings (or "
+                 "eagle.refine_keep_tree is off now): growing one")
+    if kept is not None and kept == tree_config(ctx.params) and "eagle_tree" in ctx.tables.pins:
         index, facts = kept_tree(ctx.tables, ing.n_labels, ctx.params, ctx.timer)
     else:
         index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)
     ctx.memo["label_counts"] = counts
     return StageResult({"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)), **facts})
+
+
+KEPT_TREE = "eagle.kept_tree"          # the eagle stage's fact: tree_config of the tree it kept
+
+
+def tree_config(params: PipelineParams) -> str:
+    """What a kept EAGLE tree depends on besides the training table: the first tree's settings,
+    the embedding's, and that a tree is kept at all (``eagle.refine_keep_tree``, one tree). The
+    tree stage keeps EAGLE's tree only when its own configuration gives the same string (a
+    ``stage tree --set tree...`` rerun or a sweep of ``tree.*`` grows its own)."""
+    one = params.tree.n_trees() == 1 and params.eagle.refine_keep_tree
+    text = json.dumps({"keep": one, "tree": params.tree.for_tree(0).to_dict(),
+                       "embedding": params.embedding.to_dict()}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def kept_tree(tables: Tables, n_labels: int, params: PipelineParams, timer: StageTimer):
@@ -350,7 +371,7 @@ def kept_tree(tables: Tables, n_labels: int, params: PipelineParams, timer: Stag
         tables.write("tree", tables.read("eagle_tree"))
         index = tree_index(tables.read("tree").toPandas(), n_labels, params)   # O(labels)
         log.info("tree: EAGLE's round model's tree, %d leaves, depth %d", len(index.leaves), index.depth)
-    return index, {"tree.from_eagle": True}
+    return index, {"tree.from_eagle": 1}
 
 
 def train_stage(ctx: StageContext) -> StageResult:
@@ -570,8 +591,11 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
             child = Tracker(params.mlflow)
             with child.run(run_name=name, nested=True, tags={"xmc_spark.sweep": key}):
                 child.log_params(child_params.flat())
+                # EAGLE's kept tree and its PIFA (eagle.refine_keep_tree) are its output as train is
+                shared = ("train", "test") + (("eagle_tree", "label_embeddings")
+                                              if KEPT_TREE in base.records.by_stage.get("eagle", {}) else ())
                 runner = Runner(spark, child_params, str(out_p / name), tracker=child,
-                                links={t: base.tables.path(t) for t in ("train", "test")},
+                                links={t: base.tables.path(t) for t in shared},
                                 records={s: base.records.by_stage[s] for s in _INPUT_STAGES})
                 runner.results.update({s: base.results[s] for s in _INPUT_STAGES})
                 runner.run_all([s for s in ORDER if s not in _INPUT_STAGES])

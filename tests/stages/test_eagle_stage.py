@@ -1,4 +1,5 @@
 """EAGLE on Spark agrees with the numpy kernels; aggregated input is validated."""
+import dataclasses
 import json
 
 import numpy as np
@@ -170,7 +171,7 @@ def test_joint_with_estimated_and_given_counts_equals_kernel(spark, agg_mixed_di
         assert got.keys() == ref.keys()
         for key, x in ref.items():
             assert got[key] == pytest.approx(x, abs=1e-5)
-    rounds = EagleParams(**{**params.to_dict(), "refine_rounds": 1, "refine_mix": 1.0})
+    rounds = EagleParams(**{**params.to_dict(), "refine_rounds": 1, "refine_mix": 1.0, "refine_min_weight": 0.0})
     got = _pairs(eagle.run(agg, rounds, n_buckets=2, train_model=_tiny_trainer(agg))[0])
     assert got.keys() == ref.keys()
     for key, x in ref.items():
@@ -356,7 +357,8 @@ def test_refine_with_full_mix_equals_zero_rounds(spark, agg_dir, mode):
     agg = aggregated.read(spark, str(d), IngestParams())
     base = EagleParams(mode=mode, T=6, min_weight=0.0)
     train0, info0, _, _ = eagle.run(agg, base, n_buckets=3)
-    train1, info1, _, _ = eagle.run(agg, EagleParams(mode=mode, T=6, min_weight=0.0, refine_rounds=1, refine_mix=1.0),
+    train1, info1, _, _ = eagle.run(agg, EagleParams(mode=mode, T=6, min_weight=0.0, refine_rounds=1, refine_mix=1.0,
+                                                     refine_min_weight=0.0),
                                     n_buckets=3, train_model=_tiny_trainer(agg))
     assert "eagle.refine.seconds" not in info0
     p0, p1 = _pairs(train0), _pairs(train1)
@@ -367,11 +369,12 @@ def test_refine_with_full_mix_equals_zero_rounds(spark, agg_dir, mode):
     assert info1["eagle.refine.drift_top_changed"] == [0.0]
 
 
-@pytest.mark.parametrize("refine_min_weight", [0.0, 0.3])
-def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine_min_weight):
+@pytest.mark.parametrize("refine_min_weight,weight_scale", [(0.0, 1.0), (0.3, 1.0), (0.3, 0.1)])
+def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine_min_weight, weight_scale):
     """Two soft rounds through the stage (models from the pipeline's trainer, caught by the
     hook) against the kernels on the whole data: GRLR, softmax anchor, path scores, mix; with
-    ``refine_min_weight`` the rounds' pairs below it are dropped (the triples' p are kept)."""
+    ``refine_min_weight`` the rounds' pairs below it are dropped (the triples' p are kept) but
+    for each (group, label)'s best member (``weight_scale`` 0.1 puts the best ones below it)."""
     from xmc_spark.kernels.eagle import drift, path_scores, refine_assign, segment_softmax
     from xmc_spark.kernels.sparse import append_bias
     d, groups, glabels = agg_dir
@@ -379,7 +382,8 @@ def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine
     models = []
     monkeypatch.setattr(eagle, "ROUND_MODEL_HOOK", lambda r, m: models.append(m))
     params = EagleParams(mode="soft", T=6, tau=30.0, min_weight=0.0, refine_rounds=2, refine_tau=10.0,
-                         refine_mix=0.3, head_groups=12, refine_min_weight=refine_min_weight)
+                         refine_mix=0.3, head_groups=12, refine_min_weight=refine_min_weight,
+                         weight_scale=weight_scale)
     train, info, _, _ = eagle.run(agg, params, n_buckets=3, train_model=_tiny_trainer(agg))
     assert len(models) == 2 and models[0].index.depth >= 2
     E, _, sid, lb, w = _reference(d, groups, glabels, 6, "soft")
@@ -390,14 +394,18 @@ def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine
     prev = p0
     for r, m in enumerate(models):
         s = path_scores(m.tree_arrays(), append_bias(Xl, m.bias), tr.row, tr.lab)
-        (sid, lb, w), p = refine_assign(tr, s, p0, 10.0, 0.3, True)
+        (sid, lb, w), p = refine_assign(tr, s, p0, 10.0, 0.3, True, weight_scale)
         n_seg = len(tr.seg) - 1
         assert info["eagle.refine.drift_tv"][r] == pytest.approx(drift(tr, p, p0)[0] / n_seg, abs=1e-5)
         assert info["eagle.refine.change_tv"][r] == pytest.approx(drift(tr, p, prev)[0] / n_seg, abs=1e-5)
         prev = p
     got = _pairs(train)
-    ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w) if x >= refine_min_weight}
+    top, _ = tr.argmax(p)                  # a (group, label)'s best member stays whatever its weight
+    best = set(zip(tr.sample_id[top].tolist(), tr.lab[top].tolist()))
+    ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w) if x >= refine_min_weight or (s, k) in best}
     assert len(ref) < len(sid) if refine_min_weight else len(ref) == len(sid)
+    light_best = {(int(s), int(k)) for s, k, x in zip(sid, lb, w) if x < refine_min_weight and (s, k) in best}
+    assert bool(light_best) == (weight_scale < 1)      # the rule matters only in the 0.1 case
     assert set(got) == set(ref)
     for key, x in ref.items():
         assert got[key] == pytest.approx(x, abs=1e-5)
@@ -428,7 +436,7 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
     if keep:
         ix = models[0].index
         assert final == dict(zip(ix.slot_label.tolist(), ix.slot_leaf.tolist()))
-        assert m["tree.from_eagle"] is True and "embedding" not in m["seconds"]
+        assert m["tree.from_eagle"] == 1 and "embedding" not in m["seconds"]
         assert (tables / "eagle_tree" / "_delta_log").is_dir()
     else:
         train = read_delta(spark, str(tables / "train"))
@@ -438,4 +446,35 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
         assert "tree.from_eagle" not in m and "embedding" in m["seconds"]
         assert not (tables / "eagle_tree").exists()
     emb = read_delta(spark, str(tables / "label_embeddings")).toPandas()
+    if keep:     # the round model's PIFA: that of the first (joint) assignment's training table
+        from xmc_spark.stages import label_embedding
+        agg = aggregated.read(spark, str(d), IngestParams())
+        first = eagle.run(agg, dataclasses.replace(params.eagle, refine_rounds=0), n_buckets=3)[0]
+        ref = label_embedding.run(first, params.embedding, n_features=agg.info.n_features,
+                                  n_labels=agg.info.n_labels).toPandas()
+        emb, ref = (e.sort_values("label_idx").reset_index(drop=True) for e in (emb, ref))
+        assert emb["label_idx"].tolist() == ref["label_idx"].tolist()
+        for a, b, c, e in zip(emb["emb_idx"], ref["emb_idx"], emb["emb_val"], ref["emb_val"]):
+            assert list(a) == list(b) and np.allclose(c, e, atol=1e-6)
     assert len(emb) >= 8 and all(abs(np.linalg.norm(v) - 1) < 1e-5 for v in emb["emb_val"])
+    slots = leaves(read_delta(spark, str(tables / "slots")).toPandas())
+    assert slots == final                              # the final model's classifiers sit on that tree
+
+
+def test_kept_tree_only_for_the_tree_settings_it_was_grown_with(spark, agg_dir, tmp_path):
+    """A sweep shares EAGLE's output: a value with the eagle stage's tree settings keeps its
+    tree (linked like train), another grows its own; the key is :func:`pipeline.tree_config`."""
+    from xmc_spark import pipeline
+    from xmc_spark.params import PipelineParams
+    base = PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("mlflow.enabled", False)
+    key = pipeline.tree_config
+    assert key(base) == key(base.set_dotted("train.C", 4.0)) == key(base.set_dotted("eagle.refine_rounds", 2))
+    for other in (("tree.max_leaf_size", 4), ("tree.nr_splits", 4), ("embedding.normalize_y", False),
+                  ("tree.ensemble", 2), ("eagle.refine_keep_tree", False)):
+        assert key(base.set_dotted(*other)) != key(base), other
+    d, _, _ = agg_dir
+    params = base.set_dotted("eagle.T", 6).set_dotted("eagle.refine_rounds", 1)
+    res = pipeline.sweep(spark, str(d), None, str(tmp_path / "sw"), params, "tree.max_leaf_size", [3, 4])
+    got = {r["value"]: r for r in res["results"]}
+    assert got[3].get("tree.from_eagle") == 1 and "embedding" not in got[3]["seconds"]
+    assert "tree.from_eagle" not in got[4] and "embedding" in got[4]["seconds"]
