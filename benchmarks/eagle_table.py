@@ -361,7 +361,7 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
               f"{[round(float(got[r]), 2) for r in sorted(got)]}; drift TV {m.get('eagle.refine.drift_tv')}",
               flush=True)
     # the best validation score over rounds >= 1; ties: fewer rounds, more weight on GRLR, then
-    # the smaller min weight (the default keeps every pair above eagle.min_weight)
+    # the smaller min weight (fewer pairs dropped)
     rounds, wts, mix, rt, mw = max((k for k in scores if k[0] >= 1),
                                    key=lambda k: (scores[k], -k[0], k[2], -k[4]))
     res = run(spark, d / "data", test, d / f"refined{'_' + mode if prefix else ''}", base, eagle__mode=mode,
