@@ -295,9 +295,9 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     if ing.test:
         carried = carried if carried is not None else eagle.groups_per_label(agg)
         lost = int(np.count_nonzero((carried > 0) & (counts == 0)))
-        if lost:        # e.g. eagle.refine_min_weight above a group's best weight: count them again
-            log.warning("%d labels that groups carry got no training pair (below eagle.min_weight / "
-                        "refine_min_weight): the test's unseen labels are counted against the training table", lost)
+        if lost:        # e.g. eagle.min_weight above a big group's best weight: count them again
+            log.warning("%d labels that groups carry got no training pair (below eagle.min_weight): the "
+                        "test's unseen labels are counted against the training table", lost)
             facts["eagle.carried_labels_unassigned"] = lost
             facts.update(_unseen(ctx, ing.n_labels, counts, per_sample=False))
     series = {k: v for k, v in facts.items()
@@ -591,9 +591,11 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
             child = Tracker(params.mlflow)
             with child.run(run_name=name, nested=True, tags={"xmc_spark.sweep": key}):
                 child.log_params(child_params.flat())
-                # EAGLE's kept tree and its PIFA (eagle.refine_keep_tree) are its output as train is
+                # EAGLE's kept tree and its PIFA (eagle.refine_keep_tree) are its output as train is,
+                # for a value the tree stage keeps them with (another grows and writes its own)
+                kept = base.records.by_stage.get("eagle", {}).get(KEPT_TREE)
                 shared = ("train", "test") + (("eagle_tree", "label_embeddings")
-                                              if KEPT_TREE in base.records.by_stage.get("eagle", {}) else ())
+                                              if kept is not None and kept == tree_config(child_params) else ())
                 runner = Runner(spark, child_params, str(out_p / name), tracker=child,
                                 links={t: base.tables.path(t) for t in shared},
                                 records={s: base.records.by_stage[s] for s in _INPUT_STAGES})

@@ -569,3 +569,31 @@ def test_reassignment_recovers_the_truth_from_a_carrier_scoring_model():
                 for j in range(len(size)))
     assert changed == moved                     # every segment with a non-carrier changed its top member
     assert tv == pytest.approx(0.5 * np.abs(p - p0).sum())
+
+
+def test_refine_bound_keeps_each_best_member_before_pairs_merge():
+    """``bound`` drops light triples but a (group, label)'s best member (``floor`` and up); per
+    triple, before a sample's pairs merge, so splitting the groups (as Spark's tasks do) and
+    taking the largest weight per pair gives the whole set's answer. Sample 0 is group A's best
+    member of label 0 at weight 0.1 * 2 * 0.55 = 0.11 and a light extra member of group B at
+    0.1 * 4 * 0.3 = 0.12: it keeps 0.11 (merging first would keep 0.12 in one task, 0.11 in two)."""
+    groups = {0: [0, 1], 1: [0, 2, 3, 4]}
+    tr = _triples(groups, {0: [0], 1: [0]}, 1)
+    want = {(0, 0): 0.55, (0, 1): 0.45, (1, 0): 0.3, (1, 2): 0.4, (1, 3): 0.2, (1, 4): 0.1}
+    p0 = np.array([want[(g, i)] for g, i in zip(tr.grp.tolist(), tr.sample_id.tolist())])
+
+    def run(t, q):
+        (sid, lab, w), _ = refine_assign(t, np.zeros(len(q)), q, tau=10.0, mix=1.0, soft=True, weight_scale=0.1,
+                                         bound=0.2, floor=0.0)
+        return dict(zip(zip(sid.tolist(), lab.tolist()), w.tolist()))
+    whole = run(tr, p0)
+    assert whole == pytest.approx({(0, 0): 0.11, (2, 0): 0.16})      # the two best members, nothing else
+    merged = {}
+    for g in groups:                          # each group in its own task
+        t = _triples({g: groups[g]}, {g: [0]}, 1)
+        for key, x in run(t, np.array([want[(g, i)] for i in t.sample_id.tolist()])).items():
+            merged[key] = max(merged.get(key, 0.0), x)
+    assert merged == pytest.approx(whole)
+    # without a bound every triple stays and a pair keeps its largest weight
+    (sid, lab, w), _ = refine_assign(tr, np.zeros(len(p0)), p0, tau=10.0, mix=1.0, soft=True, weight_scale=0.1)
+    assert dict(zip(zip(sid.tolist(), lab.tolist()), w.tolist()))[(0, 0)] == pytest.approx(0.12)

@@ -194,6 +194,22 @@ def agg_counts_dir(tmp_path_factory):
     return d, groups, glabels
 
 
+def test_light_pairs_of_shared_members_do_not_depend_on_the_task_split(spark, agg_counts_dir):
+    """Members in two groups, weights all below refine_min_weight (only best members stay): one
+    task or three give the same pairs and weights. (The case where merging first would differ,
+    a sample best in one group and a heavier extra member of another, is built by hand in
+    tests/kernels/test_eagle.py::test_refine_bound_keeps_each_best_member_before_pairs_merge.)"""
+    d, _, _ = agg_counts_dir
+    agg = aggregated.read(spark, str(d), IngestParams())
+    params = EagleParams(mode="soft", T=4, tau=30.0, min_weight=0.0, weight_scale=0.1, refine_rounds=1,
+                         refine_mix=0.3, refine_min_weight=0.3)
+    fit = _tiny_trainer(agg)
+    one, three = (_pairs(eagle.run(agg, params, n_buckets=n, train_model=fit)[0]) for n in (1, 3))
+    assert one.keys() == three.keys() and len(one) > 0
+    for key, x in one.items():
+        assert three[key] == pytest.approx(x, abs=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["joint", "soft"])
 def test_counts_and_shared_members_equal_kernel(spark, agg_counts_dir, mode):
     """Joint and soft modes with counts (they change the weights) and members in two groups (a
@@ -400,12 +416,18 @@ def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine
         assert info["eagle.refine.change_tv"][r] == pytest.approx(drift(tr, p, prev)[0] / n_seg, abs=1e-5)
         prev = p
     got = _pairs(train)
-    top, _ = tr.argmax(p)                  # a (group, label)'s best member stays whatever its weight
-    best = set(zip(tr.sample_id[top].tolist(), tr.lab[top].tolist()))
-    ref = {(int(s), int(k)): float(x) for s, k, x in zip(sid, lb, w) if x >= refine_min_weight or (s, k) in best}
+    # per triple (soft: min(1, weight_scale g p)): below the bound only a (group, label)'s best
+    # member stays, whatever its weight; then the largest weight per (sample, label)
+    size = np.diff(tr.seg)
+    wt = np.minimum(1.0, weight_scale * np.repeat(size, size) * p)
+    best = np.zeros(len(wt), bool)
+    best[tr.argmax(p)[0]] = True
+    ref = {}
+    for s_, k, x, b in zip(tr.sample_id.tolist(), tr.lab.tolist(), wt.tolist(), best.tolist()):
+        if x >= refine_min_weight or b:
+            ref[(s_, k)] = max(ref.get((s_, k), 0.0), x)
     assert len(ref) < len(sid) if refine_min_weight else len(ref) == len(sid)
-    light_best = {(int(s), int(k)) for s, k, x in zip(sid, lb, w) if x < refine_min_weight and (s, k) in best}
-    assert bool(light_best) == (weight_scale < 1)      # the rule matters only in the 0.1 case
+    assert bool(np.any(best & (wt < refine_min_weight))) == (weight_scale < 1)   # the rule acts in the 0.1 case
     assert set(got) == set(ref)
     for key, x in ref.items():
         assert got[key] == pytest.approx(x, abs=1e-5)
@@ -452,6 +474,7 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
         first = eagle.run(agg, dataclasses.replace(params.eagle, refine_rounds=0), n_buckets=3)[0]
         ref = label_embedding.run(first, params.embedding, n_features=agg.info.n_features,
                                   n_labels=agg.info.n_labels).toPandas()
+        assert _pairs(first) != _pairs(read_delta(spark, str(tables / "train")))   # the round moved pairs
         emb, ref = (e.sort_values("label_idx").reset_index(drop=True) for e in (emb, ref))
         assert emb["label_idx"].tolist() == ref["label_idx"].tolist()
         for a, b, c, e in zip(emb["emb_idx"], ref["emb_idx"], emb["emb_val"], ref["emb_val"]):
@@ -466,6 +489,7 @@ def test_kept_tree_only_for_the_tree_settings_it_was_grown_with(spark, agg_dir, 
     tree (linked like train), another grows its own; the key is :func:`pipeline.tree_config`."""
     from xmc_spark import pipeline
     from xmc_spark.params import PipelineParams
+    from xmc_spark.storage import table_version
     base = PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("mlflow.enabled", False)
     key = pipeline.tree_config
     assert key(base) == key(base.set_dotted("train.C", 4.0)) == key(base.set_dotted("eagle.refine_rounds", 2))
@@ -476,5 +500,8 @@ def test_kept_tree_only_for_the_tree_settings_it_was_grown_with(spark, agg_dir, 
     params = base.set_dotted("eagle.T", 6).set_dotted("eagle.refine_rounds", 1)
     res = pipeline.sweep(spark, str(d), None, str(tmp_path / "sw"), params, "tree.max_leaf_size", [3, 4])
     got = {r["value"]: r for r in res["results"]}
+    # the value that grows its tree writes its own PIFA, not a new version of the base run's
+    assert table_version(spark, str(tmp_path / "sw" / "tables" / "label_embeddings")) == 0
+    assert (tmp_path / "sw" / "max_leaf_size=4" / "tables" / "label_embeddings" / "_delta_log").is_dir()
     assert got[3].get("tree.from_eagle") == 1 and "embedding" not in got[3]["seconds"]
     assert "tree.from_eagle" not in got[4] and "embedding" in got[4]["seconds"]

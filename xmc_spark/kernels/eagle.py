@@ -600,7 +600,7 @@ def path_scores(tree, Xb: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray,
 
 def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, mix: float, soft: bool,
                   weight_scale: float = 1.0, weights: str = "softmax", joint_iters: Optional[int] = None,
-                  carriers: Optional[np.ndarray] = None):
+                  carriers: Optional[np.ndarray] = None, bound: float = 0.0, floor: float = 0.0):
     """One re-assignment from model scores, mixed with the first assignment (p0: its
     distribution over each (group, label)'s members, the GRLR softmax; the guard against
     confirmation drift).
@@ -613,8 +613,11 @@ def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, 
     (the ``joint`` mode; ``tr`` holds whole groups) the model's softmax is replaced by the
     joint assignment :func:`joint_weights` of the model scores, and g by the label's count c
     (the joint mode's weight is min(1, weight_scale c p)); ``carriers`` (per segment, as
-    :func:`joint_weights` takes them) replaces c. Returns (sample_id, label position, weight)
-    unique per (sample, label) as :func:`assign`, and p per triple."""
+    :func:`joint_weights` takes them) replaces c. Soft: a triple below ``bound`` is dropped
+    unless it is its (group, label)'s best member (the arg-max of p) and at least ``floor``,
+    before the pairs are merged, so a sample in several groups gets the same weight however
+    the groups are split into tasks. Returns (sample_id, label position, weight) unique per
+    (sample, label) as :func:`assign`, and p per triple."""
     s_model = np.asarray(s_model, np.float64)
     p0 = np.asarray(p0, np.float64)
     size = np.diff(tr.seg)
@@ -633,7 +636,11 @@ def refine_assign(tr: Triples, s_model: np.ndarray, p0: np.ndarray, tau: float, 
         p = (1.0 - mix) * pm + mix * p0
         w = np.minimum(1.0, weight_scale * g * p)
     if soft:
-        sid, lab = tr.sample_id, tr.lab
+        keep = w >= bound
+        if bound > floor and len(w):
+            top = tr.argmax(p)[0]
+            keep[top] |= w[top] >= floor
+        sid, lab, w = tr.sample_id[keep], tr.lab[keep], w[keep]
     else:
         keep = top_members(tr, p)
         sid, lab, w = tr.sample_id[keep], tr.lab[keep], np.ones(int(keep.sum()))

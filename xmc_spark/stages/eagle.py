@@ -442,16 +442,14 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None, kee
     s = path_scores(tree, append_bias(X, bias), tr.row, ulab[tr.lab], post)
     joint = params.mode == "joint"
     carriers = None if prevalence is None or not joint else segment_carriers(tr, prevalence.value)
+    # refine_min_weight drops a (group, label)'s light extra members, never its best one (a joint
+    # weight min(1, c p) can fall below it for every member of a large group); min_weight applies to all
     (asid, alab, w), p = refine_assign(tr, s, p0, params.refine_tau, params.refine_mix,
                                        params.mode in ("soft", "joint"), params.weight_scale, params.refine_weights,
-                                       joint_iters=params.joint_iters if joint else None, carriers=carriers)
-    keep = w >= max(params.min_weight, params.refine_min_weight)
-    if params.refine_min_weight > params.min_weight and len(w):
-        # refine_min_weight drops a (group, label)'s light extra members, never its best one (a
-        # joint weight min(1, c p) can fall below it for every member of a large group)
-        top, _ = tr.argmax(p)
-        n = max(len(ulab), 1)
-        keep |= (w >= params.min_weight) & np.isin(asid * n + alab, tr.sample_id[top] * n + tr.lab[top])
+                                       joint_iters=params.joint_iters if joint else None, carriers=carriers,
+                                       bound=max(params.min_weight, params.refine_min_weight),
+                                       floor=params.min_weight)
+    keep = w >= params.min_weight
     tv0, ch0 = drift(tr, p, p0)
     tv1, ch1 = drift(tr, p, p_prev)
     stats = [float(len(tr.seg) - 1), tv0, float(ch0), tv1, float(ch1)]
