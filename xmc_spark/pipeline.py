@@ -82,10 +82,16 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
     with timer.stage("tree"):
         tree = label_tree.run(tables.read("label_embeddings"), params.tree, n_features=n_features,
                               n_labels=n_labels, f=f, f_tilde=ft)
-        tables.write("tree", tree)
-        index = tree_index(tables.read("tree").toPandas(), n_labels, params)   # O(labels)
-        log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)
+        index = commit_tree(tables, tree, n_labels, params)
     return index, facts
+
+
+def commit_tree(tables: Tables, tree, n_labels: int, params: PipelineParams):
+    """Write the ``tree`` table and return the TreeIndex of what was committed (O(labels) rows)."""
+    tables.write("tree", tree)
+    index = tree_index(tables.read("tree").toPandas(), n_labels, params)   # O(labels)
+    log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)
+    return index
 
 
 def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams):
@@ -336,12 +342,12 @@ def tree_stage(ctx: StageContext) -> StageResult:
     if counts is None or len(counts) != ing.n_labels:
         counts = evaluation.label_counts(samples, ing.n_labels)
     kept = ctx.records.get("eagle", {}).get(KEPT_TREE)
-    if kept is not None and kept != tree_config(ctx.params):
-        log.info("tree: EAGLE's round model kept a tree grown with other tree/embedding settings (or "
-                 "eagle.refine_keep_tree is off now): growing one")
     if kept is not None and kept == tree_config(ctx.params) and "eagle_tree" in ctx.tables.pins:
         index, facts = kept_tree(ctx.tables, ing.n_labels, ctx.params, ctx.timer)
     else:
+        if kept is not None:
+            log.info("tree: EAGLE's round model kept a tree grown with other tree/embedding settings (or "
+                     "eagle.refine_keep_tree is off now): growing one")
         index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)
     ctx.memo["label_counts"] = counts
     return StageResult({"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)), **facts})
@@ -368,9 +374,8 @@ def kept_tree(tables: Tables, n_labels: int, params: PipelineParams, timer: Stag
     growing another costs a second PIFA and tree for about the same clusters. Returns
     (TreeIndex, facts) as :func:`grow_tree`."""
     with timer.stage("tree"):
-        tables.write("tree", tables.read("eagle_tree"))
-        index = tree_index(tables.read("tree").toPandas(), n_labels, params)   # O(labels)
-        log.info("tree: EAGLE's round model's tree, %d leaves, depth %d", len(index.leaves), index.depth)
+        log.info("tree: EAGLE's round model's tree (eagle.refine_keep_tree)")
+        index = commit_tree(tables, tables.read("eagle_tree"), n_labels, params)
     return index, {"tree.from_eagle": 1}
 
 

@@ -449,12 +449,11 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None, kee
                                        joint_iters=params.joint_iters if joint else None, carriers=carriers,
                                        bound=max(params.min_weight, params.refine_min_weight),
                                        floor=params.min_weight)
-    keep = w >= params.min_weight
     tv0, ch0 = drift(tr, p, p0)
     tv1, ch1 = drift(tr, p, p_prev)
     stats = [float(len(tr.seg) - 1), tv0, float(ch0), tv1, float(ch1)]
     worker_progress("eagle_refine", group_label_member_triples=tri.num_rows)
-    n_a = int(keep.sum())
+    n_a = len(w)
     tp = slice(None) if keep_probs else slice(0, 0)     # the last round: no triples' p for a next one
     n_t = len(p[tp])
     i32, i64 = pa.int32(), pa.int64()
@@ -462,13 +461,13 @@ def _refine_block(t: pa.Table, bmodel, params: EagleParams, prevalence=None, kee
     return pa.table({
         "kind": pa.array(np.concatenate([np.full(n_a, ASSIGN_KIND), np.full(n_t, PROB_KIND), [STAT_KIND]]), i32),
         "group_id": pa.concat_arrays([pa.nulls(n_a, i64), pa.array(tr.grp[tp], i64), pa.nulls(1, i64)]),
-        "sample_id": pa.array(np.concatenate([asid[keep], tr.sample_id[tp], [0]]), i64),
-        "label_idx": pa.array(np.concatenate([ulab[alab[keep]], ulab[tr.lab][tp], [0]]), i32),
+        "sample_id": pa.array(np.concatenate([asid, tr.sample_id[tp], [0]]), i64),
+        "label_idx": pa.array(np.concatenate([ulab[alab], ulab[tr.lab][tp], [0]]), i32),
         "count": pa.concat_arrays([pa.nulls(n_a, i32), cnt_t, pa.nulls(1, i32)]),
         "p0": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p0[tp], pa.float64()),
                                 pa.nulls(1, pa.float64())]),
         "p": pa.concat_arrays([pa.nulls(n_a, pa.float64()), pa.array(p[tp], pa.float64()), pa.nulls(1, pa.float64())]),
-        "weight": pa.array(np.concatenate([w[keep], np.full(n_t + 1, np.nan)]), pa.float64()),
+        "weight": pa.array(np.concatenate([w, np.full(n_t + 1, np.nan)]), pa.float64()),
         "stats": pa.array([None] * (n_a + n_t) + [stats], pa.list_(pa.float64())),
     })
 
