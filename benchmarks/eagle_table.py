@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--refine-min-weights", default="0.02",
                     help="refined: eagle.refine_min_weight values validated (pairs below are dropped; the "
                          "default is eagle's, chosen from 0,0.01,0.02,0.05,0.1 on 2026-12-01)")
+    ap.add_argument("--refine-eps", default="0.1",
+                    help="refined: eagle.refine_eps values validated (the round models' node-solver tolerance)")
     ap.add_argument("--val-metric", choices=("precision", "coverage"), default="precision",
                     help="the held-out groups' metric that chooses tau (and refined's rounds, weights, mix)")
     ap.add_argument("--select", choices=("best", "keep-default"), default="best",
@@ -311,7 +313,7 @@ def main() -> None:
         if rj:
             print(f"refined_joint at {setting}: {rj['p@1']:.2f} / {rj['p@3']:.2f} / {rj['p@5']:.2f} "
                   f"(rounds {rj['rounds']}, {rj['weights']}, mix {rj['mix']:g}, refine_tau {rj['refine_tau']:g}, "
-                  f"refine_min_weight {rj.get('refine_min_weight', 0):g}; "
+                  f"refine_min_weight {rj.get('refine_min_weight', 0):g}, refine_eps {rj.get('refine_eps', 0.1):g}; "
                   f"joint_tau {results[setting]['joint']['tau']:g})")
 
 
@@ -333,11 +335,13 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
     cache_file = d / (f"refine_{prefix}validation.json" if metric == "precision"
                       else f"refine_{prefix}validation_{metric}.json")
     cache = json.loads(cache_file.read_text()) if REUSE and cache_file.is_file() else {}
-    grid = [(rt, wts, mix, mw) for rt in [float(t) for t in args.refine_taus.split(",")]
+    grid = [(rt, wts, mix, mw, ep) for rt in [float(t) for t in args.refine_taus.split(",")]
             for wts in args.refine_weights.split(",") for mix in [float(m) for m in args.refine_mixes.split(",")]
-            for mw in [float(w) for w in args.refine_min_weights.split(",")]]
-    for rt, wts, mix, mw in grid:
-        name = f"{wts}_mix{mix:g}" + ("" if rt == 10 else f"_rt{rt:g}") + ("" if mw == 0 else f"_mw{mw:g}")
+            for mw in [float(w) for w in args.refine_min_weights.split(",")]
+            for ep in [float(e) for e in args.refine_eps.split(",")]]
+    for rt, wts, mix, mw, ep in grid:
+        name = (f"{wts}_mix{mix:g}" + ("" if rt == 10 else f"_rt{rt:g}") + ("" if mw == 0 else f"_mw{mw:g}")
+                + ("" if ep == 0.1 else f"_eps{ep:g}"))
         got = {}
         eagle_stage.ROUND_MODEL_HOOK = lambda r, model, got=got: got.update(
             {r: group_score(model, val, Xv, n_features)[metric]})
@@ -346,7 +350,8 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
             # a reused run fires no hook: reuse it only when its rounds' scores are cached
             m = run(spark, d / "val_data", None, out, base, reuse=name in cache, eagle__mode=mode,
                     **{f"eagle__{key}": tau}, eagle__refine_rounds=R, eagle__refine_mix=mix,
-                    eagle__refine_tau=rt, eagle__refine_weights=wts, eagle__refine_min_weight=mw)
+                    eagle__refine_tau=rt, eagle__refine_weights=wts, eagle__refine_min_weight=mw,
+                    eagle__refine_eps=ep)
         finally:
             eagle_stage.ROUND_MODEL_HOOK = None
         if not got and name in cache:         # a reused run: its rounds' scores as recorded
@@ -354,28 +359,28 @@ def refined(spark, d: Path, test, base: PipelineParams, tau: float, val, Xv, n_f
         got[R] = saved_model_metrics(out / "model", val, Xv, n_features)[metric]
         cache[name] = got
         cache_file.write_text(json.dumps(cache, indent=1))
-        scores.update({(r, wts, mix, rt, mw): v for r, v in got.items()})
+        scores.update({(r, wts, mix, rt, mw, ep): v for r, v in got.items()})
         drifts[name] = {k: m.get(k) for k in ("eagle.refine.drift_tv", "eagle.refine.change_tv",
                                               "eagle.refine.seconds")}
         print(f"{setting} refined{'_' + mode if prefix else ''} {name}: validation group {metric} by round "
               f"{[round(float(got[r]), 2) for r in sorted(got)]}; drift TV {m.get('eagle.refine.drift_tv')}",
               flush=True)
-    # the best validation score over rounds >= 1; ties: fewer rounds, more weight on GRLR, then
-    # the smaller min weight (fewer pairs dropped)
-    rounds, wts, mix, rt, mw = max((k for k in scores if k[0] >= 1),
-                                   key=lambda k: (scores[k], -k[0], k[2], -k[4]))
+    # the best validation score over rounds >= 1; ties: fewer rounds, more weight on GRLR, the
+    # smaller min weight (fewer pairs dropped), then the looser round-model tolerance (cheaper)
+    best = max((k for k in scores if k[0] >= 1), key=lambda k: (scores[k], -k[0], k[2], -k[4], k[5]))
+    rounds, wts, mix, rt, mw, ep = best
     res = run(spark, d / "data", test, d / f"refined{'_' + mode if prefix else ''}", base, eagle__mode=mode,
               **{f"eagle__{key}": tau}, eagle__refine_rounds=rounds, eagle__refine_mix=mix, eagle__refine_tau=rt,
-              eagle__refine_weights=wts, eagle__refine_min_weight=mw)
+              eagle__refine_weights=wts, eagle__refine_min_weight=mw, eagle__refine_eps=ep)
     res.update({"rounds": rounds, "mix": mix, "weights": wts, "refine_tau": rt, "refine_min_weight": mw,
-                "val_metric": metric, "validation_round0": scores[(0, wts, mix, rt, mw)],
-                "validation": {f"r{r}_{w}_mix{x:g}_rt{t:g}" + ("" if v_mw == 0 else f"_mw{v_mw:g}"): v
-                               for (r, w, x, t, v_mw), v in sorted(scores.items())},
+                "refine_eps": ep, "val_metric": metric, "validation_round0": scores[(0, *best[1:])],
+                "validation": {f"r{r}_{w}_mix{x:g}_rt{t:g}" + ("" if v_mw == 0 else f"_mw{v_mw:g}")
+                               + ("" if v_ep == 0.1 else f"_eps{v_ep:g}"): v
+                               for (r, w, x, t, v_mw, v_ep), v in sorted(scores.items())},
                 "validation_drift": drifts})
     print(f"{setting} refined{'_' + mode if prefix else ''} (rounds={rounds}, {wts}, mix={mix:g}, "
-          f"refine_tau={rt:g}, refine_min_weight={mw:g}): {res['p@1']:.2f} "
-          f"(validation {scores[(rounds, wts, mix, rt, mw)]:.2f}, 0 rounds {scores[(0, wts, mix, rt, mw)]:.2f})",
-          flush=True)
+          f"refine_tau={rt:g}, refine_min_weight={mw:g}, refine_eps={ep:g}): {res['p@1']:.2f} "
+          f"(validation {scores[best]:.2f}, 0 rounds {scores[(0, *best[1:])]:.2f})", flush=True)
     return res
 
 

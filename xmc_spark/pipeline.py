@@ -275,7 +275,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     spark, tables = ctx.spark, ctx.tables
     agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing.train, ctx.params.ingest)
     with ctx.timer.stage("eagle"):
-        fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch)
+        fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch, eps=ctx.params.eagle.refine_eps)
         carried = ctx.memo.pop("groups_per_label", None)
         train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark),
                                                    train_model=fit, carried=carried)
@@ -311,11 +311,15 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     return StageResult(facts, series=series)
 
 
-def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = None):
+def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = None, eps: Optional[float] = None):
     """train_df -> model, for EAGLE's re-assignment rounds: PIFA, tree and node classifiers
     of the training table as the tree and train stages build them (without overlapping
-    clusters; of an ensemble, its first tree only), from in-memory DataFrames; writes no table."""
+    clusters; of an ensemble, its first tree only), from in-memory DataFrames; writes no table.
+    ``eps``, when given, replaces ``train.eps`` (the node solver's tolerance: a round model only
+    ranks a group's members, ``eagle.refine_eps``)."""
     params = dataclasses.replace(params, tree=params.tree.for_tree(0))
+    if eps is not None:
+        params = dataclasses.replace(params, train=dataclasses.replace(params.train, eps=eps))
     tp = ModelTrainParams.from_pipeline(params)
 
     def fit(train_df):

@@ -438,17 +438,29 @@ def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine
 def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monkeypatch, keep):
     """``eagle.refine_keep_tree``: the pipeline's final model trains on the last round model's
     tree (the ``tree`` table is that model's label -> leaf, and ``label_embeddings`` its PIFA);
-    off, the tree stage grows the tree the trainer grows on the final training table."""
+    off, the tree stage grows the tree the trainer grows on the final training table. The round
+    model's node solver runs at ``eagle.refine_eps``, the final model's at ``train.eps``."""
     from xmc_spark import pipeline
     from xmc_spark.params import PipelineParams
+    from xmc_spark.stages import node_training
     from xmc_spark.storage import read_delta
     d, _, _ = agg_dir
-    models = []
+    models, eps = [], []
     monkeypatch.setattr(eagle, "ROUND_MODEL_HOOK", lambda r, m: models.append(m))
+    real_train = node_training.run
+
+    def train_spy(samples, index, n_features, tp, **kw):      # the real trainer, its tolerance recorded
+        eps.append(tp.eps)
+        return real_train(samples, index, n_features, tp, **kw)
+    monkeypatch.setattr(node_training, "run", train_spy)
     params = (PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("train.threshold", 0.0)
               .set_dotted("mlflow.enabled", False).set_dotted("eagle.T", 6).set_dotted("eagle.refine_rounds", 1)
-              .set_dotted("eagle.refine_mix", 0.0).set_dotted("eagle.refine_keep_tree", keep))
+              .set_dotted("eagle.refine_mix", 0.0).set_dotted("eagle.refine_keep_tree", keep)
+              .set_dotted("eagle.refine_eps", 0.7))
     m = pipeline.run(spark, str(d), None, str(tmp_path / "run"), params)
+    # the round model, then the final model (and its retraining after overlapping clusters, if any)
+    assert eps[0] == 0.7 and len(eps) >= 2 and set(eps[1:]) == {params.train.eps}, eps
+    monkeypatch.setattr(node_training, "run", real_train)
     tables = tmp_path / "run" / "tables"
 
     def leaves(rows):
