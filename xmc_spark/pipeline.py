@@ -322,17 +322,20 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         params = dataclasses.replace(params, train=dataclasses.replace(params.train, eps=eps))
     tp = ModelTrainParams.from_pipeline(params)
 
-    def fit(train_df):
+    def fit(train_df, label_counts=None, n_samples: Optional[int] = None):
+        # label_counts (rows per label) and n_samples (train_df's rows), when known, only place the
+        # node trainer's units on its tasks and spare it a count
         spark = train_df.sparkSession
         emb = label_embedding.run(train_df, params.embedding, n_features=info.n_features, n_labels=info.n_labels,
                                   n_buckets=shuffle_partitions(spark)).localCheckpoint()
         f = ft = None
         if params.tree.effective_lambda > 0:
-            f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree)
+            f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree, label_counts)
         tree = label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
                               f_tilde=ft).toPandas()
         index = tree_index(tree, info.n_labels, params)
-        w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch).localCheckpoint()
+        w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch,
+                              n_samples=n_samples, label_counts=label_counts).localCheckpoint()
         fit.last = (emb, tree)          # the latest model's PIFA and tree (eagle.refine_keep_tree)
         return model_from_weights(w, index, info.n_features, tp, params.predict)
     fit.last = None

@@ -445,12 +445,13 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
     from xmc_spark.stages import node_training
     from xmc_spark.storage import read_delta
     d, _, _ = agg_dir
-    models, eps = [], []
+    models, eps, kws = [], [], []
     monkeypatch.setattr(eagle, "ROUND_MODEL_HOOK", lambda r, m: models.append(m))
     real_train = node_training.run
 
     def train_spy(samples, index, n_features, tp, **kw):      # the real trainer, its tolerance recorded
         eps.append(tp.eps)
+        kws.append(kw)
         return real_train(samples, index, n_features, tp, **kw)
     monkeypatch.setattr(node_training, "run", train_spy)
     params = (PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("train.threshold", 0.0)
@@ -487,6 +488,10 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
         ref = label_embedding.run(first, params.embedding, n_features=agg.info.n_features,
                                   n_labels=agg.info.n_labels).toPandas()
         assert _pairs(first) != _pairs(read_delta(spark, str(tables / "train")))   # the round moved pairs
+        # the round model's units were placed by the rows per label of the table it trained on
+        from xmc_spark.stages.evaluation import label_counts
+        assert np.array_equal(kws[0]["label_counts"], label_counts(first, agg.info.n_labels))
+        assert kws[0]["n_samples"] == first.count() == agg.info.n_samples
         emb, ref = (e.sort_values("label_idx").reset_index(drop=True) for e in (emb, ref))
         assert emb["label_idx"].tolist() == ref["label_idx"].tolist()
         for a, b, c, e in zip(emb["emb_idx"], ref["emb_idx"], emb["emb_val"], ref["emb_val"]):

@@ -506,7 +506,7 @@ def score_round(agg: AggregatedInput, anchor: DataFrame, model, params: EaglePar
 def refine(agg: AggregatedInput, anchor: DataFrame, assigned: DataFrame, params: EagleParams, train_model,
            n_buckets: int, info: Dict, prevalence=None) -> DataFrame:
     """``eagle.refine_rounds`` rounds of: train a model on the current assignment
-    (``train_model(training table) -> model``), score every member of every group on the
+    (``train_model(training table, label_counts=, n_samples=) -> model``), score every member of every group on the
     group's labels with it, re-assign (mixing with the anchor's distribution p0). Facts per
     round (lists, round 0 = the first assignment): seconds, assigned pairs and weight, drift
     (mean total variation between a (group, label)'s distribution and p0, and from the round
@@ -532,7 +532,11 @@ def refine(agg: AggregatedInput, anchor: DataFrame, assigned: DataFrame, params:
     for r in range(1, params.refine_rounds + 1):
         t0 = time.perf_counter()
         train_df = training_table(agg.samples, assigned).localCheckpoint()
-        model = train_model(train_df)
+        # the training rows per label (one pair per (sample, label): O(labels) to the driver) place
+        # the trainer's units on its tasks by their work, as the train stage's counts do; without
+        # them a 200K round put its heaviest unit (13 s) last, one core idle ~10 s of a 28 s job
+        model = train_model(train_df, label_counts=rows_per_label(assigned, agg.info.n_labels),
+                            n_samples=agg.info.n_samples)
         if ROUND_MODEL_HOOK is not None:
             ROUND_MODEL_HOOK(r - 1, model)
         t_model = time.perf_counter() - t0
