@@ -541,8 +541,9 @@ class EagleParams(BaseParams):
                                      # delicious R-4, 2026-12-01: README, EAGLE)
     refine_keep_tree: bool = True    # with rounds: the final model keeps the last round model's label
                                      # tree (and its PIFA) instead of growing another
-    refine_eps: float = 0.1          # the round models' node-solver tolerance (train.eps of the models
-                                     # that only score the members; the final model keeps train.eps)
+    refine_eps: float = 0.0          # the round models' node-solver tolerance (train.eps of the models
+                                     # that only score the members; the final model keeps train.eps);
+                                     # 0 = train.eps (validated against 0.3, 1, 3: README, EAGLE)
 
     def validate(self, prefix=""):
         _check(self.mode in ("baseline", "eagle0", "eagle", "soft", "joint"), prefix + "mode",
@@ -559,7 +560,7 @@ class EagleParams(BaseParams):
         _check(self.refine_tau >= 0, prefix + "refine_tau", "must be >= 0")
         _check(0 <= self.refine_mix <= 1, prefix + "refine_mix", "must be in [0, 1]")
         _check(0 <= self.refine_min_weight < 1, prefix + "refine_min_weight", "must be in [0, 1)")
-        _check(self.refine_eps > 0, prefix + "refine_eps", "must be > 0")
+        _check(self.refine_eps >= 0, prefix + "refine_eps", "must be >= 0 (0 = train.eps)")
         _check(self.refine_weights in ("softmax", "ratio"), prefix + "refine_weights",
                f"must be softmax or ratio, got {self.refine_weights!r}")
 

@@ -275,7 +275,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     spark, tables = ctx.spark, ctx.tables
     agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing.train, ctx.params.ingest)
     with ctx.timer.stage("eagle"):
-        fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch, eps=ctx.params.eagle.refine_eps)
+        fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch, eps=ctx.params.eagle.refine_eps or None)
         carried = ctx.memo.pop("groups_per_label", None)
         train_df, facts, emb, assigned = eagle.run(agg, ctx.params.eagle, n_buckets=shuffle_partitions(spark),
                                                    train_model=fit, carried=carried)
@@ -315,16 +315,17 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
     """train_df -> model, for EAGLE's re-assignment rounds: PIFA, tree and node classifiers
     of the training table as the tree and train stages build them (without overlapping
     clusters; of an ensemble, its first tree only), from in-memory DataFrames; writes no table.
-    ``eps``, when given, replaces ``train.eps`` (the node solver's tolerance: a round model only
-    ranks a group's members, ``eagle.refine_eps``)."""
+    ``eps``, when given, replaces ``train.eps`` (the grouped node solver's tolerance: a round model
+    only ranks a group's members, ``eagle.refine_eps``; nodes trained across tasks keep ``tron_eps``)."""
     params = dataclasses.replace(params, tree=params.tree.for_tree(0))
     if eps is not None:
         params = dataclasses.replace(params, train=dataclasses.replace(params.train, eps=eps))
     tp = ModelTrainParams.from_pipeline(params)
 
     def fit(train_df, label_counts=None, n_samples: Optional[int] = None):
-        # label_counts (rows per label) and n_samples (train_df's rows), when known, only place the
-        # node trainer's units on its tasks and spare it a count
+        # label_counts (rows per label) place the node trainer's units on its tasks; n_samples, when
+        # given, must be train_df's exact row count: it spares a count and also decides the auto row
+        # bound and whether any node is big (an undercount could skip the distributed solver)
         spark = train_df.sparkSession
         emb = label_embedding.run(train_df, params.embedding, n_features=info.n_features, n_labels=info.n_labels,
                                   n_buckets=shuffle_partitions(spark)).localCheckpoint()

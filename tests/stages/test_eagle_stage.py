@@ -60,7 +60,7 @@ def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mod
     agg = aggregated.read(spark, str(d), IngestParams())
     assert agg.stats["n_groups"] == 30 and agg.stats["n_samples_without_group"] == 0
     params = EagleParams(mode=mode, T=6, head_groups=head_groups, min_weight=0.0, joint_tau=30.0)
-    train, info, emb, _ = eagle.run(agg, params, n_buckets=3)
+    train, info, emb, assigned = eagle.run(agg, params, n_buckets=3)
     T = 0 if mode == "eagle0" else 6
     E, obj, sid, lb, w = _reference(d, groups, glabels, T, mode)
     if head_groups == 12:
@@ -80,6 +80,10 @@ def test_spark_grlr_and_assignment_equal_kernel(spark, agg_dir, head_groups, mod
     for key, x in ref_pairs.items():
         assert pairs[key] == pytest.approx(x, abs=1e-5)
     assert len(rows) == 90
+    # one assigned row per (sample, label), head labels' chunks merged: its rows per label are the
+    # training table's (what a re-assignment round gives its model's trainer)
+    from xmc_spark.stages.evaluation import label_counts, rows_per_label
+    assert np.array_equal(rows_per_label(assigned, 10), label_counts(train, 10))
 
 
 def test_joint_with_estimated_counts_equals_kernel(spark, agg_dir):
@@ -461,6 +465,7 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
     m = pipeline.run(spark, str(d), None, str(tmp_path / "run"), params)
     # the round model, then the final model (and its retraining after overlapping clusters, if any)
     assert eps[0] == 0.7 and len(eps) >= 2 and set(eps[1:]) == {params.train.eps}, eps
+    assert PipelineParams().eagle.refine_eps == 0      # the default: the round models at train.eps
     monkeypatch.setattr(node_training, "run", real_train)
     tables = tmp_path / "run" / "tables"
 

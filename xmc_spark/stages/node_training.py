@@ -147,7 +147,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     every task sees, for the solver's vectors above ``train.tron_driver_mb`` (:func:`scratch_root`).
     ``label_counts`` (rows per label, when known) sharpen the estimate of each training unit's
     work by which the units are spread over the tasks (:func:`unit_placement`); without them
-    (EAGLE's trainer) every label counts one row, which places by label numbers alone.
+    (e.g. PRIME's validation tree) every label counts one row, which places by label numbers alone.
     """
     bindex = share(samples, index, name="the tree index")
     weighted = "label_weight" in samples.columns
