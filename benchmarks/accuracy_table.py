@@ -54,6 +54,10 @@ CONFIGS = {
                                           "tree.ensemble_splits": "2,8,32"},
     "C 0.5 + l2-hinge + 3 trees 2/8/32 + clusters (2 copies)": {
         "train.C": 0.5, "predict.post_processor": "l2-hinge", "tree.ensemble_splits": "2,8,32", "clusters.copies": 2},
+    "C 0.5 + l2-hinge + tfn+man": {"train.C": 0.5, "predict.post_processor": "l2-hinge", "train.negatives": "tfn+man"},
+    "C 0.5 + l2-hinge + 3 trees 2/8/32 + tfn+man": {
+        "train.C": 0.5, "predict.post_processor": "l2-hinge", "tree.ensemble_splits": "2,8,32",
+        "train.negatives": "tfn+man"},
     # the search, the pruning and the leaf size (validated on delicious, 2026-11-27; README)
     "C 0.5 + l2-hinge + beam 20": {"train.C": 0.5, "predict.post_processor": "l2-hinge", "predict.beam_size": 20},
     "C 0.5 + l2-hinge + no pruning": {"train.C": 0.5, "predict.post_processor": "l2-hinge", "train.threshold": 0.0},
