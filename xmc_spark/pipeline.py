@@ -282,7 +282,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
         if emb is not None:
             tables.write("eagle_embeddings", emb)
         tables.write("train", train_df)
-        if fit.last is not None and ctx.params.eagle.refine_keep_tree and ctx.params.tree.n_trees() == 1:
+        if fit.last is not None and keeps_eagle_tree(ctx.params):
             # the last round model's PIFA and tree: the tree stage keeps them for the final model
             # (the tree O(labels) rows; the embeddings were checkpointed when the model was trained)
             emb_r, tree_r = fit.last
@@ -350,7 +350,7 @@ def tree_stage(ctx: StageContext) -> StageResult:
     if counts is None or len(counts) != ing.n_labels:
         counts = evaluation.label_counts(samples, ing.n_labels)
     kept = ctx.records.get("eagle", {}).get(KEPT_TREE)
-    if kept is not None and kept == tree_config(ctx.params) and "eagle_tree" in ctx.tables.pins:
+    if fits_kept_tree(kept, ctx.params) and "eagle_tree" in ctx.tables.pins:
         index, facts = kept_tree(ctx.tables, ing.n_labels, ctx.params, ctx.timer)
     else:
         if kept is not None:
@@ -364,13 +364,24 @@ def tree_stage(ctx: StageContext) -> StageResult:
 KEPT_TREE = "eagle.kept_tree"          # the eagle stage's fact: tree_config of the tree it kept
 
 
+def keeps_eagle_tree(params: PipelineParams) -> bool:
+    """EAGLE's rounds hand their last model's tree to the final model (``eagle.refine_keep_tree``,
+    one tree: an ensemble grows its trees)."""
+    return params.eagle.refine_keep_tree and params.tree.n_trees() == 1
+
+
+def fits_kept_tree(kept: Optional[str], params: PipelineParams) -> bool:
+    """Whether the eagle stage's :data:`KEPT_TREE` fact ``kept`` (None: no tree kept) is the tree
+    ``params`` would use: the same :func:`tree_config`."""
+    return kept is not None and kept == tree_config(params)
+
+
 def tree_config(params: PipelineParams) -> str:
     """What a kept EAGLE tree depends on besides the training table: the first tree's settings,
     the embedding's, and that a tree is kept at all (``eagle.refine_keep_tree``, one tree). The
     tree stage keeps EAGLE's tree only when its own configuration gives the same string (a
     ``stage tree --set tree...`` rerun or a sweep of ``tree.*`` grows its own)."""
-    one = params.tree.n_trees() == 1 and params.eagle.refine_keep_tree
-    text = json.dumps({"keep": one, "tree": params.tree.for_tree(0).to_dict(),
+    text = json.dumps({"keep": keeps_eagle_tree(params), "tree": params.tree.for_tree(0).to_dict(),
                        "embedding": params.embedding.to_dict()}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -608,7 +619,7 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
                 # for a value the tree stage keeps them with (another grows and writes its own)
                 kept = base.records.by_stage.get("eagle", {}).get(KEPT_TREE)
                 shared = ("train", "test") + (("eagle_tree", "label_embeddings")
-                                              if kept is not None and kept == tree_config(child_params) else ())
+                                              if fits_kept_tree(kept, child_params) else ())
                 runner = Runner(spark, child_params, str(out_p / name), tracker=child,
                                 links={t: base.tables.path(t) for t in shared},
                                 records={s: base.records.by_stage[s] for s in _INPUT_STAGES})
