@@ -407,7 +407,7 @@ def train_stage(ctx: StageContext) -> StageResult:
     counts = ctx.memo.get("label_counts")
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     model = train_classifiers(samples, index, tables, ing.n_features, ModelTrainParams.from_pipeline(params),
-                              params.predict, ctx.timer, n_samples=None if ing.aggregated else ing.n_train,
+                              params.predict, ctx.timer, n_samples=ing.n_train,
                               label_counts=counts)
     model.meta.update({"train": ing.train, "n_train": ing.n_train,
                        **({"run_key": ctx.run_key} if ctx.run_key else {})})

@@ -465,6 +465,10 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
     m = pipeline.run(spark, str(d), None, str(tmp_path / "run"), params)
     # the round model, then the final model (and its retraining after overlapping clusters, if any)
     assert eps[0] == 0.7 and len(eps) >= 2 and set(eps[1:]) == {params.train.eps}, eps
+    # the final model's trainer is told the sample count (the eagle stage's table holds every input
+    # sample, so ingest's count is exact), as on per-sample input: no count job of its own
+    assert kws[1]["n_samples"] == read_delta(spark, str(tmp_path / "run" / "tables" / "train")).count() \
+        == aggregated.read(spark, str(d), IngestParams()).info.n_samples
     assert PipelineParams().eagle.refine_eps == 0      # the default: the round models at train.eps
     monkeypatch.setattr(node_training, "run", real_train)
     tables = tmp_path / "run" / "tables"
