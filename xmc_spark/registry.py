@@ -44,7 +44,7 @@ class StageSpec:
     needs: Tuple[str, ...]             # stages whose output this one reads (direct)
     reads: Tuple[str, ...]             # tables read
     writes: Tuple[str, ...]            # tables written
-    sections: Tuple[str, ...]          # config sections it depends on (its MLflow params)
+    sections: Tuple[str, ...]          # config sections it depends on (its MLflow params; see stage_sections)
     needs_test: bool = False           # only meaningful when a test set was ingested
     help: str = ""
 
@@ -93,3 +93,19 @@ def upstream(name: str) -> List[str]:
 def downstream(name: str) -> List[str]:
     """Every stage that depends on ``name``, directly or not, in pipeline order."""
     return [s for s in ORDER if name in upstream(s)]
+
+
+# the settings EAGLE's re-assignment rounds train and score their model with (pipeline.eagle_model_trainer)
+ROUND_MODEL_SECTIONS: Tuple[str, ...] = ("embedding", "tree", "train", "predict")
+
+
+def stage_sections(name: str, params) -> Tuple[str, ...]:
+    """The config sections stage ``name``'s output depends on under ``params`` (a
+    :class:`~.params.PipelineParams`): its :attr:`StageSpec.sections`, and for the eagle stage
+    with ``eagle.refine_rounds`` > 0 also those of the round model it trains
+    (:data:`ROUND_MODEL_SECTIONS`). A keyed stage run logs them as its MLflow params, and resumes
+    the key's MLflow run only when they agree."""
+    spec = STAGES[name]
+    if name == "eagle" and params.eagle.refine_rounds > 0:
+        return spec.sections + tuple(s for s in ROUND_MODEL_SECTIONS if s not in spec.sections)
+    return spec.sections

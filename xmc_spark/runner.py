@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from .params import ConfigError, PipelineParams
 from .progress import spark_progress
-from .registry import ORDER, STAGES, StageSpec, downstream, upstream
+from .registry import ORDER, STAGES, StageSpec, downstream, stage_sections, upstream
 from .storage import StageOrderError, Tables, is_local_path
 from .tracking import Tracker
 
@@ -274,7 +274,8 @@ class Runner:
             yield self.tracker or Tracker(self.params.mlflow, enabled=False)
             return
         tracker = Tracker(self.params.mlflow)
-        logged = {k: v for k, v in self.params.flat().items() if k.split(".")[0] in spec.sections}
+        sections = stage_sections(spec.name, self.params)
+        logged = {k: v for k, v in self.params.flat().items() if k.split(".")[0] in sections}
         if spec.name == "ingest":
             logged.update({"input.train": self.train or "", "input.test": self.test or ""})
         with tracker.run_for_key(self.run_key, self.root, logged):
