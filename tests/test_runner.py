@@ -212,6 +212,30 @@ def test_test_labels_unseen_in_training_are_counted_misses(env, unkeyed, spark):
     assert json.loads((d / "out200" / "metrics.json").read_text())["test_unseen_labels"] == 1
 
 
+def test_eagle_stops_when_its_aggregated_input_changed_since_ingest(tmp_path, spark):
+    # stage jobs in separate processes read the aggregated folder again; the later stages size
+    # their work by ingest's record (e.g. the trainer's sample count), so a grown input must stop
+    # the eagle stage, before it writes anything
+    import scipy.sparse as sp
+
+    from tests.conftest import random_problem, write_xc
+    X, _ = random_problem(n=40, d=20, L=6, seed=4)
+    X = X[np.flatnonzero(X.getnnz(axis=1) > 0)[:31]]                   # no blank sample line
+    agg = tmp_path / "agg"
+    agg.mkdir()
+    write_xc(agg / "samples.txt", X[:30], sp.csr_matrix((30, 6)))
+    (agg / "groups.txt").write_text("".join(f"{g % 6} {3 * g} {3 * g + 1} {3 * g + 2}\n" for g in range(10)))
+    params = _params(tmp_path).set_dotted("eagle.T", 2)
+    run_stage(spark, "ingest", KA, params, str(agg))
+    write_xc(agg / "samples.txt", X, sp.csr_matrix((31, 6)))          # one more sample, in no group
+    with pytest.raises(IngestError, match=r"agg: the aggregated input changed since stage ingest validated it "
+                                          r"\(samples 30 -> 31\): run stage ingest again"):
+        run_stage(spark, "eagle", KA, params)
+    assert not is_delta(spark, str(tmp_path / "root" / "tables" / "train"))
+    write_xc(agg / "samples.txt", X[:30], sp.csr_matrix((30, 6)))      # as ingest saw it: runs
+    assert run_stage(spark, "eagle", KA, params)["eagle.assigned_pairs"] >= 10
+
+
 # ~2.5 min (two ingest processes, each a JVM, on 2 cores): on demand, to keep CI under its 30
 # minutes; CI runs two writers at once on one fresh table in tests/test_storage.py
 @pytest.mark.slow

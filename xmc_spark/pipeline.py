@@ -32,7 +32,7 @@ from .model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked, split_
 from .params import PipelineParams, PredictParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
-from .schemas import TREE_SCHEMA
+from .schemas import TREE_SCHEMA, IngestError
 from .stages import (
     aggregated,
     eagle,
@@ -274,6 +274,12 @@ def eagle_stage(ctx: StageContext) -> StageResult:
         return StageResult({"skipped": True})
     spark, tables = ctx.spark, ctx.tables
     agg = ctx.memo.pop("aggregated", None) or aggregated.read(spark, ing.train, ctx.params.ingest)
+    changed = [f"{k} {was} -> {now}" for k, was, now in (
+        ("samples", ing.n_train, agg.info.n_samples), ("features", ing.n_features, agg.info.n_features),
+        ("labels", ing.n_labels, agg.info.n_labels)) if was != now]
+    if changed:         # read again in another process: later stages size their work by ingest's record
+        raise IngestError(f"{ing.train}: the aggregated input changed since stage ingest validated it "
+                          f"({', '.join(changed)}): run stage ingest again")
     with ctx.timer.stage("eagle"):
         fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch, eps=ctx.params.eagle.refine_eps or None)
         carried = ctx.memo.pop("groups_per_label", None)
