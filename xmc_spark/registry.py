@@ -104,7 +104,7 @@ def stage_sections(name: str, params) -> Tuple[str, ...]:
     :class:`~.params.PipelineParams`): its :attr:`StageSpec.sections`, and for the eagle stage
     with ``eagle.refine_rounds`` > 0 also those of the round model it trains
     (:data:`ROUND_MODEL_SECTIONS`). A keyed stage run logs them as its MLflow params, and resumes
-    the key's MLflow run only when they agree."""
+    the key's MLflow run only when none of them holds another value there."""
     spec = STAGES[name]
     if name == "eagle" and params.eagle.refine_rounds > 0:
         return spec.sections + tuple(s for s in ROUND_MODEL_SECTIONS if s not in spec.sections)
