@@ -228,11 +228,14 @@ def test_eagle_stops_when_its_aggregated_input_changed_since_ingest(tmp_path, sp
     params = _params(tmp_path).set_dotted("eagle.T", 2)
     run_stage(spark, "ingest", KA, params, str(agg))
     write_xc(agg / "samples.txt", X, sp.csr_matrix((31, 6)))          # one more sample, in no group
-    with pytest.raises(IngestError, match=r"agg: the aggregated input changed since stage ingest validated it "
-                                          r"\(samples 30 -> 31\): run stage ingest again"):
+    with pytest.raises(IngestError, match=r"agg: the aggregated input \(or the ingest settings it is read with\) "
+                                          r"changed since stage ingest validated it \(samples 30 -> 31\): "
+                                          r"run stage ingest again"):
         run_stage(spark, "eagle", KA, params)
     assert not is_delta(spark, str(tmp_path / "root" / "tables" / "train"))
-    write_xc(agg / "samples.txt", X[:30], sp.csr_matrix((30, 6)))      # as ingest saw it: runs
+    write_xc(agg / "samples.txt", X[:30], sp.csr_matrix((30, 6)))      # as ingest saw it
+    with pytest.raises(IngestError, match=r"\(features 20 -> 30\)"):      # but read with other settings
+        run_stage(spark, "eagle", KA, params.set_dotted("ingest.num_features", 30))
     assert run_stage(spark, "eagle", KA, params)["eagle.assigned_pairs"] >= 10
 
 

@@ -278,8 +278,8 @@ def eagle_stage(ctx: StageContext) -> StageResult:
         ("samples", ing.n_train, agg.info.n_samples), ("features", ing.n_features, agg.info.n_features),
         ("labels", ing.n_labels, agg.info.n_labels)) if was != now]
     if changed:         # read again in another process: later stages size their work by ingest's record
-        raise IngestError(f"{ing.train}: the aggregated input changed since stage ingest validated it "
-                          f"({', '.join(changed)}): run stage ingest again")
+        raise IngestError(f"{ing.train}: the aggregated input (or the ingest settings it is read with) changed "
+                          f"since stage ingest validated it ({', '.join(changed)}): run stage ingest again")
     with ctx.timer.stage("eagle"):
         fit = eagle_model_trainer(ctx.params, agg.info, tables.scratch, eps=ctx.params.eagle.refine_eps or None)
         carried = ctx.memo.pop("groups_per_label", None)
