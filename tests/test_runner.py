@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 
-from tests.conftest import write_split
+from tests.conftest import random_problem, write_split, write_xc
 from xmc_spark import pipeline
 from xmc_spark.params import ConfigError, PipelineParams
 from xmc_spark.registry import STAGES
@@ -216,9 +217,6 @@ def test_eagle_stops_when_its_aggregated_input_changed_since_ingest(tmp_path, sp
     # stage jobs in separate processes read the aggregated folder again; the later stages size
     # their work by ingest's record (e.g. the trainer's sample count), so a grown input must stop
     # the eagle stage, before it writes anything
-    import scipy.sparse as sp
-
-    from tests.conftest import random_problem, write_xc
     X, _ = random_problem(n=40, d=20, L=6, seed=4)
     X = X[np.flatnonzero(X.getnnz(axis=1) > 0)[:31]]                   # no blank sample line
     agg = tmp_path / "agg"
