@@ -84,3 +84,28 @@ def test_blocks_of_batches_sum_to_the_kernel(problem, spark):
             np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
     finally:
         spark.conf.set(key, old)
+
+
+def test_each_bucket_gets_a_partition_of_its_own(problem, spark):
+    """With as many buckets as shuffle partitions, the combine's partition of a label depends on
+    its bucket (label mod n) alone, and no two buckets share one (the buckets' own ids 0-3 would
+    send three of the four to partition 3); the embeddings are the kernel's."""
+    from pyspark.sql import functions as F
+    samples, Xl, Yl = problem
+    keys = {"spark.sql.shuffle.partitions": "4", "spark.sql.adaptive.coalescePartitions.enabled": "false"}
+    old = {k: spark.conf.get(k) for k in keys}
+    for k, v in keys.items():
+        spark.conf.set(k, v)
+    try:
+        emb = label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=4)
+        rows = emb.withColumn("pid", F.spark_partition_id()).collect()
+    finally:
+        for k, v in old.items():
+            spark.conf.set(k, v)
+    where = {}
+    for r in rows:
+        where.setdefault(r["label_idx"] % 4, set()).add(r["pid"])
+    assert len(where) == 4 and all(len(p) == 1 for p in where.values())
+    assert len(set.union(*where.values())) == 4
+    Z = to_csr(rows, "emb_idx", "emb_val", D, id_col="label_idx")
+    np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
