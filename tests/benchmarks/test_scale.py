@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from scale import read_event_log  # noqa: E402
+from scale import read_event_log, table  # noqa: E402
 
 
 def job(jid, t, stages, tag=None):
@@ -39,3 +39,14 @@ def test_untagged_jobs_go_to_the_stage_running_then_and_stages_count_once(tmp_pa
     assert r["max_task_shuffle_rows"] == {"ingest": 5, "train": 900, "predict": 40, "untagged": 1, "all": 900}
     assert r["result_bytes"] == {"ingest": 1000, "train": 2050, "predict": 730, "untagged": 1, "all": 3781}
     assert r["peak_python_rss"] == 3 << 20
+
+
+def test_the_table_counts_the_embedding_once():
+    """The pipeline's tree stage holds the embedding's seconds: the embedding+tree column is the
+    tree stage's seconds, not their sum with the embedding's."""
+    row = {"n": 1000, "labels": 10, "features": 20, "model_layout": "whole", "process_seconds": 50.0,
+           "seconds": {"ingest": 3.0, "embedding": 4.0, "tree": 10.0, "train": 20.0, "predict": 5.0},
+           "max_task_rows_over_n": {"train": 0.5, "all": 0.5}, "result_bytes": {"all": 2 ** 20},
+           "weights_bytes": 2 ** 21, "peak_python_rss_mb": 100.0, "p@1": 90.0, "p@3": 60.0, "p@5": 40.0}
+    cells = [c.strip() for c in table([row]).splitlines()[2].split("|")[1:-1]]
+    assert cells[4:8] == ["3", "10", "20", "5"] and cells[11] == "50.0%"
