@@ -76,8 +76,9 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
     Labels go to buckets round robin (label mod ``n_buckets``); bucket b's records carry
     ``partition_keys(n_buckets)[b]``, which Spark's hash sends to a partition of its own when
     ``n_buckets`` is the shuffle's partition count (the pipeline passes
-    ``spark.sql.shuffle.partitions``), so the combine's tasks get a bucket each, or adjacent buckets
-    where adaptive execution merges partitions. With the buckets' own ids, hash collisions gave
+    :func:`~..compat.shuffle_partitions`: the setting, or the default parallelism where it is
+    ``auto``, when the keys are only distinct), so the combine's tasks get a bucket each, or
+    adjacent buckets where adaptive execution merges partitions. With the buckets' own ids, hash collisions gave
     tasks 1 to 3 buckets (200K set: 4, 8, 8 and 12 records, 0.48-1.31 s; with 4 partitions, three
     of the four buckets shared one). On 2 cores this changes little (the 500K set's embedding
     in process: 3.7-4.6 s against 3.7-5.0 s, warm); with as many cores as buckets, the slowest
