@@ -95,3 +95,16 @@ def test_never_broadcast_joins_shuffled(spark, tmp_path):
     assert "BroadcastExchange" in executed_plan(spark.range(10).join(a, "id"))
     plan = executed_plan(spark.range(10).join(compat.never_broadcast(a), "id"))
     assert "ShuffledHashJoin" in plan and "BroadcastExchange" not in plan
+
+
+def test_spark_hash_and_partition_keys_match_spark(spark):
+    """spark_hash_int is Spark SQL's hash() of an int, and repartition(n, part) sends each of
+    partition_keys(n) to its own partition r."""
+    ids = np.concatenate([np.arange(-300, 300), [2**31 - 1, -2**31, 123456789]])
+    got = spark.createDataFrame([(int(i),) for i in ids], "v int").selectExpr("v", "hash(v) AS h").collect()
+    np.testing.assert_array_equal(compat.spark_hash_int([r["v"] for r in got]), [r["h"] for r in got])
+    for n in (1, 7, 64):
+        keys = compat.partition_keys(n)
+        parts = spark.createDataFrame([(int(k),) for k in keys], "part int").repartition(n, "part") \
+            .rdd.glom().map(lambda rows: [r["part"] for r in rows]).collect()
+        assert parts == [[int(k)] for k in keys]

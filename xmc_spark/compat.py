@@ -22,6 +22,10 @@ tracker, no ``_jvm``. Stages use these three functions instead of the ``SparkCon
 - :func:`default_parallelism` (``spark``): ``sparkContext.defaultParallelism`` on classic; on
   Connect ``spark.default.parallelism`` / ``spark.sql.leafNodeDefaultParallelism`` when set, else
   the number of partitions Spark gives ``spark.range`` (one tiny job).
+
+Beside them, the session's partitioning facts (:func:`task_slots`, :func:`shuffle_partitions`)
+and Spark's hash partitioning of int keys (:func:`spark_hash_int`, :func:`partition_keys`: keys
+that ``repartition(n, col)`` or a ``groupBy`` over n shuffle partitions sends to a partition each).
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ import logging
 import os
 import pickle
 from typing import Any, Generic, Optional, TypeVar
+
+import numpy as np
 
 from .errors import XmcError
 
@@ -161,6 +167,41 @@ def shuffle_partitions(spark) -> int:
     except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
         v = "auto"
     return int(v) if v.isdigit() else int(default_parallelism(spark))
+
+
+def spark_hash_int(values) -> np.ndarray:
+    """Spark SQL's ``hash()`` of int values (Murmur3 x86_32, seed 42), the hash
+    ``repartition(n, col)`` takes modulo n (``pmod``) to choose an int column's partition."""
+    k = np.asarray(values, np.int64).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        k = k * np.uint32(0xcc9e2d51)
+        k = (k << np.uint32(15)) | (k >> np.uint32(17))
+        k = k * np.uint32(0x1b873593)
+        h = np.uint32(42) ^ k
+        h = (h << np.uint32(13)) | (h >> np.uint32(19))
+        h = h * np.uint32(5) + np.uint32(0xe6546b64)
+        h ^= np.uint32(4)
+        h ^= h >> np.uint32(16)
+        h = h * np.uint32(0x85ebca6b)
+        h ^= h >> np.uint32(13)
+        h = h * np.uint32(0xc2b2ae35)
+        h ^= h >> np.uint32(16)
+    return h.view(np.int32)
+
+
+def partition_keys(n_parts: int) -> np.ndarray:
+    """For each partition r < ``n_parts``, the smallest non-negative int that
+    ``repartition(n_parts, col)`` sends to partition r."""
+    keys = np.full(n_parts, -1, np.int64)
+    lo, step = 0, 16 * n_parts
+    while (keys < 0).any():
+        cand = np.arange(lo, lo + step, dtype=np.int64)
+        part = spark_hash_int(cand).astype(np.int64) % n_parts
+        first, at = np.unique(part, return_index=True)          # the first candidate of each partition
+        new = keys[first] < 0
+        keys[first[new]] = cand[at[new]]
+        lo += step
+    return keys
 
 
 def never_broadcast(df):

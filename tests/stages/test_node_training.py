@@ -173,19 +173,6 @@ def test_training_units_cut_below_the_big_nodes():
     np.testing.assert_array_equal(units, [0, 2, 6, 7, 7, 7, 14])
 
 
-def test_spark_hash_and_partition_keys_match_spark(spark):
-    """spark_hash_int is Spark SQL's hash() of an int, and repartition(n, part) sends each of
-    partition_keys(n) to its own partition r."""
-    ids = np.concatenate([np.arange(-300, 300), [2**31 - 1, -2**31, 123456789]])
-    got = spark.createDataFrame([(int(i),) for i in ids], "v int").selectExpr("v", "hash(v) AS h").collect()
-    np.testing.assert_array_equal(node_training.spark_hash_int([r["v"] for r in got]), [r["h"] for r in got])
-    for n in (1, 7, 64):
-        keys = node_training.partition_keys(n)
-        parts = spark.createDataFrame([(int(k),) for k in keys], "part int").repartition(n, "part") \
-            .rdd.glom().map(lambda rows: [r["part"] for r in rows]).collect()
-        assert parts == [[int(k)] for k in keys]
-
-
 def test_lpt_ranks_balance_and_number_bins_by_load():
     """Largest first into the least loaded bin; bin 0 the heaviest. 8,7,6,5,4 over 2 bins:
     {8,5,4} = 17 and {7,6} = 13 (bin 0, 1)."""

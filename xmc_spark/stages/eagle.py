@@ -33,7 +33,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, csr_rows_to_arrays, local_frame
-from ..compat import default_parallelism, never_broadcast, share
+from ..compat import default_parallelism, never_broadcast, partition_keys, share
 from ..kernels.eagle import (
     Triples,
     assign,
@@ -55,7 +55,7 @@ from ..progress import worker_progress
 from ..schemas import EMBEDDING_SCHEMA
 from .aggregated import AggregatedInput
 from .evaluation import rows_per_label
-from .node_training import lpt_ranks, partition_keys
+from .node_training import lpt_ranks
 
 log = logging.getLogger("xmc_spark.eagle")
 

@@ -18,11 +18,11 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 
 from ..arrow_utils import binary_segments, binary_values, csr_from_table, csr_rows_to_arrays, grouped_apply
+from ..compat import partition_keys
 from ..kernels.label_embedding import pifa_partial
 from ..kernels.sparse import csr_from_lists, l2_normalize_rows
 from ..params import EmbeddingParams
 from ..schemas import EMBEDDING_SCHEMA
-from .node_training import partition_keys
 
 log = logging.getLogger("xmc_spark.embedding")
 BLOCK_BYTES = 32 << 20
@@ -73,16 +73,11 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
     the products (500K set: 2.4 s against 0.4 s a partition). A task holds one block (copied about
     twice while it becomes CSR) beside its partial.
 
-    Labels go to buckets round robin (label mod ``n_buckets``); bucket b's records carry
-    ``partition_keys(n_buckets)[b]``, which Spark's hash sends to a partition of its own when
-    ``n_buckets`` is the shuffle's partition count (the pipeline passes
-    :func:`~..compat.shuffle_partitions`: the setting, or the default parallelism where it is
-    ``auto``, when the keys are only distinct), so the combine's tasks get a bucket each, or
-    adjacent buckets where adaptive execution merges partitions. With the buckets' own ids, hash collisions gave
-    tasks 1 to 3 buckets (200K set: 4, 8, 8 and 12 records, 0.48-1.31 s; with 4 partitions, three
-    of the four buckets shared one). On 2 cores this changes little (the 500K set's embedding
-    in process: 3.7-4.6 s against 3.7-5.0 s, warm); with as many cores as buckets, the slowest
-    combine task holds one bucket, not up to three."""
+    Labels go to buckets round robin (label mod ``n_buckets``), and bucket b's records carry the
+    key :func:`~..compat.partition_keys` gives b: with ``n_buckets`` shuffle partitions (what the
+    pipeline passes, :func:`~..compat.shuffle_partitions`) each bucket gets a partition of its own,
+    where the buckets' own ids collided (three of four in one partition at n = 4), so no combine
+    task holds several buckets unless adaptive execution merges adjacent partitions."""
     normalize_y = params.normalize_y
     keys = partition_keys(n_buckets)
 

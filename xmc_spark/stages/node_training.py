@@ -102,7 +102,7 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import default_parallelism, never_broadcast, share, shuffle_partitions
+from ..compat import default_parallelism, never_broadcast, partition_keys, share, shuffle_partitions
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
 from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth
@@ -196,41 +196,6 @@ def _train_units(grouped: DataFrame, n_parts: int, train) -> DataFrame:
     (:func:`unit_placement`): one shuffle (the grouping by (part, group) reuses the hash
     partitioning on part), ``n_parts`` tasks, the heaviest first."""
     return grouped_apply(grouped.repartition(n_parts, "part"), ["part", "group"], train, WEIGHTS_SCHEMA)
-
-
-def spark_hash_int(values) -> np.ndarray:
-    """Spark SQL's ``hash()`` of int values (Murmur3 x86_32, seed 42), the hash
-    ``repartition(n, col)`` takes modulo n (``pmod``) to choose an int column's partition."""
-    k = np.asarray(values, np.int64).astype(np.uint32)
-    with np.errstate(over="ignore"):
-        k = k * np.uint32(0xcc9e2d51)
-        k = (k << np.uint32(15)) | (k >> np.uint32(17))
-        k = k * np.uint32(0x1b873593)
-        h = np.uint32(42) ^ k
-        h = (h << np.uint32(13)) | (h >> np.uint32(19))
-        h = h * np.uint32(5) + np.uint32(0xe6546b64)
-        h ^= np.uint32(4)
-        h ^= h >> np.uint32(16)
-        h = h * np.uint32(0x85ebca6b)
-        h ^= h >> np.uint32(13)
-        h = h * np.uint32(0xc2b2ae35)
-        h ^= h >> np.uint32(16)
-    return h.view(np.int32)
-
-
-def partition_keys(n_parts: int) -> np.ndarray:
-    """For each partition r < ``n_parts``, the smallest non-negative int that
-    ``repartition(n_parts, col)`` sends to partition r."""
-    keys = np.full(n_parts, -1, np.int64)
-    lo, step = 0, 16 * n_parts
-    while (keys < 0).any():
-        cand = np.arange(lo, lo + step, dtype=np.int64)
-        part = spark_hash_int(cand).astype(np.int64) % n_parts
-        first, at = np.unique(part, return_index=True)          # the first candidate of each partition
-        new = keys[first] < 0
-        keys[first[new]] = cand[at[new]]
-        lo += step
-    return keys
 
 
 def node_costs(index, label_counts=None, n_samples: Optional[int] = None):
