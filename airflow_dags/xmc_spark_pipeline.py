@@ -1,6 +1,6 @@
 """Airflow DAG: the xmc-spark pipeline, one spark-submit task per stage, keyed by the logical date.
 
-    ingest >> eagle >> tree >> train >> prime >> predict >> evaluate
+    ingest >> eagle >> tree >> train >> prime >> knn >> predict >> evaluate
 
 Each task runs ``jobs/<stage>.py --run-key {{ ds }}``: its Delta tables are the run date's
 partitions under ``paths.root``, so a retried or cleared task replaces only its own output.

@@ -1,7 +1,8 @@
 """Probe for issue #14: how much would a k-nearest-neighbour vote add to the tree's scores?
 
-Not a pipeline feature (xmc-spark has no kNN stage): the numpy reference model only, to decide
-whether building one is worth it. For a configuration of ``benchmarks/accuracy_table.py``:
+The numpy reference model only: the probe that decided to build the pipeline's ``knn`` stage
+(:mod:`xmc_spark.stages.knn`, which chooses on its own held-out rows). For a configuration of
+``benchmarks/accuracy_table.py``:
 
 1. train it on 80% of the TRAINING rows (accuracy_table's seeded split) and take the top 100
    labels (and scores) of the other 20%;
@@ -50,11 +51,11 @@ from xmc_spark.params import PipelineParams  # noqa: E402
 KS = (1, 3, 5)
 
 
-def knn_votes(Xq: sp.csr_matrix, Xa: sp.csr_matrix, Ya: sp.csr_matrix, k: int) -> np.ndarray:
-    """rows of Xq x labels: similarity-weighted label votes of the k most similar rows of Xa."""
+def knn_votes(Xq: sp.csr_matrix, Xa: sp.csr_matrix, Ya: sp.csr_matrix, k: int, power: float = 1.0) -> np.ndarray:
+    """rows of Xq x labels: similarity^power-weighted label votes of the k most similar rows of Xa."""
     S = np.asarray((l2_normalize_rows(Xq) @ l2_normalize_rows(Xa).T).todense())
     idx = np.argpartition(-S, k, axis=1)[:, :k]
-    sims = np.take_along_axis(S, idx, 1)
+    sims = np.maximum(np.take_along_axis(S, idx, 1), 0) ** power
     W = sp.csr_matrix((sims.ravel(), idx.ravel(), np.arange(0, idx.size + 1, k)), shape=(S.shape[0], Xa.shape[0]))
     return np.asarray((W @ Ya).todense()) / np.maximum(sims.sum(1, keepdims=True), 1e-12)
 
@@ -68,12 +69,12 @@ def centroid_votes(Xq: sp.csr_matrix, Xa: sp.csr_matrix, Ya: sp.csr_matrix, a: f
     return np.asarray((l2_normalize_rows(Xq) @ S.T).todense()) / np.maximum(cnt, 1) ** a
 
 
-def candidate_votes(kind: str, Xq, Xa, Ya, param: float, lab: np.ndarray) -> np.ndarray:
-    """The vote of each of a row's candidate labels (``lab``): kNN (``param`` = k) or centroid
-    (``param`` = a); centroid votes are scaled by the row's largest, as the kNN vote is a
-    weighted share in [0, 1]."""
+def candidate_votes(kind: str, Xq, Xa, Ya, param: float, lab: np.ndarray, power: float = 1.0) -> np.ndarray:
+    """The vote of each of a row's candidate labels (``lab``): kNN (``param`` = k, neighbours
+    weighted by similarity^``power``) or centroid (``param`` = a); centroid votes are scaled by
+    the row's largest, as the kNN vote is a weighted share in [0, 1]."""
     if kind == "knn":
-        return np.take_along_axis(knn_votes(Xq, Xa, Ya, int(param)), np.maximum(lab, 0), 1)
+        return np.take_along_axis(knn_votes(Xq, Xa, Ya, int(param), power), np.maximum(lab, 0), 1)
     v = np.take_along_axis(centroid_votes(Xq, Xa, Ya, param), np.maximum(lab, 0), 1)
     return v / np.maximum(v.max(axis=1, keepdims=True), 1e-12)
 
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--vote", choices=("knn", "centroid"), default="knn",
                     help="knn: the k nearest training rows; centroid: each label's sum of positive rows / count^a")
     ap.add_argument("--ks", default="10,25,50", help="knn: the k grid")
+    ap.add_argument("--powers", default="1", help="knn: the grid of similarity powers (1: the vote as first probed; "
+                    "the pipeline's knn stage searches 1,2,4)")
     ap.add_argument("--as", dest="a_grid", default="0,0.25,0.5,0.75,1", help="centroid: the a grid")
     ap.add_argument("--topk", type=int, default=100, help="tree candidates re-ranked")
     args = ap.parse_args()
@@ -108,21 +111,22 @@ def main() -> None:
     val_tree = precision(lab, Y[va])
     best = None
     grid = [float(v) for v in (args.ks if args.vote == "knn" else args.a_grid).split(",")]
-    for k in grid:                                         # the mixing weight: PRIME's own chooser
-        votes = candidate_votes(args.vote, X[va], X[tr], Y[tr], k, lab)
+    powers = [float(v) for v in args.powers.split(",")] if args.vote == "knn" else [1.0]
+    for k, power in [(k, p) for k in grid for p in powers]:    # the mixing weight: PRIME's own chooser
+        votes = candidate_votes(args.vote, X[va], X[tr], Y[tr], k, lab, power)
         w, table = PR.choose_weight(lab, sc, votes, Y[va], ks=KS)
         if best is None or table[w] > best[2]:
-            best = (k, w, table[w], precision(PR.rerank(lab, sc, votes, w)[0], Y[va]))
-    k, w, _, val = best
+            best = (k, w, table[w], precision(PR.rerank(lab, sc, votes, w)[0], Y[va]), power)
+    k, w, _, val, power = best
     t = time.perf_counter()
     model = fit(X, Y)
     fit_s = time.perf_counter() - t
     lab, sc = model.predict(Xt, topk=args.topk)
     t = time.perf_counter()
-    votes = candidate_votes(args.vote, Xt, X, Y, k, lab)
+    votes = candidate_votes(args.vote, Xt, X, Y, k, lab, power)
     knn_s = time.perf_counter() - t
     out = {"data": Path(args.data).name, "config": args.config, "vote": args.vote,
-           "k" if args.vote == "knn" else "a": k, "w": w,
+           "k" if args.vote == "knn" else "a": k, "w": w, **({"power": power} if args.vote == "knn" else {}),
            "validation": {"tree": val_tree, "re-ranked": val},
            "test": {"tree": precision(lab, Yt), "re-ranked": precision(PR.rerank(lab, sc, votes, w)[0], Yt)},
            "seconds": {"fit": round(fit_s, 1), "knn_test": round(knn_s, 1)}}

@@ -58,9 +58,10 @@ def test_shipped_confs_load(monkeypatch):
     assert sorted(f.name for f in CONF.glob("*.yaml")) == ["accurate.yaml", "databricks.yaml", "emr.yaml", "local.yaml"]
     # accurate.yaml holds algorithm sections only, over the defaults
     raw = yaml.safe_load((CONF / "accurate.yaml").read_text())
-    assert set(raw) <= {"tree", "train", "clusters", "predict", "embedding"}
+    assert set(raw) <= {"tree", "train", "clusters", "predict", "embedding", "prime", "knn"}
     acc = load_params([str(CONF / "local.yaml"), str(CONF / "accurate.yaml")])
     assert acc.tree.n_trees() == 3 and [acc.tree.for_tree(t).nr_splits for t in range(3)] == [2, 8, 32]
+    assert acc.knn.mode == "rerank" and acc.prime.mode == "off"
     assert acc.spark == PipelineParams().spark and acc.train.C == 0.5
     # local.yaml is the embedded default, verbatim
     assert load_params(str(CONF / "local.yaml")) == PipelineParams()

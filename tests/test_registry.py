@@ -5,11 +5,12 @@ from xmc_spark.registry import ORDER, STAGES, downstream, upstream
 
 
 def test_order_and_closures():
-    assert ORDER == ("ingest", "eagle", "tree", "train", "prime", "predict", "evaluate")
+    assert ORDER == ("ingest", "eagle", "tree", "train", "prime", "knn", "predict", "evaluate")
     assert upstream("ingest") == []
-    assert upstream("evaluate") == ["ingest", "eagle", "tree", "train", "prime", "predict"]
-    assert downstream("tree") == ["train", "prime", "predict", "evaluate"]
-    assert STAGES["predict"].needs == ("prime",) and STAGES["prime"].needs == ("train",)
+    assert upstream("evaluate") == ["ingest", "eagle", "tree", "train", "prime", "knn", "predict"]
+    assert downstream("tree") == ["train", "prime", "knn", "predict", "evaluate"]
+    assert STAGES["predict"].needs == ("knn",) and STAGES["knn"].needs == ("prime",)
+    assert STAGES["prime"].needs == ("train",)
     assert downstream("evaluate") == []
     for name, spec in STAGES.items():       # a stage only needs stages before it
         assert all(ORDER.index(n) < ORDER.index(name) for n in spec.needs)

@@ -84,7 +84,7 @@ def test_overlapping_clusters_equal_the_reference_trainer(env, spark):
 def _records(n_features=40, n_labels=12, test="t.txt"):
     chain = {"ingest": {"n_train": 120, "n_features": n_features, "n_labels": n_labels, "n_test": 40, "test": test,
                         "train": "x", "aggregated": False}, "eagle": {"skipped": True}, "tree": {}, "train": {},
-             "prime": {"prime.mode": "off"}}
+             "prime": {"prime.mode": "off"}, "knn": {"knn.mode": "off"}}
     out, prev = {}, None
     for name, facts in chain.items():
         out[name] = {**facts, "commit": name, "tables": {}, "basis": {prev: prev} if prev else {}}
@@ -106,7 +106,7 @@ def test_a_wrong_schema_table_stops_the_stage_naming_table_and_column(env, unkey
     spark.createDataFrame([], bad).write.format("delta").save(str(tmp_path / "bad"))
     links = {t: str(good / t) for t in ("train", "test", "tree", "slots", "weights")}
     links[table] = str(tmp_path / "bad")
-    upto = {"tree": "eagle", "train": "tree", "predict": "prime"}[stage]
+    upto = {"tree": "eagle", "train": "tree", "predict": "knn"}[stage]
     recs = {k: v for k, v in _records().items() if list(_records()).index(k) <= list(_records()).index(upto)}
     runner = Runner(spark, params, str(tmp_path / "root"), links=links, records=recs)
     with pytest.raises(SchemaError, match=f"table '{table}': "):
@@ -122,8 +122,11 @@ def test_check_ready_from_records():
           "eagle": {"commit": "e1", "basis": {"ingest": "i1"}},
           "tree": {"commit": "t1", "basis": {"eagle": "e1"}},
           "train": {"commit": "m1", "basis": {"tree": "t1"}},
-          "prime": {"commit": "p1", "basis": {"train": "m1"}}}
+          "prime": {"commit": "p1", "basis": {"train": "m1"}},
+          "knn": {"commit": "k1", "basis": {"prime": "p1"}}}
     check_ready(STAGES["predict"], ok, "here")
+    with pytest.raises(StageOrderError, match="stage 'predict' needs the output of stage 'knn' for here"):
+        check_ready(STAGES["predict"], {k: v for k, v in ok.items() if k != "knn"}, "here")
     with pytest.raises(StageOrderError, match="stage 'predict' needs the output of stage 'prime' for here"):
         check_ready(STAGES["predict"], {k: v for k, v in ok.items() if k != "prime"}, "here")
     with pytest.raises(StageOrderError, match="needs the output of stage 'tree' for here"):
@@ -149,7 +152,7 @@ def test_predict_and_evaluate_need_train_for_their_own_key(env, spark):
 def test_a_rerun_upstream_invalidates_the_stages_after_it(env, spark, monkeypatch):
     d, params, _ = env
     key = "2026-01-03"
-    for s in ("ingest", "eagle", "tree", "train", "prime", "predict"):
+    for s in ("ingest", "eagle", "tree", "train", "prime", "knn", "predict"):
         run_stage(spark, s, key, params, str(d / "train.txt") if s == "ingest" else None,
                   str(d / "test.txt") if s == "ingest" else None)
     run_stage(spark, "tree", key, params)

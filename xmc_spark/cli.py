@@ -108,12 +108,14 @@ def main(argv=None) -> int:
         if args.cmd == "predict":            # a broken model folder stops before Spark starts
             from .model import is_chunked, read_header
             from .prime_model import PrimeHead, load
+            from .stages.knn import load_info
+            knn_info = load_info(args.model)     # the kNN re-ranker's knn/knn.json, when there is one
             if is_chunked(args.model):
                 read_header(args.model)      # checked now; the weights are read whole or by the tasks later
                 PrimeHead.load(args.model)   # and prime/, when there is one
                 model = args.model
             else:
-                model = load(args.model)     # the tree model, with PRIME when the folder has prime/
+                model = load(args.model, knn_warning=False)   # the tree model, with PRIME when it has prime/
         from pyspark.sql import SparkSession
         owner = SparkSession.getActiveSession() is None     # stop only a session this call started
         if args.cmd in ("run", "sweep", "stage"):
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
             print(json.dumps(res if args.name == "all" else res[args.name], indent=2, default=str))
         elif args.cmd == "predict":
             from . import pipeline
-            print(json.dumps(pipeline.predict(spark, model, args.data, args.out, params), indent=2))
+            print(json.dumps(pipeline.predict(spark, model, args.data, args.out, params, knn_info), indent=2))
         elif args.cmd == "synth":
             from . import synth
             info = synth.run(spark, args.out, n_train=args.n_train, n_test=args.n_test, n_labels=args.labels,

@@ -577,6 +577,38 @@ class PathsParams(BaseParams):
 
 
 @dataclass
+class KnnParams(BaseParams):
+    """The kNN re-ranker (issue #14, :mod:`xmc_spark.stages.knn`): ``mode`` off (default: the
+    stage only records itself) or ``rerank`` (the tree's top ``K`` re-ordered by
+    ``weight * tree + (1 - weight) * vote``, the vote being the similarity^power-weighted labels
+    of a row's k most cosine-similar training rows). k (among ``ks``), power (among ``powers``)
+    and the weight are chosen on held-out *training* rows (``val_frac`` of them by a hash of
+    sample_id, at most ``val_max_rows``), scored by a tree trained without them. ``block_rows``:
+    rows per block of the blocked similarity join (a task holds one block of queries and one of
+    training rows)."""
+
+    mode: str = "off"
+    K: int = 100
+    ks: List[int] = field(default_factory=lambda: [10, 25, 50])
+    powers: List[float] = field(default_factory=lambda: [1.0, 2.0, 4.0])
+    val_frac: float = 0.2
+    val_max_rows: int = 20000
+    block_rows: int = 8192
+    seed: int = 0
+
+    def validate(self, prefix=""):
+        _check(self.mode in ("off", "rerank"), prefix + "mode", f"must be off or rerank, got {self.mode!r}")
+        _check(self.K >= 1, prefix + "K", "must be >= 1")
+        _check(len(self.ks) > 0 and all(int(k) >= 1 for k in self.ks), prefix + "ks",
+               f"must be a non-empty list of neighbour counts >= 1, got {self.ks}")
+        _check(len(self.powers) > 0 and all(float(p) >= 0 for p in self.powers), prefix + "powers",
+               f"must be a non-empty list of similarity powers >= 0, got {self.powers}")
+        _check(0 < self.val_frac < 1, prefix + "val_frac", f"must be in (0, 1), got {self.val_frac}")
+        _check(self.val_max_rows >= 1, prefix + "val_max_rows", "must be >= 1")
+        _check(self.block_rows >= 1, prefix + "block_rows", "must be >= 1")
+
+
+@dataclass
 class PipelineParams(BaseParams):
     spark: SparkParams = field(default_factory=SparkParams)
     paths: PathsParams = field(default_factory=PathsParams)
@@ -588,5 +620,10 @@ class PipelineParams(BaseParams):
     train: TrainParams = field(default_factory=TrainParams)
     predict: PredictParams = field(default_factory=PredictParams)
     prime: PrimeParams = field(default_factory=PrimeParams)
+    knn: KnnParams = field(default_factory=KnnParams)
     eval: EvalParams = field(default_factory=EvalParams)
     mlflow: MlflowParams = field(default_factory=MlflowParams)
+
+    def validate(self, prefix=""):
+        _check(self.prime.mode == "off" or self.knn.mode == "off", prefix + "knn.mode",
+               f"({self.knn.mode}) and prime.mode ({self.prime.mode}) both re-rank the tree: set one of them to off")

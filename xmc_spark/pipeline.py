@@ -38,6 +38,7 @@ from .stages import (
     eagle,
     evaluation,
     ingest,
+    knn,
     label_clusters,
     label_embedding,
     label_frequencies,
@@ -462,6 +463,7 @@ def prime_stage(ctx: StageContext) -> StageResult:
     ``prime`` table, ``prime/`` in the model folder and, with ``mlflow.log_model``, the model
     logged again with PRIME."""
     p, tables = ctx.params, ctx.tables
+    check_rerankers(p)
     if p.prime.mode == "off":
         if ctx.model_dir:
             prime_model.PrimeHead.remove(ctx.model_dir)
@@ -502,6 +504,41 @@ def prime_head(ctx: StageContext):
     return ctx.memo.get("prime") or prime.head_from_table(ctx.tables.read("prime"), rec)
 
 
+def check_rerankers(params: PipelineParams) -> None:
+    """PRIME and the kNN re-ranker each mix their score into the tree's: one at a time (the
+    configuration's own check, repeated for parameters built in code)."""
+    params.validate()
+
+
+def knn_stage(ctx: StageContext) -> StageResult:
+    """The kNN re-ranker's k, power and weight, chosen on held-out training rows
+    (:mod:`.stages.knn`); with ``knn.mode`` off it only records itself. Writes no table: the
+    predict stage reads the record and the ``train`` table (the neighbours' rows)."""
+    p = ctx.params
+    check_rerankers(p)
+    if p.knn.mode == "off":
+        if ctx.model_dir:
+            knn.remove_folder(ctx.model_dir)
+        return StageResult({"knn.mode": "off"})
+    ing = ctx.dataset
+    for t in ("slots", "weights"):
+        ctx.tables.note_read(t)
+    samples = ctx.tables.read("train")
+    choice = knn.choose(samples, p.knn, ing.n_train, ing.n_features, ing.n_labels,
+                        p.predict.beam_size, eagle_model_trainer(p, ing, ctx.tables.scratch), ctx.timer)
+    facts = {"knn.mode": p.knn.mode, "knn.K": p.knn.K, **choice}
+    info = {**{k.split(".", 1)[1]: v for k, v in facts.items()}, "table": ctx.tables.path("train"),
+            "version": ctx.tables.reads["train"], "run_key": ctx.run_key}
+
+    def write(folder):                 # the train stage's folder gets knn/; a fresh one the tree too
+        if not Path(folder, "param.json").is_file():
+            (ctx.memo.get("model") or model_from_tables(ctx.tables, ing.n_features, ing.n_labels, p)).save(folder)
+        knn.save_info(folder, info)
+
+    keep_model_folder(ctx, write)
+    return StageResult(facts)
+
+
 def predict_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
     model = ctx.memo.get("model")
@@ -510,6 +547,16 @@ def predict_stage(ctx: StageContext) -> StageResult:
     else:                                   # the train stage's model, as its tables hold it
         for t in ("slots", "weights"):
             ctx.tables.note_read(t)
+    rec = ctx.records.get("knn", {})
+    if rec.get("knn.mode", "off") != "off":
+        p = ctx.params
+        with ctx.timer.stage("predict"):
+            preds, tree = knn.rerank(ctx.tables.read("test"), knn.index_rows(ctx.tables.read("train")), model, p.knn,
+                                     rec, p.predict.beam_size, p.predict.topk, ing.n_features, ing.n_labels,
+                                     ing.n_test)
+            ctx.tables.write("predictions", preds)
+            ctx.tables.write("tree_predictions", tree)
+        return StageResult({"n_test": ing.n_test})
     head = prime_head(ctx)
     if head is not None and ctx.memo.get("prime") is not None:
         ctx.tables.note_read("prime")
@@ -530,7 +577,7 @@ def evaluate_stage(ctx: StageContext) -> StageResult:
     with ctx.timer.stage("evaluate"):
         m = evaluation.run(tables.read("predictions"), tables.read("test"), counts, ing.n_train,
                            ctx.params.eval, label_depth=depth)
-        if ctx.records.get("prime", {}).get("prime.mode", "off") != "off":     # the tree's own, beside
+        if reranked(ctx.records):                                             # the tree's own, beside
             m.update(tree_metrics(tables.read("tree_predictions"), tables.read("test"), counts, ing.n_train,
                                   ctx.params, depth))
         metrics = {k: round(v, 4) for k, v in m.items()}
@@ -539,6 +586,12 @@ def evaluate_stage(ctx: StageContext) -> StageResult:
                                                        "value": pa.array(values, pa.float64())}))
     log.info("metrics: %s", {k: v for k, v in metrics.items() if k.startswith(("p@", "ndcg@", "depth@", "tree_p@"))})
     return StageResult(metrics=metrics)
+
+
+def reranked(records) -> bool:
+    """Whether PRIME or the kNN re-ranker was on (the predict stage then wrote ``tree_predictions``)."""
+    return (records.get("prime", {}).get("prime.mode", "off") != "off"
+            or records.get("knn", {}).get("knn.mode", "off") != "off")
 
 
 def tree_metrics(tree_predictions, test, counts, n_train: int, params: PipelineParams, depth) -> Dict[str, float]:
@@ -680,9 +733,13 @@ def load_model(spark, folder, params: PipelineParams):
     return prime_model.with_head(XMCModel.load(folder), head)
 
 
-def predict(spark, model, data: str, out: str, params: PipelineParams) -> Dict:
+def predict(spark, model, data: str, out: str, params: PipelineParams, knn_info: Optional[Dict] = None) -> Dict:
     """Score a file or table with a saved model (an :class:`XMCModel`, a sharded model or a
-    folder); writes predictions (Delta) and, when the input has labels, metrics.json."""
+    folder); writes predictions (Delta) and, when the input has labels, metrics.json. A folder's
+    kNN re-ranker (``knn/``; or ``knn_info``, read from it, with a model already loaded) re-ranks
+    the tree's candidates with the training rows it names."""
+    if isinstance(model, (str, Path)) and knn_info is None:
+        knn_info = knn.load_info(model)
     model = load_model(spark, model, params) if isinstance(model, (str, Path)) else model
     model.pred_params = dataclasses.replace(model.pred_params, search=params.predict.search)
     tables = Tables(spark, Path(out) / "tables")
@@ -690,7 +747,15 @@ def predict(spark, model, data: str, out: str, params: PipelineParams) -> Dict:
     info = ingest.run(spark, data, tables.path("input"), ing, expect_features=model.n_features,
                       expect_labels=model.n_labels)
     df = tables.read("input")
-    write_predictions(tables, model, params, "input", info.n_samples)
+    if knn_info is not None:            # the saved kNN re-ranker, over the rows it was chosen with
+        kp = dataclasses.replace(params.knn, K=int(knn_info["K"]))
+        choice = {f"knn.{k}": knn_info[k] for k in ("k", "power", "weight")}
+        preds, tree = knn.rerank(df, knn.saved_index(spark, knn_info), model, kp, choice, params.predict.beam_size,
+                                 params.predict.topk, model.n_features, model.n_labels, info.n_samples)
+        tables.write("predictions", preds)
+        tables.write("tree_predictions", tree)
+    else:
+        write_predictions(tables, model, params, "input", info.n_samples)
     result = {"n_samples": info.n_samples, "predictions": tables.path("predictions")}
     has_labels = df.filter(F.size("label_idx") > 0).limit(1).count() > 0
     if has_labels:
@@ -698,7 +763,7 @@ def predict(spark, model, data: str, out: str, params: PipelineParams) -> Dict:
         counts = model.label_counts if model.label_counts is not None else evaluation.label_counts(df, model.n_labels)
         m = evaluation.run(tables.read("predictions"), df, counts, n_train, params.eval,
                            label_depth=model.label_depth())
-        if isinstance(model, prime_model.PrimedModel):
+        if isinstance(model, prime_model.PrimedModel) or knn_info is not None:
             m.update(tree_metrics(tables.read("tree_predictions"), df, counts, n_train, params, model.label_depth()))
         result.update({k: round(v, 4) for k, v in m.items()})
     (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))

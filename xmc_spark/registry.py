@@ -20,8 +20,11 @@ train       tree         ``train``, ``tree``                         ``weights``
 prime       train        ``train``, ``slots``, ``weights``           ``prime`` (encoder rows and label
                                                                      prototypes; mode off: nothing), the
                                                                      model folder's ``prime/``
-predict     prime        ``test``, ``slots``, ``weights``,           ``predictions`` (+ ``tree_predictions``
-                         ``prime``                                   when PRIME is on)
+knn         prime        ``train``, ``slots``, ``weights``           nothing (its record holds k, power and
+                                                                     weight; mode off: nothing to do), the
+                                                                     model folder's ``knn/``
+predict     knn          ``test``, ``slots``, ``weights``,           ``predictions`` (+ ``tree_predictions``
+                         ``prime`` (kNN: ``train``)                  when PRIME or kNN is on)
 evaluate    predict      ``predictions``, ``test``, ``train``,       ``metrics`` (+ ``tree_p@k``...)
                          ``slots`` (+ ``tree_predictions``)
 ==========  ===========  ==========================================  ====================================
@@ -68,9 +71,12 @@ STAGES: Dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("prime", f"{_P}:prime_stage", ("train",), ("train", "slots", "weights"),
               ("prime",), ("prime", "embedding"), help="PRIME label prototypes: a retriever or a re-ranker of the tree "
               "(prime.mode; off: nothing to do)"),
-    StageSpec("predict", f"{_P}:predict_stage", ("prime",), ("test", "slots", "weights", "prime"),
+    StageSpec("knn", f"{_P}:knn_stage", ("prime",), ("train", "slots", "weights"), (), ("knn",),
+              help="kNN re-ranker of the tree: k, power and weight chosen on held-out training rows "
+              "(knn.mode; off: nothing to do)"),
+    StageSpec("predict", f"{_P}:predict_stage", ("knn",), ("test", "slots", "weights", "prime", "train"),
               ("predictions", "tree_predictions"), ("predict",), needs_test=True,
-              help="beam search over the test table (and PRIME, when on)"),
+              help="beam search over the test table (and PRIME or kNN, when on)"),
     StageSpec("evaluate", f"{_P}:evaluate_stage", ("predict",),
               ("predictions", "test", "train", "slots", "tree_predictions"),
               ("metrics",), ("eval",), needs_test=True, help="P@k, nDCG@k, PSP@k, recall@k, depth@k"),

@@ -172,13 +172,34 @@ def test_run_with_overlapping_clusters(tmp_path, spark, big_nodes):
         assert scratch.is_dir() and not [f for _, _, fs in os.walk(scratch) for f in fs]
 
 
+def _predict_from_folder_as_the_run(spark, tmp_path, data, out, m, fast, head: str):
+    """`predict` on the run's model folder gives the run's predictions and P@k (the tree's beside);
+    on a copy without ``head`` (prime/ or knn/) the run's tree_predictions and the tree's P@k."""
+    import shutil
+
+    from xmc_spark.storage import read_delta
+
+    def preds(path):
+        return sorted((r["sample_id"], list(r["pred_labels"])) for r in read_delta(spark, str(path)).collect())
+
+    assert main_in_process("predict", "--model", str(out / "model"), "--data", str(data / "test.txt"), "--out",
+                           str(tmp_path / "pred"), *fast) == 0
+    assert preds(tmp_path / "pred" / "tables" / "predictions") == preds(out / "tables" / "predictions")
+    pm = json.loads((tmp_path / "pred" / "metrics.json").read_text())
+    assert pm["p@1"] == pytest.approx(m["p@1"]) and pm["tree_p@1"] == pytest.approx(m["tree_p@1"])
+    shutil.copytree(out / "model", tmp_path / "tree_only", ignore=shutil.ignore_patterns(head))
+    assert main_in_process("predict", "--model", str(tmp_path / "tree_only"), "--data", str(data / "test.txt"),
+                           "--out", str(tmp_path / "pred_tree"), *fast) == 0
+    assert preds(tmp_path / "pred_tree" / "tables" / "predictions") == preds(out / "tables" / "tree_predictions")
+    tm = json.loads((tmp_path / "pred_tree" / "metrics.json").read_text())
+    assert tm["p@1"] == pytest.approx(m["tree_p@1"]) and "tree_p@1" not in tm
+
+
 def test_run_with_prime_rerank_then_predict_from_the_folder(tmp_path, spark):
     """`run --set prime.mode=rerank` on a tiny synth set: the tree's own P@k beside the final
     ones, prime/ in the model folder; `predict` on the folder gives the run's predictions, and
     on a copy without prime/ the tree's (the run's tree_predictions)."""
-    import shutil
 
-    from xmc_spark.storage import read_delta
     assert main_in_process("synth", "--out", str(tmp_path / "data"), "--n-train", "300", "--n-test", "80",
                            "--labels", "24", "--features", "120", "--format", "xc", "--seed", "2") == 0
     data, out = tmp_path / "data", tmp_path / "run"
@@ -191,21 +212,32 @@ def test_run_with_prime_rerank_then_predict_from_the_folder(tmp_path, spark):
     assert m["prime.mode"] == "rerank" and 0 <= m["prime.weight"] <= 1 and m["prime.n_held_out"] > 0
     assert {"p@1", "tree_p@1", "tree_p@5", "tree_psp@5"} <= set(m) and {"prime", "train"} <= set(m["seconds"])
     assert json.loads((out / "model" / "prime" / "prime.json").read_text())["weight"] == m["prime.weight"]
+    _predict_from_folder_as_the_run(spark, tmp_path, data, out, m, fast, "prime")
 
-    def preds(path):
-        return sorted((r["sample_id"], list(r["pred_labels"])) for r in read_delta(spark, str(path)).collect())
 
-    assert main_in_process("predict", "--model", str(out / "model"), "--data", str(data / "test.txt"), "--out",
-                           str(tmp_path / "pred"), *fast) == 0
-    assert preds(tmp_path / "pred" / "tables" / "predictions") == preds(out / "tables" / "predictions")
-    pm = json.loads((tmp_path / "pred" / "metrics.json").read_text())
-    assert pm["p@1"] == pytest.approx(m["p@1"]) and pm["tree_p@1"] == pytest.approx(m["tree_p@1"])
-    shutil.copytree(out / "model", tmp_path / "tree_only", ignore=shutil.ignore_patterns("prime"))
-    assert main_in_process("predict", "--model", str(tmp_path / "tree_only"), "--data", str(data / "test.txt"),
-                           "--out", str(tmp_path / "pred_tree"), *fast) == 0
-    assert preds(tmp_path / "pred_tree" / "tables" / "predictions") == preds(out / "tables" / "tree_predictions")
-    tm = json.loads((tmp_path / "pred_tree" / "metrics.json").read_text())
-    assert tm["p@1"] == pytest.approx(m["tree_p@1"]) and "tree_p@1" not in tm
+def test_run_with_knn_rerank_then_predict_from_the_folder(tmp_path, spark):
+    """`run --set knn.mode=rerank` on a tiny synth set: the choice on held-out training rows in
+    metrics.json and knn/knn.json, the tree's own P@k beside the final ones; `predict` on the
+    folder re-ranks as the run did (the training table's version it names), on a copy without
+    knn/ it gives the tree's (the run's tree_predictions); PRIME and kNN together are refused."""
+    assert main_in_process("synth", "--out", str(tmp_path / "data"), "--n-train", "300", "--n-test", "80",
+                           "--labels", "24", "--features", "120", "--format", "xc", "--seed", "4") == 0
+    data, out = tmp_path / "data", tmp_path / "run"
+    fast = ["--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4"]
+    knn = ["--set", "knn.mode=rerank", "--set", "knn.K=10", "--set", "knn.ks=3,8", "--set", "knn.block_rows=64"]
+    assert main_in_process("run", "--train", str(data / "train.txt"), "--test", str(data / "test.txt"), "--out",
+                           str(out), *fast, *knn) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["knn.mode"] == "rerank" and 0 <= m["knn.weight"] <= 1 and m["knn.n_held_out"] > 0
+    assert m["knn.k"] in (3, 8) and m["knn.power"] in (1.0, 2.0, 4.0) and m["knn.val_rerank_mean_p"] >= \
+        m["knn.val_tree_mean_p"]
+    assert {"p@1", "tree_p@1", "tree_p@5", "tree_psp@5"} <= set(m) and {"knn", "knn_val_tree"} <= set(m["seconds"])
+    info = json.loads((out / "model" / "knn" / "knn.json").read_text())
+    assert (info["k"], info["power"], info["weight"]) == (m["knn.k"], m["knn.power"], m["knn.weight"])
+    assert info["table"].endswith("train") and info["version"] >= 0
+    _predict_from_folder_as_the_run(spark, tmp_path, data, out, m, fast, "knn")
+    assert main_in_process("run", "--train", str(data / "train.txt"), "--test", str(data / "test.txt"), "--out",
+                           str(tmp_path / "both"), *fast, *knn, "--set", "prime.mode=rerank") == 2
 
 
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.on_demand)])

@@ -5,13 +5,10 @@ import dataclasses
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 
-from tests.stages.conftest import samples_frame
-from xmc_spark import prime_model, synth
-from xmc_spark.arrow_utils import csr_from_table
+from tests.stages.conftest import samples_frame, synth_rows
+from xmc_spark import prime_model
 from xmc_spark.kernels import prime as PR
-from xmc_spark.kernels.sparse import l2_normalize_rows
 from xmc_spark.model import XMCModel
 from xmc_spark.params import PipelineParams, PrimeParams, TreeParams
 from xmc_spark.stages import prediction
@@ -21,10 +18,7 @@ N_TRAIN, N_TEST, L, D = 400, 120, 30, 150
 
 
 def _synth(start, count):
-    p, proto = synth.label_model(L, D, seed=3)
-    t = synth.make_rows(start, count, p, proto, D, seed=3)
-    X = sp.csr_matrix(l2_normalize_rows(csr_from_table(t, "feature_idx", "feature_val", D)), dtype=np.float32)
-    return X, sp.csr_matrix(csr_from_table(t, "label_idx", None, L), dtype=np.float32)
+    return synth_rows(start, count, L, D, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,17 @@ from ..progress import worker_progress
 from ..schemas import PREDICTIONS_SCHEMA
 
 
+def label_batch(t: pa.Table, labels: np.ndarray, scores: np.ndarray,
+                names=("pred_labels", "pred_scores")) -> pa.RecordBatch:
+    """(sample_id of ``t``, labels, scores) as list columns ``names``: each row's labels >= 0 (-1
+    pads a row that has fewer) and their scores, in the given order."""
+    keep = labels >= 0
+    off = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
+    return pa.RecordBatch.from_arrays(
+        [t.column("sample_id").combine_chunks(), list_array(off, labels[keep].astype(np.int32), pa.int32()),
+         list_array(off, scores[keep].astype(np.float32), pa.float32())], names=["sample_id", *names])
+
+
 def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind: str = "predict") -> DataFrame:
     """Broadcast ``model`` once and call ``score(model, table, X)`` on every Arrow batch."""
     for m in getattr(model, "models", [model]):    # an ensemble's trees, or the one tree
@@ -103,13 +114,6 @@ def run(samples: DataFrame, model, beam_size: int, topk: int, n_rows: Optional[i
         return sharded.predict(samples, model, beam_size, topk)
     samples = balanced(samples, n_rows)
     def score(m, t, X):
-        labels, scores = m.predict(X, beam_size=beam_size, topk=topk)
-        keep = labels >= 0
-        off = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
-        return pa.RecordBatch.from_arrays(
-            [t.column("sample_id").combine_chunks(),
-             list_array(off, labels[keep].astype(np.int32), pa.int32()),
-             list_array(off, scores[keep].astype(np.float32), pa.float32())],
-            names=["sample_id", "pred_labels", "pred_scores"])
+        return label_batch(t, *m.predict(X, beam_size=beam_size, topk=topk))
 
     return map_with_model(samples, model, score, PREDICTIONS_SCHEMA)

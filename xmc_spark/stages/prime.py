@@ -46,14 +46,14 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, list_array, list_offsets_values, to_arrow
+from ..arrow_utils import csr_from_table, list_offsets_values, to_arrow
 from ..compat import never_broadcast, shuffle_partitions
 from ..kernels import metrics as M
 from ..kernels import prime as PR
 from ..params import ConfigError, EmbeddingParams, PrimeParams
 from ..prime_model import PrimeHead
 from . import label_embedding
-from .prediction import map_with_model
+from .prediction import label_batch, map_with_model
 
 log = logging.getLogger("xmc_spark.stages.prime")
 
@@ -77,13 +77,7 @@ def shortlist(samples: DataFrame, model, beam_size: int, k: int) -> DataFrame:
     """(sample_id, cand, cand_scores): the tree's top ``k`` labels of every row (beam search,
     best first, fewer when the beam reaches fewer)."""
     def score(m, t, X):
-        labels, scores = m.predict(X, beam_size=beam_size, topk=k)
-        keep = labels >= 0
-        off = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
-        return pa.RecordBatch.from_arrays(
-            [t.column("sample_id").combine_chunks(), list_array(off, labels[keep].astype(np.int32), pa.int32()),
-             list_array(off, scores[keep].astype(np.float32), pa.float32())],
-            names=["sample_id", "cand", "cand_scores"])
+        return label_batch(t, *m.predict(X, beam_size=beam_size, topk=k), names=("cand", "cand_scores"))
 
     return map_with_model(samples, model, score, SHORTLIST_SCHEMA, kind="prime shortlist")
 

@@ -1,0 +1,93 @@
+"""The kNN re-ranker on Spark agrees with the numpy kernel (kernels.knn) on a tiny synth set:
+blocked neighbours and votes = a brute-force sort of every similarity; re-ranking = the tree's
+top K mixed with those votes (kernels.prime.rerank); the choice of k, power and weight = the
+same grid searched in numpy on the held-out rows, whose neighbours are the other rows only."""
+import numpy as np
+import pytest
+
+from tests.stages.conftest import samples_frame, synth_rows
+from xmc_spark.arrow_utils import to_arrow
+from xmc_spark.kernels import knn as K
+from xmc_spark.kernels import prime as PR
+from xmc_spark.model import XMCModel
+from xmc_spark.params import KnnParams, TreeParams
+from xmc_spark.stages import knn as stage
+
+N_TRAIN, N_TEST, L, D = 400, 120, 30, 150
+
+
+def _synth(start, count):
+    return synth_rows(start, count, L, D, seed=5)
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    X, Y = _synth(0, N_TRAIN)
+    Xt, Yt = _synth(N_TRAIN, N_TEST)
+    tree = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
+    return X, Y, Xt, Yt, samples_frame(spark, X, Y, partitions=2), samples_frame(spark, Xt, Yt, partitions=3), tree
+
+
+def _by_id(t, col):
+    return t.take(np.argsort(t.column("sample_id").to_numpy()))
+
+
+def test_blocked_neighbours_vote_as_the_brute_force_sort(data):
+    X, Y, Xt, _, train, test, _ = data
+    # 50-row blocks: 3 query blocks x 8 training blocks, each (query, training) block one task
+    nb = stage.neighbour_lists(stage.with_labels(stage.neighbours(test, stage.index_rows(train), 7, D, 50),
+                                                 stage.index_rows(train)))
+    t = _by_id(to_arrow(test.select("sample_id").join(nb, "sample_id", "left")), "sample_id")
+    cand = np.tile(np.arange(L), (N_TEST, 1))
+    for k, power in ((7, 1.0), (3, 4.0), (1, 2.0)):
+        np.testing.assert_allclose(stage.list_votes(t, cand, k, power, L), K.brute_force_votes(Xt, X, Y, k, power),
+                                   atol=1e-5)
+
+
+def test_rerank_equals_the_kernels_and_keeps_the_tree_beside(data):
+    X, Y, Xt, _, train, test, tree = data
+    prm = KnnParams(mode="rerank", K=12, block_rows=64)
+    for w in (0.6, 1.0):
+        preds, tree_preds = stage.rerank(test, stage.index_rows(train), tree, prm,
+                                         {"knn.k": 5, "knn.power": 2.0, "knn.weight": w}, 3, 5, D, L)
+        cand, sc = tree.predict(Xt, beam_size=3, topk=12)
+        votes = np.take_along_axis(K.brute_force_votes(Xt, X, Y, 5, 2.0), np.maximum(cand, 0), 1)
+        lab, fin = PR.rerank(cand, sc, np.where(cand >= 0, votes, 0.0), w)
+        got = _by_id(to_arrow(preds), "sample_id")
+        assert got.column("pred_labels").to_pylist() == [[x for x in r[:5] if x >= 0] for r in lab.tolist()]
+        np.testing.assert_allclose(np.concatenate(got.column("pred_scores").to_pylist()),
+                                   fin[:, :5][lab[:, :5] >= 0], rtol=1e-5, atol=1e-6)
+        tp = _by_id(to_arrow(tree_preds), "sample_id")
+        tl, _ = tree.predict(Xt, beam_size=3, topk=5)
+        assert tp.column("pred_labels").to_pylist() == [[x for x in r if x >= 0] for r in tl.tolist()]
+        if w == 1.0:                                   # weight 1: the tree's own order
+            assert got.column("pred_labels").to_pylist() == tp.column("pred_labels").to_pylist()
+
+
+def test_choice_is_the_numpy_grid_search_on_held_out_rows_voted_by_the_others(data, spark):
+    X, Y, _, _, train, _, tree = data
+    prm = KnnParams(mode="rerank", K=12, ks=[3, 8], powers=[1.0, 4.0], val_frac=0.3, block_rows=64)
+    seen = {}
+
+    def val_tree_fit(train_df):
+        seen["ids"] = np.array(sorted(r["sample_id"] for r in train_df.select("sample_id").collect()))
+        return XMCModel.train_local(X[seen["ids"]], Y[seen["ids"]], tree=TreeParams(max_leaf_size=4))
+
+    facts = stage.choose(train, prm, N_TRAIN, D, L, 3, val_tree_fit)
+    held = np.array(sorted(r["sample_id"] for r in train.filter(
+        stage.is_held_out(stage.val_fraction(prm, N_TRAIN), prm.seed)).collect()))
+    assert facts["knn.n_held_out"] == len(held) > 0 and not set(held) & set(seen["ids"])
+    assert set(held) | set(seen["ids"]) == set(range(N_TRAIN))
+    vtree = val_tree_fit(train.filter(~stage.is_held_out(stage.val_fraction(prm, N_TRAIN), prm.seed)))
+    cand, sc = vtree.predict(X[held], beam_size=3, topk=12)
+    best = None
+    for k in (3, 8):
+        for power in (1.0, 4.0):
+            v = np.take_along_axis(K.brute_force_votes(X[held], X[seen["ids"]], Y[seen["ids"]], k, power),
+                                   np.maximum(cand, 0), 1)
+            w, table = PR.choose_weight(cand, sc, np.where(cand >= 0, v, 0.0), Y[held])
+            if best is None or table[w] > best[3]:
+                best = (k, power, w, table[w], table[1.0])
+    assert (facts["knn.k"], facts["knn.power"], facts["knn.weight"]) == best[:3]
+    assert facts["knn.val_rerank_mean_p"] == pytest.approx(best[3], abs=1e-4)
+    assert facts["knn.val_tree_mean_p"] == pytest.approx(best[4], abs=1e-4)

@@ -1,0 +1,248 @@
+"""The kNN re-ranker (issue #14): the tree's top K of a row re-ordered by
+``w * tree + (1 - w) * vote``, the vote being its k most cosine-similar training rows' labels
+(:mod:`xmc_spark.kernels.knn`). What linear node classifiers cannot carry on sets such as
+delicious is local: the labels of a row's nearest neighbours.
+
+Where each part runs and what it holds:
+
+* **Neighbours** (:func:`neighbours`, Spark): a blocked similarity join. Query rows are hashed
+  into ``ceil(queries / knn.block_rows)`` blocks, training rows into ``ceil(rows / block_rows)``
+  blocks; each query row is copied to every training block and each training row to every query
+  block, and one cogrouped task per (query block, training block) pair computes that block of
+  similarities (:func:`~xmc_spark.kernels.knn.block_topk`, in chunks of at most
+  :data:`~xmc_spark.kernels.knn.CHUNK_CELLS` dense cells) and keeps each query's k best. A
+  window over (similarity desc, training row id) merges the blocks' lists. A task holds one block
+  of each side; no process holds all rows. The work is every query against every training row,
+  O(queries x training rows): meant for the small and mid-size sets where the vote pays (README).
+* **Choice** of k (``knn.ks``), the similarity power (``knn.powers``) and the weight, on held-out
+  *training* rows (a hash of ``sample_id``, as PRIME's split: ``knn.val_frac``, at most
+  ``knn.val_max_rows`` rows): a second tree trained without them gives their top K, their
+  neighbours come from the other training rows only, and the best mean P@1/3/5 chooses (ties:
+  the smaller k, the smaller power, the weight nearer the tree). The held-out rows and their
+  neighbour lists (at most ``val_max_rows`` x max(ks)) are collected to the driver.
+* **Model folder**: ``knn/knn.json`` holds the choice and where the neighbours' rows are: the
+  ``train`` Delta table's path, the version the stage read, and the run key. ``xmc-spark
+  predict`` on the folder reads that version (Delta time travel) and re-ranks as the pipeline
+  does; a vacuumed or moved table stops it with the reason. The MLflow pyfunc and
+  :meth:`XMCModel.load` score with the tree alone (they carry no training rows), with a warning.
+* **Prediction** (:func:`rerank`, Spark): the tree's top K of each test row
+  (:func:`~.prediction.run`, broadcast or sharded), its neighbours among all training rows, and
+  one Arrow pass per batch that votes and mixes (:func:`~xmc_spark.kernels.knn.votes`,
+  :func:`~xmc_spark.kernels.prime.rerank`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql import DataFrame, Window
+from pyspark.sql import functions as F
+
+from ..arrow_utils import cogrouped_apply, csr_from_table, to_arrow
+from ..compat import never_broadcast
+from ..kernels import knn as K
+from ..kernels import prime as PR
+from ..kernels.sparse import csr_from_lists
+from ..params import KnnParams
+from ..schemas import PREDICTIONS_SCHEMA
+from . import prediction
+from .prime import is_held_out, padded, val_fraction
+
+log = logging.getLogger("xmc_spark.stages.knn")
+
+NEIGHBOUR_SCHEMA = "sample_id long, nb_id long, sim float"
+
+
+def index_rows(train: DataFrame) -> DataFrame:
+    """The training rows that vote: those with a label."""
+    return train.filter(F.size("label_idx") > 0).select("sample_id", "feature_idx", "feature_val", "label_idx")
+
+
+def blocks(n_rows: int, block_rows: int) -> int:
+    return max(1, -(-int(n_rows) // max(1, int(block_rows))))
+
+
+def neighbours(queries: DataFrame, index: DataFrame, k: int, n_features: int, block_rows: int,
+               n_queries: Optional[int] = None, n_index: Optional[int] = None) -> DataFrame:
+    """(sample_id, nb_id, sim, rank): each query row's k most cosine-similar rows of ``index``
+    (similarity > 0; rank 0 the best; ties to the smaller ``nb_id``), from one cogrouped task per
+    (query block, index block)."""
+    nq = n_queries if n_queries is not None else queries.count()
+    na = n_index if n_index is not None else index.count()
+    bq, ba = blocks(nq, block_rows), blocks(na, block_rows)
+    q = (queries.select("sample_id", "feature_idx", "feature_val")
+         .withColumn("qb", F.pmod(F.xxhash64("sample_id", F.lit(11)), F.lit(bq)).cast("int"))
+         .withColumn("ab", F.explode(F.sequence(F.lit(0), F.lit(ba - 1)))))
+    a = (index.select(F.col("sample_id").alias("nb_id"), "feature_idx", "feature_val")
+         .withColumn("ab", F.pmod(F.xxhash64("nb_id", F.lit(13)), F.lit(ba)).cast("int"))
+         .withColumn("qb", F.explode(F.sequence(F.lit(0), F.lit(bq - 1)))))
+
+    def fn(left: pa.Table, right: pa.Table) -> pa.Table:
+        if not left.num_rows or not right.num_rows:
+            return pa.table({"sample_id": pa.array([], pa.int64()), "nb_id": pa.array([], pa.int64()),
+                             "sim": pa.array([], pa.float32())})
+        Xq = csr_from_table(left, "feature_idx", "feature_val", n_features)
+        Xa = csr_from_table(right, "feature_idx", "feature_val", n_features)
+        r, i, s = K.block_topk(Xq, Xa, right.column("nb_id").to_numpy(), k)
+        ids = np.asarray(left.column("sample_id").to_numpy(), np.int64)
+        return pa.table({"sample_id": pa.array(ids[r], pa.int64()), "nb_id": pa.array(i, pa.int64()),
+                         "sim": pa.array(s, pa.float32())})
+
+    found = cogrouped_apply(q, a, ["qb", "ab"], fn, NEIGHBOUR_SCHEMA)
+    order = Window.partitionBy("sample_id").orderBy(F.desc("sim"), F.asc("nb_id"))
+    return found.withColumn("rank", (F.row_number().over(order) - 1).cast("int")).filter(F.col("rank") < k)
+
+
+def with_labels(nb: DataFrame, index: DataFrame) -> DataFrame:
+    """The neighbour rows with each neighbour's ``label_idx``."""
+    return nb.join(never_broadcast(index.select(F.col("sample_id").alias("nb_id"), "label_idx")), "nb_id")
+
+
+def neighbour_lists(nb: DataFrame) -> DataFrame:
+    """(sample_id, nbs): each query's neighbours as one list of (rank, sim, label_idx), by rank."""
+    return nb.groupBy("sample_id").agg(
+        F.sort_array(F.collect_list(F.struct("rank", "sim", "label_idx"))).alias("nbs"))
+
+
+def list_votes(t: pa.Table, cand: np.ndarray, k: int, power: float, n_labels: int) -> np.ndarray:
+    """Votes of the candidates ``cand`` (rows of ``t`` x K) from ``t``'s ``nbs`` column (null or
+    empty: no neighbour, vote 0)."""
+    col = t.column("nbs").combine_chunks()
+    n = t.num_rows
+    counts = np.asarray(col.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), np.int64)
+    if not counts.sum():
+        return np.zeros(cand.shape)
+    flat = col.flatten()                                    # skips null lists, honours offsets
+    rows = np.repeat(np.arange(n), counts)
+    rank = np.asarray(flat.field("rank").to_numpy(zero_copy_only=False), np.int64)
+    sim = np.asarray(flat.field("sim").to_numpy(zero_copy_only=False), np.float64)
+    lab = flat.field("label_idx")
+    lens = np.asarray(lab.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), np.int64)
+    Y = csr_from_lists(np.concatenate([[0], np.cumsum(lens)]),
+                       np.asarray(lab.flatten().to_numpy(zero_copy_only=False), np.int64), None, n_labels)
+    near = rank < k                                        # lists of max(ks) vote with their first k
+    S, Yn = K.neighbour_arrays(rows[near], rank[near], sim[near], Y[near], n, k)
+    return K.votes(S, Yn, cand, k, power)
+
+
+def candidates(samples: DataFrame, model, beam_size: int, K_: int, n_rows: Optional[int] = None) -> DataFrame:
+    """(sample_id, cand, cand_scores): the tree's top ``K_`` of every row (broadcast or sharded)."""
+    return prediction.run(samples, model, beam_size, K_, n_rows).select(
+        "sample_id", F.col("pred_labels").alias("cand"), F.col("pred_scores").alias("cand_scores"))
+
+
+def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: Dict, beam_size: int, topk: int,
+           n_features: int, n_labels: int, n_rows: Optional[int] = None, n_index: Optional[int] = None
+           ) -> Tuple[DataFrame, DataFrame]:
+    """(predictions, tree_predictions) of ``samples``: the tree's top ``knn.K`` re-ranked with the
+    votes of their ``choice["knn.k"]`` nearest rows of ``index`` (power and weight of ``choice``),
+    top ``topk`` kept; and the tree's own top ``topk``."""
+    k, power, w = int(choice["knn.k"]), float(choice["knn.power"]), float(choice["knn.weight"])
+    cand = candidates(samples, model, beam_size, max(prm.K, topk), n_rows).localCheckpoint()
+    nb = neighbour_lists(with_labels(neighbours(samples, index, k, n_features, prm.block_rows, n_rows, n_index),
+                                     index))
+    rows = cand.join(nb, "sample_id", "left")
+    Kc = max(prm.K, topk)
+
+    def fn(batches):
+        for b in batches:
+            t = pa.Table.from_batches([b])
+            c = padded(t, "cand", Kc, -1, np.int64)
+            sc = padded(t, "cand_scores", Kc, -np.inf, np.float64)
+            lab, fin = PR.rerank(c, sc, list_votes(t, c, k, power, n_labels), w)
+            yield prediction.label_batch(t, lab[:, :topk], fin[:, :topk])
+
+    preds = rows.mapInArrow(fn, PREDICTIONS_SCHEMA)
+    tree = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
+                       F.slice("cand_scores", 1, topk).alias("pred_scores"))
+    return preds, tree
+
+
+def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_labels: int, beam_size: int,
+           val_tree_fit, timer=None) -> Dict:
+    """k, power and weight chosen on held-out training rows (module docstring); the facts."""
+    step = timer.stage if timer is not None else (lambda name: contextlib.nullcontext())
+    frac = val_fraction(prm, n_rows)
+    held = is_held_out(frac, prm.seed)
+    rows = index_rows(samples)
+    fit, val = rows.filter(~held), rows.filter(held)
+    kmax = max(prm.ks)
+    with step("knn_val_tree"):
+        vtree = val_tree_fit(samples.filter(~held))
+    with step("knn_choose"):
+        val = val.localCheckpoint()
+        vt = to_arrow(val.join(never_broadcast(candidates(val, vtree, beam_size, prm.K)), "sample_id")
+                      .join(neighbour_lists(with_labels(neighbours(val, fit, kmax, n_features, prm.block_rows),
+                                                        fit)), "sample_id", "left")
+                      .orderBy("sample_id"))
+        facts: Dict = {"knn.n_held_out": vt.num_rows}
+        if not vt.num_rows:
+            log.warning("knn: no held-out training rows (knn.val_frac x rows < 1): weight 1 (the tree)")
+            return {**facts, "knn.k": kmax, "knn.power": 1.0, "knn.weight": 1.0}
+        Yv = csr_from_table(vt, "label_idx", None, n_labels)
+        cand = padded(vt, "cand", prm.K, -1, np.int64)
+        sc = padded(vt, "cand_scores", prm.K, -np.inf, np.float64)
+        best = None
+        for k in sorted(prm.ks):
+            for power in sorted(prm.powers):
+                w, table = PR.choose_weight(cand, sc, list_votes(vt, cand, k, power, n_labels), Yv)
+                if best is None or table[w] > best[3]:
+                    best = (k, power, w, table[w], table[1.0])
+    k, power, w, score, tree_score = best
+    log.info("knn: %d held-out training rows choose k %d, power %g, weight %g (mean P@1/3/5 %.2f, tree %.2f)",
+             vt.num_rows, k, power, w, score, tree_score)
+    return {**facts, "knn.k": int(k), "knn.power": float(power), "knn.weight": float(w),
+            "knn.val_tree_mean_p": round(tree_score, 4), "knn.val_rerank_mean_p": round(score, 4)}
+
+
+# ---- the model folder's knn/ ------------------------------------------------------------------
+FOLDER = "knn"
+INFO = "knn.json"
+
+
+def save_info(folder, info: Dict) -> None:
+    """``folder/knn/knn.json``: the choice (k, power, weight, K) and the neighbours' table."""
+    d = Path(folder) / FOLDER
+    d.mkdir(parents=True, exist_ok=True)
+    (d / INFO).write_text(json.dumps(info, indent=2, sort_keys=True))
+
+
+def load_info(folder) -> Optional[Dict]:
+    """The folder's ``knn/knn.json``, None when it has none."""
+    f = Path(folder) / FOLDER / INFO
+    if not f.is_file():
+        return None
+    from ..params import ConfigError
+    try:
+        info = json.loads(f.read_text())
+        for key in ("k", "power", "weight", "K", "table", "version"):
+            info[key]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{f}: not a kNN re-ranker's settings ({type(e).__name__}: {e}): rerun "
+                          "`xmc-spark stage knn` or remove knn/") from None
+    return info
+
+
+def remove_folder(folder) -> None:
+    """Drop ``folder/knn/`` (knn.mode = off after a run that had it)."""
+    shutil.rmtree(Path(folder) / FOLDER, ignore_errors=True)
+
+
+def saved_index(spark, info: Dict) -> DataFrame:
+    """The training rows a saved re-ranker votes with: its table at the version it was chosen on."""
+    from ..params import ConfigError
+    from ..storage import read_delta
+    try:
+        df = read_delta(spark, info["table"], info.get("run_key"), int(info["version"]))
+        df.schema                                          # noqa: B018 - resolves the version now
+    except Exception as e:  # noqa: BLE001 - any storage or Delta error: say which table and why
+        raise ConfigError(f"the model's kNN re-ranker (knn/{INFO}) votes with the rows of {info['table']} at "
+                          f"version {info['version']}, which cannot be read ({str(e).splitlines()[0][:300]}): "
+                          f"restore that table version or remove knn/ to score with the tree alone") from None
+    return index_rows(df)
