@@ -583,9 +583,9 @@ class KnnParams(BaseParams):
     ``weight * tree + (1 - weight) * vote``, the vote being the similarity^power-weighted labels
     of a row's k most cosine-similar training rows). k (among ``ks``), power (among ``powers``)
     and the weight are chosen on held-out *training* rows (``val_frac`` of them by a hash of
-    sample_id, at most ``val_max_rows``), scored by a tree trained without them. ``block_rows``:
+    sample_id, at most ``val_max_rows``), scored by a model trained without them. ``block_rows``:
     rows per block of the blocked similarity join (a task holds one block of queries and one of
-    training rows)."""
+    training rows); ``max_pairs``: the largest join (queries x training rows) it may run."""
 
     mode: str = "off"
     K: int = 100
@@ -594,9 +594,11 @@ class KnnParams(BaseParams):
     val_frac: float = 0.2
     val_max_rows: int = 20000
     block_rows: int = 8192
+    max_pairs: float = 2e10
     seed: int = 0
 
     def validate(self, prefix=""):
+        _check(self.max_pairs > 0, prefix + "max_pairs", f"must be > 0, got {self.max_pairs}")
         _check(self.mode in ("off", "rerank"), prefix + "mode", f"must be off or rerank, got {self.mode!r}")
         _check(self.K >= 1, prefix + "K", "must be >= 1")
         _check(len(self.ks) > 0 and all(int(k) >= 1 for k in self.ks), prefix + "ks",

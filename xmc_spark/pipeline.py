@@ -29,7 +29,7 @@ from .compat import shuffle_partitions
 from .config import dump_params
 from .kernels.tree import Forest, TreeIndex
 from .model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked, split_columns
-from .params import PipelineParams, PredictParams
+from .params import ConfigError, PipelineParams, PredictParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
 from .schemas import TREE_SCHEMA, IngestError
@@ -48,7 +48,7 @@ from .stages import (
     prime,
     sharded,
 )
-from .storage import Tables
+from .storage import Tables, is_local_path
 from .tracking import Tracker
 
 log = logging.getLogger("xmc_spark.pipeline")
@@ -102,7 +102,6 @@ def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams):
     tree = rows["tree"].fillna(0).to_numpy() if "tree" in rows else np.zeros(len(rows), np.int64)
     found = np.unique(tree)
     if found.tolist() != list(range(T)):
-        from .params import ConfigError
         raise ConfigError(f"the tree table holds {len(found)} tree(s), the configuration {T} (tree.ensemble, "
                           "tree.ensemble_splits): rerun the tree stage with this configuration")
     trees = [TreeIndex(rows["label_idx"].to_numpy()[tree == t], rows["node"].to_numpy()[tree == t], n_labels,
@@ -205,7 +204,6 @@ def ingest_stage(ctx: StageContext) -> StageResult:
     """Validate --train and --test in full, then (only then) write ``train`` and ``test``. An
     aggregated --train (group-level labels, :mod:`.stages.aggregated`) is validated here and
     turned into ``train`` by the eagle stage."""
-    from .params import ConfigError
     if not ctx.train:
         raise ConfigError("stage ingest needs --train")
     spark, p, tables = ctx.spark, ctx.params, ctx.tables
@@ -318,13 +316,17 @@ def eagle_stage(ctx: StageContext) -> StageResult:
     return StageResult(facts, series=series)
 
 
-def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = None, eps: Optional[float] = None):
-    """train_df -> model, for EAGLE's re-assignment rounds: PIFA, tree and node classifiers
-    of the training table as the tree and train stages build them (without overlapping
-    clusters; of an ensemble, its first tree only), from in-memory DataFrames; writes no table.
-    ``eps``, when given, replaces ``train.eps`` (the grouped node solver's tolerance: a round model
-    only ranks a group's members, ``eagle.refine_eps``; nodes trained across tasks keep ``tron_eps``)."""
-    params = dataclasses.replace(params, tree=params.tree.for_tree(0))
+def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = None, eps: Optional[float] = None,
+                        whole_ensemble: bool = False):
+    """train_df -> model, for EAGLE's re-assignment rounds and the re-rankers' held-out rows: PIFA,
+    tree and node classifiers of the training table as the tree and train stages build them
+    (without overlapping clusters or matcher-aware negatives; of an ensemble, its first tree only
+    unless ``whole_ensemble``: the re-rankers' weights mix the scores of the model they re-rank),
+    from in-memory DataFrames; writes no table. ``eps``, when given, replaces ``train.eps`` (the
+    grouped node solver's tolerance: a round model only ranks a group's members,
+    ``eagle.refine_eps``; nodes trained across tasks keep ``tron_eps``)."""
+    if not whole_ensemble:
+        params = dataclasses.replace(params, tree=params.tree.for_tree(0))
     if eps is not None:
         params = dataclasses.replace(params, train=dataclasses.replace(params.train, eps=eps))
     tp = ModelTrainParams.from_pipeline(params)
@@ -480,7 +482,8 @@ def prime_stage(ctx: StageContext) -> StageResult:
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     head, facts = prime.run(samples, model, counts, p.prime, ing.n_train, ing.n_features, ing.n_labels,
                             p.predict.beam_size, p.eval, ctx.timer,
-                            val_tree_fit=eagle_model_trainer(p, ing, tables.scratch), embedding_params=p.embedding)
+                            val_tree_fit=eagle_model_trainer(p, ing, tables.scratch, whole_ensemble=True),
+                            embedding_params=p.embedding)
     with ctx.timer.stage("prime_write"):
         tables.write("prime", ctx.spark.createDataFrame(prime.head_frame(head)))
 
@@ -524,11 +527,13 @@ def knn_stage(ctx: StageContext) -> StageResult:
     for t in ("slots", "weights"):
         ctx.tables.note_read(t)
     samples = ctx.tables.read("train")
-    choice = knn.choose(samples, p.knn, ing.n_train, ing.n_features, ing.n_labels,
-                        p.predict.beam_size, eagle_model_trainer(p, ing, ctx.tables.scratch), ctx.timer)
+    choice = knn.choose(samples, p.knn, ing.n_train, ing.n_features, ing.n_labels, p.predict.beam_size,
+                        eagle_model_trainer(p, ing, ctx.tables.scratch, whole_ensemble=True), ctx.timer)
     facts = {"knn.mode": p.knn.mode, "knn.K": p.knn.K, **choice}
-    info = {**{k.split(".", 1)[1]: v for k, v in facts.items()}, "table": ctx.tables.path("train"),
-            "version": ctx.tables.reads["train"], "run_key": ctx.run_key}
+    table = ctx.tables.path("train")
+    rows, fp = knn.fingerprint(knn.index_rows(samples))
+    info = {**{k.split(".", 1)[1]: v for k, v in facts.items()}, "rows": rows, "fingerprint": fp,
+            "table": str(Path(table).resolve()) if is_local_path(table) else table, "run_key": ctx.run_key}
 
     def write(folder):                 # the train stage's folder gets knn/; a fresh one the tree too
         if not Path(folder, "param.json").is_file():
@@ -550,8 +555,9 @@ def predict_stage(ctx: StageContext) -> StageResult:
     rec = ctx.records.get("knn", {})
     if rec.get("knn.mode", "off") != "off":
         p = ctx.params
-        with ctx.timer.stage("predict"):
-            preds, tree = knn.rerank(ctx.tables.read("test"), knn.index_rows(ctx.tables.read("train")), model, p.knn,
+        with ctx.timer.stage("predict"):          # K as the weight was chosen with
+            kp = dataclasses.replace(p.knn, K=int(rec["knn.K"]))
+            preds, tree = knn.rerank(ctx.tables.read("test"), knn.index_rows(ctx.tables.read("train")), model, kp,
                                      rec, p.predict.beam_size, p.predict.topk, ing.n_features, ing.n_labels,
                                      ing.n_test)
             ctx.tables.write("predictions", preds)
@@ -657,7 +663,6 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
     table (sweep.json) and, with a test set, a precision-vs-expected-depth plot (sweep.png).
     """
     if key.split(".")[0] in ("ingest", "eagle", "spark", "mlflow"):
-        from .params import ConfigError
         raise ConfigError(f"sweep runs ingest (and EAGLE) once, so it cannot sweep '{key}': "
                           "use one `xmc-spark run` per value")
     out_p = Path(out)
@@ -726,7 +731,6 @@ def load_model(spark, folder, params: PipelineParams):
         model = sharded.load(spark, str(folder))
         if model.nbytes > sharded.broadcast_bound(spark, params.predict):
             if head is not None:
-                from .params import ConfigError
                 raise ConfigError(f"{folder} has PRIME (prime/) but its weights exceed predict.max_broadcast_mb: "
                                   "PRIME needs the tree model whole; raise the bound")
             return model
@@ -741,6 +745,11 @@ def predict(spark, model, data: str, out: str, params: PipelineParams, knn_info:
     if isinstance(model, (str, Path)) and knn_info is None:
         knn_info = knn.load_info(model)
     model = load_model(spark, model, params) if isinstance(model, (str, Path)) else model
+    index = None
+    if knn_info is not None:            # checked before anything is written
+        if isinstance(model, prime_model.PrimedModel):
+            raise ConfigError("the model folder has both prime/ and knn/, which both re-rank the tree: remove one")
+        index = knn.saved_index(spark, knn_info)
     model.pred_params = dataclasses.replace(model.pred_params, search=params.predict.search)
     tables = Tables(spark, Path(out) / "tables")
     ing = dataclasses.replace(params.ingest, normalize=model.normalize)   # rows as the model was trained
@@ -750,8 +759,8 @@ def predict(spark, model, data: str, out: str, params: PipelineParams, knn_info:
     if knn_info is not None:            # the saved kNN re-ranker, over the rows it was chosen with
         kp = dataclasses.replace(params.knn, K=int(knn_info["K"]))
         choice = {f"knn.{k}": knn_info[k] for k in ("k", "power", "weight")}
-        preds, tree = knn.rerank(df, knn.saved_index(spark, knn_info), model, kp, choice, params.predict.beam_size,
-                                 params.predict.topk, model.n_features, model.n_labels, info.n_samples)
+        preds, tree = knn.rerank(df, index, model, kp, choice, params.predict.beam_size, params.predict.topk,
+                                 model.n_features, model.n_labels, info.n_samples, int(knn_info["rows"]))
         tables.write("predictions", preds)
         tables.write("tree_predictions", tree)
     else:

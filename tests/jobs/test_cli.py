@@ -215,11 +215,13 @@ def test_run_with_prime_rerank_then_predict_from_the_folder(tmp_path, spark):
     _predict_from_folder_as_the_run(spark, tmp_path, data, out, m, fast, "prime")
 
 
-def test_run_with_knn_rerank_then_predict_from_the_folder(tmp_path, spark):
+def test_run_with_knn_rerank_then_predict_from_the_folder(tmp_path, spark, capfd):
     """`run --set knn.mode=rerank` on a tiny synth set: the choice on held-out training rows in
     metrics.json and knn/knn.json, the tree's own P@k beside the final ones; `predict` on the
     folder re-ranks as the run did (the training table's version it names), on a copy without
-    knn/ it gives the tree's (the run's tree_predictions); PRIME and kNN together are refused."""
+    knn/ it gives the tree's (the run's tree_predictions); once the training rows change it stops
+    before writing; PRIME and kNN together are refused."""
+    from xmc_spark.storage import read_delta, write_delta
     assert main_in_process("synth", "--out", str(tmp_path / "data"), "--n-train", "300", "--n-test", "80",
                            "--labels", "24", "--features", "120", "--format", "xc", "--seed", "4") == 0
     data, out = tmp_path / "data", tmp_path / "run"
@@ -229,15 +231,25 @@ def test_run_with_knn_rerank_then_predict_from_the_folder(tmp_path, spark):
                            str(out), *fast, *knn) == 0
     m = json.loads((out / "metrics.json").read_text())
     assert m["knn.mode"] == "rerank" and 0 <= m["knn.weight"] <= 1 and m["knn.n_held_out"] > 0
-    assert m["knn.k"] in (3, 8) and m["knn.power"] in (1.0, 2.0, 4.0) and m["knn.val_rerank_mean_p"] >= \
-        m["knn.val_tree_mean_p"]
+    assert m["knn.k"] in (3, 8) and m["knn.power"] in (1.0, 2.0, 4.0)
     assert {"p@1", "tree_p@1", "tree_p@5", "tree_psp@5"} <= set(m) and {"knn", "knn_val_tree"} <= set(m["seconds"])
     info = json.loads((out / "model" / "knn" / "knn.json").read_text())
     assert (info["k"], info["power"], info["weight"]) == (m["knn.k"], m["knn.power"], m["knn.weight"])
-    assert info["table"].endswith("train") and info["version"] >= 0
+    assert info["table"] == str((out / "tables" / "train").resolve()) and info["rows"] == 300
     _predict_from_folder_as_the_run(spark, tmp_path, data, out, m, fast, "knn")
+    # the training rows it was chosen on change: predict stops before writing anything, naming them
+    write_delta(read_delta(spark, str(out / "tables" / "train")).limit(200).localCheckpoint(),
+                str(out / "tables" / "train"))
+    capfd.readouterr()
+    assert main_in_process("predict", "--model", str(out / "model"), "--data", str(data / "test.txt"), "--out",
+                           str(tmp_path / "pred2"), *fast) == 2
+    err = capfd.readouterr().err
+    assert "was chosen on 300 training rows" in err and "now holds 200 rows" in err
+    assert not (tmp_path / "pred2" / "tables").exists()
     assert main_in_process("run", "--train", str(data / "train.txt"), "--test", str(data / "test.txt"), "--out",
                            str(tmp_path / "both"), *fast, *knn, "--set", "prime.mode=rerank") == 2
+    err = capfd.readouterr().err
+    assert "knn.mode" in err and "prime.mode" in err and "set one of them to off" in err
 
 
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.on_demand)])

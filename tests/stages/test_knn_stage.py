@@ -4,6 +4,7 @@ top K mixed with those votes (kernels.prime.rerank); the choice of k, power and 
 same grid searched in numpy on the held-out rows, whose neighbours are the other rows only."""
 import numpy as np
 import pytest
+import scipy.sparse as sp
 
 from tests.stages.conftest import samples_frame, synth_rows
 from xmc_spark.arrow_utils import to_arrow
@@ -14,6 +15,7 @@ from xmc_spark.params import KnnParams, TreeParams
 from xmc_spark.stages import knn as stage
 
 N_TRAIN, N_TEST, L, D = 400, 120, 30, 150
+DUPLICATES = (7, 150, 299, 388)             # copies of training row 3
 
 
 def _synth(start, count):
@@ -23,7 +25,14 @@ def _synth(start, count):
 @pytest.fixture(scope="module")
 def data(spark):
     X, Y = _synth(0, N_TRAIN)
+    X = X.tolil()
+    for dup in DUPLICATES:                  # equal rows: ties, broken by id across the blocks
+        X[dup] = X[3]
+    X = X.tocsr()
     Xt, Yt = _synth(N_TRAIN, N_TEST)
+    # a row with no feature (no neighbour, vote 0) and a copy of training row 3 (five tied neighbours)
+    Xt = sp.vstack([Xt, sp.csr_matrix((1, D), dtype=np.float32), X[3]]).tocsr()
+    Yt = sp.vstack([Yt, Yt[:2]]).tocsr()
     tree = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
     return X, Y, Xt, Yt, samples_frame(spark, X, Y, partitions=2), samples_frame(spark, Xt, Yt, partitions=3), tree
 
@@ -38,7 +47,14 @@ def test_blocked_neighbours_vote_as_the_brute_force_sort(data):
     nb = stage.neighbour_lists(stage.with_labels(stage.neighbours(test, stage.index_rows(train), 7, D, 50),
                                                  stage.index_rows(train)))
     t = _by_id(to_arrow(test.select("sample_id").join(nb, "sample_id", "left")), "sample_id")
-    cand = np.tile(np.arange(L), (N_TEST, 1))
+    assert t.column("nbs")[N_TEST].as_py() is None                         # the featureless row
+    ba = stage.blocks(stage.index_rows(train).count(), 50)
+    blocks = {int(r["b"]) for r in train.filter(train.sample_id.isin(3, *DUPLICATES)).selectExpr(
+        f"pmod(xxhash64(sample_id, 13), {ba}) AS b").collect()}
+    assert len(blocks) > 1                                                   # the tied rows in several blocks
+    twin = stage.neighbours(test.filter(test.sample_id == N_TEST + 1), stage.index_rows(train), 3, D, 50)
+    assert [r["nb_id"] for r in twin.orderBy("rank").collect()] == [3, 7, 150]    # five tied at 1: smallest ids
+    cand = np.tile(np.arange(L), (N_TEST + 2, 1))
     for k, power in ((7, 1.0), (3, 4.0), (1, 2.0)):
         np.testing.assert_allclose(stage.list_votes(t, cand, k, power, L), K.brute_force_votes(Xt, X, Y, k, power),
                                    atol=1e-5)

@@ -5,8 +5,9 @@ that carries l, each neighbour weighted by its similarity to the power p:
 
     vote(q, l) = sum_{j in N_k(q)} s_qj^p y_jl / sum_{j in N_k(q)} s_qj^p
 
-Neighbours are the training rows with similarity > 0, best first, ties to the smaller row id
-(so the answer does not depend on how the rows are blocked). The re-ranker mixes the vote
+Neighbours are the training rows with a label and similarity > 0, best first, ties to the
+smaller row id (so the answer does not depend on how the rows are blocked); the stage passes
+only labelled rows to :func:`block_topk`. The re-ranker mixes the vote
 into the tree's scores of its top K candidates: ``w * tree + (1 - w) * vote``
 (:func:`xmc_spark.kernels.prime.rerank`, the same mix as PRIME's).
 
@@ -48,11 +49,9 @@ def block_topk(Xq: sp.csr_matrix, Xa: sp.csr_matrix, a_ids: np.ndarray, k: int
     step = max(1, CHUNK_CELLS // max(1, Xa.shape[0]))
     for s in range(0, Q.shape[0], step):
         S = (Q[s:s + step] @ A).toarray() if A.shape[1] else np.zeros((min(step, Q.shape[0] - s), 0), np.float32)
+        keep = S > 0
         if S.shape[1] > k:                                # the k-th best value of each row, ties kept
-            kth = -np.partition(-S, k - 1, axis=1)[:, k - 1]
-            keep = S >= np.maximum(kth, np.finfo(np.float32).tiny)[:, None]
-        else:
-            keep = S > 0
+            keep &= S >= -np.partition(-S, k - 1, axis=1)[:, k - 1:k]
         r, c = np.nonzero(keep)
         sim = S[r, c]
         pos = ranked(r, sim, a_ids[c], k)
@@ -104,12 +103,14 @@ def votes(S: np.ndarray, Yn: sp.csr_matrix, cand: np.ndarray, k: int, power: flo
 
 
 def brute_force_votes(Xq: sp.csr_matrix, Xa: sp.csr_matrix, Ya: sp.csr_matrix, k: int, power: float) -> np.ndarray:
-    """rows x labels votes by a full sort of every row's similarities (reference for tests)."""
+    """rows x labels votes by a full sort of every row's similarities (reference for tests);
+    training rows without a label do not vote (they are not neighbours)."""
     S = (l2_normalize_rows(Xq, np.float64) @ l2_normalize_rows(Xa, np.float64).T).toarray()
     Ya = sp.csr_matrix(Ya, dtype=np.float64).toarray()
+    labelled = Ya.sum(axis=1) > 0
     out = np.zeros((S.shape[0], Ya.shape[1]))
     for q in range(S.shape[0]):
-        order = sorted((j for j in range(S.shape[1]) if S[q, j] > 0), key=lambda j: (-S[q, j], j))[:k]
+        order = sorted((j for j in range(S.shape[1]) if S[q, j] > 0 and labelled[j]), key=lambda j: (-S[q, j], j))[:k]
         w = np.array([S[q, j] ** power for j in order])
         if len(order) and w.sum() > 0:
             out[q] = w @ Ya[order] / w.sum()

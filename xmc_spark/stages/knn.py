@@ -21,10 +21,14 @@ Where each part runs and what it holds:
   the smaller k, the smaller power, the weight nearer the tree). The held-out rows and their
   neighbour lists (at most ``val_max_rows`` x max(ks)) are collected to the driver.
 * **Model folder**: ``knn/knn.json`` holds the choice and where the neighbours' rows are: the
-  ``train`` Delta table's path, the version the stage read, and the run key. ``xmc-spark
-  predict`` on the folder reads that version (Delta time travel) and re-ranks as the pipeline
-  does; a vacuumed or moved table stops it with the reason. The MLflow pyfunc and
-  :meth:`XMCModel.load` score with the tree alone (they carry no training rows), with a warning.
+  ``train`` Delta table's (absolute) path and run key, with their row count and a fingerprint
+  (:func:`fingerprint`). ``xmc-spark predict`` on the folder reads the table's latest rows for
+  that key, checks count and fingerprint (a rewritten, moved or vacuumed table stops it with the
+  reason, before anything is written) and re-ranks as the pipeline does. The MLflow pyfunc
+  (:func:`xmc_spark.prime_model.load`) scores with the tree alone, with a warning: it carries no
+  training rows.
+* **Cost guard**: a similarity join of more than ``knn.max_pairs`` (query, training row) pairs
+  stops with the counts before it runs.
 * **Prediction** (:func:`rerank`, Spark): the tree's top K of each test row
   (:func:`~.prediction.run`, broadcast or sharded), its neighbours among all training rows, and
   one Arrow pass per batch that votes and mixes (:func:`~xmc_spark.kernels.knn.votes`,
@@ -62,6 +66,22 @@ NEIGHBOUR_SCHEMA = "sample_id long, nb_id long, sim float"
 def index_rows(train: DataFrame) -> DataFrame:
     """The training rows that vote: those with a label."""
     return train.filter(F.size("label_idx") > 0).select("sample_id", "feature_idx", "feature_val", "label_idx")
+
+
+def check_pairs(n_queries: int, n_index: int, prm: KnnParams, kind: str) -> None:
+    """Stop before a similarity join of more than ``knn.max_pairs`` (query, training row) pairs."""
+    from ..params import ConfigError
+    if n_queries * n_index > prm.max_pairs:
+        raise ConfigError(f"the kNN re-ranker would compare {n_queries:,} {kind} rows with {n_index:,} training rows "
+                          f"({n_queries * n_index:.3g} pairs > knn.max_pairs {prm.max_pairs:.3g}): its work is "
+                          "O(queries x training rows); raise knn.max_pairs or set knn.mode=off")
+
+
+def fingerprint(index: DataFrame) -> Tuple[int, int]:
+    """(rows, a sum of row hashes) of the voting rows: what a saved re-ranker checks its rows by."""
+    h = F.pmod(F.xxhash64("sample_id", "feature_idx", "feature_val", "label_idx"), F.lit(1 << 31))
+    r = index.agg(F.count(F.lit(1)).alias("n"), F.sum(h).alias("h")).collect()[0]
+    return int(r["n"]), int(r["h"] or 0)
 
 
 def blocks(n_rows: int, block_rows: int) -> int:
@@ -145,6 +165,13 @@ def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: 
     top ``topk`` kept; and the tree's own top ``topk``."""
     k, power, w = int(choice["knn.k"]), float(choice["knn.power"]), float(choice["knn.weight"])
     cand = candidates(samples, model, beam_size, max(prm.K, topk), n_rows).localCheckpoint()
+    tree = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
+                       F.slice("cand_scores", 1, topk).alias("pred_scores"))
+    if w >= 1.0:                      # the tree's order (a stable sort): no neighbours needed
+        return tree, tree
+    n_rows = n_rows if n_rows is not None else samples.count()
+    n_index = n_index if n_index is not None else index.count()
+    check_pairs(n_rows, n_index, prm, "query")
     nb = neighbour_lists(with_labels(neighbours(samples, index, k, n_features, prm.block_rows, n_rows, n_index),
                                      index))
     rows = cand.join(nb, "sample_id", "left")
@@ -158,10 +185,7 @@ def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: 
             lab, fin = PR.rerank(c, sc, list_votes(t, c, k, power, n_labels), w)
             yield prediction.label_batch(t, lab[:, :topk], fin[:, :topk])
 
-    preds = rows.mapInArrow(fn, PREDICTIONS_SCHEMA)
-    tree = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
-                       F.slice("cand_scores", 1, topk).alias("pred_scores"))
-    return preds, tree
+    return rows.mapInArrow(fn, PREDICTIONS_SCHEMA), tree
 
 
 def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_labels: int, beam_size: int,
@@ -173,12 +197,14 @@ def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_l
     rows = index_rows(samples)
     fit, val = rows.filter(~held), rows.filter(held)
     kmax = max(prm.ks)
+    val = val.localCheckpoint()
+    n_val = val.count()
+    check_pairs(n_val, n_rows - n_val, prm, "held-out")
     with step("knn_val_tree"):
         vtree = val_tree_fit(samples.filter(~held))
     with step("knn_choose"):
-        val = val.localCheckpoint()
         vt = to_arrow(val.join(never_broadcast(candidates(val, vtree, beam_size, prm.K)), "sample_id")
-                      .join(neighbour_lists(with_labels(neighbours(val, fit, kmax, n_features, prm.block_rows),
+                      .join(neighbour_lists(with_labels(neighbours(val, fit, kmax, n_features, prm.block_rows, n_val),
                                                         fit)), "sample_id", "left")
                       .orderBy("sample_id"))
         facts: Dict = {"knn.n_held_out": vt.num_rows}
@@ -221,7 +247,7 @@ def load_info(folder) -> Optional[Dict]:
     from ..params import ConfigError
     try:
         info = json.loads(f.read_text())
-        for key in ("k", "power", "weight", "K", "table", "version"):
+        for key in ("k", "power", "weight", "K", "table", "rows", "fingerprint"):
             info[key]
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{f}: not a kNN re-ranker's settings ({type(e).__name__}: {e}): rerun "
@@ -235,14 +261,22 @@ def remove_folder(folder) -> None:
 
 
 def saved_index(spark, info: Dict) -> DataFrame:
-    """The training rows a saved re-ranker votes with: its table at the version it was chosen on."""
+    """The training rows a saved re-ranker votes with: its table's rows for its run key, checked
+    against the row count and fingerprint recorded when k, power and weight were chosen."""
     from ..params import ConfigError
     from ..storage import read_delta
+    where = f"{info['table']}" + (f" (run key {info['run_key']})" if info.get("run_key") else "")
     try:
-        df = read_delta(spark, info["table"], info.get("run_key"), int(info["version"]))
-        df.schema                                          # noqa: B018 - resolves the version now
+        index = index_rows(read_delta(spark, info["table"], info.get("run_key")))
+        got = fingerprint(index)
     except Exception as e:  # noqa: BLE001 - any storage or Delta error: say which table and why
-        raise ConfigError(f"the model's kNN re-ranker (knn/{INFO}) votes with the rows of {info['table']} at "
-                          f"version {info['version']}, which cannot be read ({str(e).splitlines()[0][:300]}): "
-                          f"restore that table version or remove knn/ to score with the tree alone") from None
-    return index_rows(df)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ConfigError(f"the model's kNN re-ranker (knn/{INFO}) votes with the training rows of {where}, which "
+                          f"cannot be read ({first}): restore that table or remove knn/ to score with the tree "
+                          "alone") from None
+    want = (int(info["rows"]), int(info["fingerprint"]))
+    if got != want:
+        raise ConfigError(f"the model's kNN re-ranker (knn/{INFO}) was chosen on {want[0]:,} training rows of {where}, "
+                          f"which now holds {got[0]:,} rows{' with other content' if got[0] == want[0] else ''}: "
+                          "rerun the knn stage on it, or remove knn/ to score with the tree alone")
+    return index
