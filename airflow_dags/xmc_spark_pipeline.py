@@ -68,6 +68,8 @@ PARAMS = {
     "beam_size": Param(10, type="integer", minimum=1, maximum=1000, description="predict.beam_size"),
     "prime_mode": Param("off", type="string", enum=["off", "retrieve", "rerank"],
                         description="prime.mode: PRIME label prototypes off, as the retriever, or re-ranking the tree"),
+    "knn_mode": Param("off", type="string", enum=["off", "rerank"],
+                      description="knn.mode: the kNN re-ranker of the tree off or on (exclusive with prime_mode)"),
 }
 
 
@@ -77,7 +79,8 @@ def _args(stage: str) -> list:
             "--set", "tree.lambda={{ params.tree_lambda }}",
             "--set", "eagle.mode={{ params.eagle_mode }}",
             "--set", "predict.beam_size={{ params.beam_size }}",
-            "--set", "prime.mode={{ params.prime_mode }}"]
+            "--set", "prime.mode={{ params.prime_mode }}",
+            "--set", "knn.mode={{ params.knn_mode }}"]
     if stage == "ingest":
         args += ["--train", "{{ params.train }}", "--test", "{{ params.test }}"]
     return args
@@ -85,7 +88,7 @@ def _args(stage: str) -> list:
 
 with DAG(
     dag_id="xmc_spark_pipeline",
-    description="xmc-spark: ingest, EAGLE, label tree, node training, PRIME, prediction, evaluation",
+    description="xmc-spark: ingest, EAGLE, label tree, node training, PRIME, kNN, prediction, evaluation",
     schedule="@daily",
     start_date=datetime(2026, 1, 1),
     catchup=False,

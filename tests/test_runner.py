@@ -117,6 +117,30 @@ def test_a_wrong_schema_table_stops_the_stage_naming_table_and_column(env, unkey
         runner.run(stage)
 
 
+def test_re_rankers_check_the_run_keys_records_before_any_work(env, unkeyed, spark, tmp_path):
+    """A keyed knn stage with the key's prime stage re-ranking, or a re-ranker whose held-out model
+    would be trained with other settings than the train stage's, stops naming the reason."""
+    from xmc_spark.runner import Runner
+    d, params, _ = env
+    good = d / "run" / "tables"
+    links = {t: str(good / t) for t in ("train", "test", "tree", "slots", "weights")}
+    recs = {k: v for k, v in _records().items() if k != "knn"}
+    recs["prime"] = {**recs["prime"], "prime.mode": "rerank"}
+    runner = Runner(spark, params.set_dotted("knn.mode", "rerank"), str(tmp_path / "a"), links=links, records=recs)
+    with pytest.raises(ConfigError, match="the prime stage of this run key ran with prime.mode=rerank"):
+        runner.run("knn")
+    recs = {k: v for k, v in _records().items() if k != "knn"}
+    recs["train"] = {**recs["train"], "model_config": pipeline.model_config(params)}
+    changed = params.set_dotted("knn.mode", "rerank").set_dotted("train.C", 0.5)
+    with pytest.raises(ConfigError, match="differ from those the train stage of this run used"):
+        Runner(spark, changed, str(tmp_path / "b"), links=links, records=recs).run("knn")
+    recs = {k: v for k, v in _records().items() if k not in ("prime", "knn")}
+    recs["train"] = {**recs["train"], "model_config": pipeline.model_config(params)}
+    with pytest.raises(ConfigError, match="differ from those the train stage of this run used"):
+        Runner(spark, changed.set_dotted("knn.mode", "off").set_dotted("prime.mode", "rerank"), str(tmp_path / "c"),
+               links=links, records=recs).run("prime")
+
+
 def test_check_ready_from_records():
     ok = {"ingest": {"commit": "i1", "basis": {}, "test": "t.txt"},
           "eagle": {"commit": "e1", "basis": {"ingest": "i1"}},

@@ -423,6 +423,7 @@ def train_stage(ctx: StageContext) -> StageResult:
     model.label_counts = counts
     index = model.index
     facts = {"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)),
+             "model_config": model_config(params),
              "model_layout": "sharded" if isinstance(model, sharded.SHARDED) else "whole",
              **({"n_trees": len(index)} if isinstance(index, Forest) else
                 label_clusters.cluster_stats(index.slot_label, index.slot_leaf))}
@@ -470,6 +471,8 @@ def prime_stage(ctx: StageContext) -> StageResult:
         if ctx.model_dir:
             prime_model.PrimeHead.remove(ctx.model_dir)
         return StageResult({"prime.mode": "off"})
+    if p.prime.mode == "rerank" and p.prime.val_tree:
+        check_held_out_model(ctx, "prime")
     ing = ctx.dataset
     model = ctx.memo.get("model")
     if model is None:
@@ -513,6 +516,26 @@ def check_rerankers(params: PipelineParams) -> None:
     params.validate()
 
 
+MODEL_SECTIONS = ("embedding", "tree", "train", "predict")
+
+
+def model_config(params: PipelineParams) -> str:
+    """A hash of the settings the trained model was built with (:data:`MODEL_SECTIONS`), which a
+    re-ranker's held-out model is trained with again."""
+    text = json.dumps({k: getattr(params, k).to_dict() for k in MODEL_SECTIONS}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_held_out_model(ctx: StageContext, stage: str) -> None:
+    """A re-ranker's weight is chosen on a model trained like the one it re-ranks: stop when this
+    stage run's embedding/tree/train/predict settings differ from the train stage's."""
+    made = ctx.records.get("train", {}).get("model_config")
+    if made is not None and made != model_config(ctx.params):
+        raise ConfigError(f"stage {stage} trains its held-out model with the {', '.join(MODEL_SECTIONS)} settings, "
+                          f"which differ from those the train stage of this run used: run it with the same settings "
+                          f"(or rerun the stages from tree with the new ones)")
+
+
 def knn_stage(ctx: StageContext) -> StageResult:
     """The kNN re-ranker's k, power and weight, chosen on held-out training rows
     (:mod:`.stages.knn`); with ``knn.mode`` off it only records itself. Writes no table: the
@@ -523,7 +546,14 @@ def knn_stage(ctx: StageContext) -> StageResult:
         if ctx.model_dir:
             knn.remove_folder(ctx.model_dir)
         return StageResult({"knn.mode": "off"})
+    if ctx.records.get("prime", {}).get("prime.mode", "off") != "off":     # a keyed prime stage ran with it on
+        raise ConfigError(f"knn.mode={p.knn.mode}, but the prime stage of this run key ran with prime.mode="
+                          f"{ctx.records['prime']['prime.mode']}; both re-rank the tree: rerun `stage prime` with "
+                          "prime.mode=off, or this stage with knn.mode=off")
+    check_held_out_model(ctx, "knn")
     ing = ctx.dataset
+    if ing.n_test:                       # the test set's join, checked before anything runs
+        knn.check_pairs(ing.n_test, ing.n_train, p.knn, "test")
     for t in ("slots", "weights"):
         ctx.tables.note_read(t)
     samples = ctx.tables.read("train")
@@ -532,8 +562,9 @@ def knn_stage(ctx: StageContext) -> StageResult:
     facts = {"knn.mode": p.knn.mode, "knn.K": p.knn.K, **choice}
     table = ctx.tables.path("train")
     rows, fp = knn.fingerprint(knn.index_rows(samples))
+    local = is_local_path(table) and not table.startswith("file:")
     info = {**{k.split(".", 1)[1]: v for k, v in facts.items()}, "rows": rows, "fingerprint": fp,
-            "table": str(Path(table).resolve()) if is_local_path(table) else table, "run_key": ctx.run_key}
+            "table": str(Path(table).resolve()) if local else table, "run_key": ctx.run_key}
 
     def write(folder):                 # the train stage's folder gets knn/; a fresh one the tree too
         if not Path(folder, "param.json").is_file():

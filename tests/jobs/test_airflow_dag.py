@@ -66,6 +66,7 @@ def test_dag_loads_with_one_spark_submit_task_per_stage(tmp_path):
     assert str(ROOT / "jobs" / "tree.py") in cmd and str(ROOT / "conf" / "databricks.yaml") in cmd
     assert "tree.max_leaf_size=16" in cmd and "--train" not in cmd
     assert "prime.mode=off" in cmd and "prime.mode=off" in out["commands"]["prime"]     # PRIME's default
+    assert "knn.mode=off" in cmd and "knn.mode=off" in out["commands"]["knn"]           # kNN's default
     assert "--train" in out["commands"]["ingest"]
 
 

@@ -164,14 +164,15 @@ def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: 
     votes of their ``choice["knn.k"]`` nearest rows of ``index`` (power and weight of ``choice``),
     top ``topk`` kept; and the tree's own top ``topk``."""
     k, power, w = int(choice["knn.k"]), float(choice["knn.power"]), float(choice["knn.weight"])
+    if w < 1.0:                       # checked before the beam search
+        n_rows = n_rows if n_rows is not None else samples.count()
+        n_index = n_index if n_index is not None else index.count()
+        check_pairs(n_rows, n_index, prm, "query")
     cand = candidates(samples, model, beam_size, max(prm.K, topk), n_rows).localCheckpoint()
     tree = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
                        F.slice("cand_scores", 1, topk).alias("pred_scores"))
     if w >= 1.0:                      # the tree's order (a stable sort): no neighbours needed
         return tree, tree
-    n_rows = n_rows if n_rows is not None else samples.count()
-    n_index = n_index if n_index is not None else index.count()
-    check_pairs(n_rows, n_index, prm, "query")
     nb = neighbour_lists(with_labels(neighbours(samples, index, k, n_features, prm.block_rows, n_rows, n_index),
                                      index))
     rows = cand.join(nb, "sample_id", "left")
@@ -264,10 +265,11 @@ def saved_index(spark, info: Dict) -> DataFrame:
     """The training rows a saved re-ranker votes with: its table's rows for its run key, checked
     against the row count and fingerprint recorded when k, power and weight were chosen."""
     from ..params import ConfigError
-    from ..storage import read_delta
+    from ..storage import read_delta, table_version
     where = f"{info['table']}" + (f" (run key {info['run_key']})" if info.get("run_key") else "")
-    try:
-        index = index_rows(read_delta(spark, info["table"], info.get("run_key")))
+    try:                     # one version for the check and the join: a later commit cannot slip in
+        version = table_version(spark, info["table"])
+        index = index_rows(read_delta(spark, info["table"], info.get("run_key"), version))
         got = fingerprint(index)
     except Exception as e:  # noqa: BLE001 - any storage or Delta error: say which table and why
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -277,6 +279,7 @@ def saved_index(spark, info: Dict) -> DataFrame:
     want = (int(info["rows"]), int(info["fingerprint"]))
     if got != want:
         raise ConfigError(f"the model's kNN re-ranker (knn/{INFO}) was chosen on {want[0]:,} training rows of {where}, "
-                          f"which now holds {got[0]:,} rows{' with other content' if got[0] == want[0] else ''}: "
-                          "rerun the knn stage on it, or remove knn/ to score with the tree alone")
+                          f"which now holds {got[0]:,} rows{' with other content' if got[0] == want[0] else ''} "
+                          f"(version {version}; a stage run on a pinned older version records that version's "
+                          "rows): rerun the knn stage on it, or remove knn/ to score with the tree alone")
     return index
