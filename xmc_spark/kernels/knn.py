@@ -32,10 +32,7 @@ def ranked(rows: np.ndarray, sims: np.ndarray, ids: np.ndarray, k: int) -> np.nd
     """Positions of the entries that are among their row's k best by (similarity desc, id asc),
     as an array of positions ordered by (row, rank)."""
     order = np.lexsort((ids, -sims, rows))
-    r = rows[order]
-    start = np.searchsorted(r, r, side="left")              # first position of each entry's row
-    rank = np.arange(len(order)) - start
-    return order[rank < k]
+    return order[rank_in_row(rows[order]) < k]
 
 
 def block_topk(Xq: sp.csr_matrix, Xa: sp.csr_matrix, a_ids: np.ndarray, k: int

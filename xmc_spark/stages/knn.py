@@ -130,25 +130,38 @@ def neighbour_lists(nb: DataFrame) -> DataFrame:
         F.sort_array(F.collect_list(F.struct("rank", "sim", "label_idx"))).alias("nbs"))
 
 
-def list_votes(t: pa.Table, cand: np.ndarray, k: int, power: float, n_labels: int) -> np.ndarray:
-    """Votes of the candidates ``cand`` (rows of ``t`` x K) from ``t``'s ``nbs`` column (null or
-    empty: no neighbour, vote 0)."""
+def neighbour_parts(t: pa.Table, n_labels: int):
+    """(rows, rank, sim, labels CSR) of the neighbours in ``t``'s ``nbs`` column (null or empty
+    lists: none), one entry per (row of ``t``, neighbour); None when there is none at all."""
     col = t.column("nbs").combine_chunks()
-    n = t.num_rows
     counts = np.asarray(col.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), np.int64)
     if not counts.sum():
-        return np.zeros(cand.shape)
+        return None
     flat = col.flatten()                                    # skips null lists, honours offsets
-    rows = np.repeat(np.arange(n), counts)
     rank = np.asarray(flat.field("rank").to_numpy(zero_copy_only=False), np.int64)
     sim = np.asarray(flat.field("sim").to_numpy(zero_copy_only=False), np.float64)
     lab = flat.field("label_idx")
     lens = np.asarray(lab.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), np.int64)
     Y = csr_from_lists(np.concatenate([[0], np.cumsum(lens)]),
                        np.asarray(lab.flatten().to_numpy(zero_copy_only=False), np.int64), None, n_labels)
-    near = rank < k                                        # lists of max(ks) vote with their first k
+    return np.repeat(np.arange(t.num_rows), counts), rank, sim, Y
+
+
+def parts_votes(parts, n: int, cand: np.ndarray, k: int, power: float) -> np.ndarray:
+    """Votes of the candidates ``cand`` (n x K) from :func:`neighbour_parts`' arrays; lists of
+    max(ks) neighbours vote with their first k."""
+    if parts is None:
+        return np.zeros(cand.shape)
+    rows, rank, sim, Y = parts
+    near = rank < k
     S, Yn = K.neighbour_arrays(rows[near], rank[near], sim[near], Y[near], n, k)
     return K.votes(S, Yn, cand, k, power)
+
+
+def list_votes(t: pa.Table, cand: np.ndarray, k: int, power: float, n_labels: int) -> np.ndarray:
+    """Votes of the candidates ``cand`` (rows of ``t`` x K) from ``t``'s ``nbs`` column (null or
+    empty: no neighbour, vote 0)."""
+    return parts_votes(neighbour_parts(t, n_labels), t.num_rows, cand, k, power)
 
 
 def candidates(samples: DataFrame, model, beam_size: int, K_: int, n_rows: Optional[int] = None) -> DataFrame:
@@ -215,10 +228,10 @@ def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_l
         Yv = csr_from_table(vt, "label_idx", None, n_labels)
         cand = padded(vt, "cand", prm.K, -1, np.int64)
         sc = padded(vt, "cand_scores", prm.K, -np.inf, np.float64)
-        best = None
+        best, parts = None, neighbour_parts(vt, n_labels)         # parsed once for the whole grid
         for k in sorted(prm.ks):
             for power in sorted(prm.powers):
-                w, table = PR.choose_weight(cand, sc, list_votes(vt, cand, k, power, n_labels), Yv)
+                w, table = PR.choose_weight(cand, sc, parts_votes(parts, vt.num_rows, cand, k, power), Yv)
                 if best is None or table[w] > best[3]:
                     best = (k, power, w, table[w], table[1.0])
     k, power, w, score, tree_score = best
