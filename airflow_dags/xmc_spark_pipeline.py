@@ -69,7 +69,7 @@ PARAMS = {
     "prime_mode": Param("off", type="string", enum=["off", "retrieve", "rerank"],
                         description="prime.mode: PRIME label prototypes off, as the retriever, or re-ranking the tree"),
     "knn_mode": Param("off", type="string", enum=["off", "rerank"],
-                      description="knn.mode: the kNN re-ranker of the tree off or on (exclusive with prime_mode)"),
+                      description="knn.mode: the kNN re-ranker off or on (with prime_mode on: PRIME's output)"),
 }
 
 

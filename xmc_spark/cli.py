@@ -108,10 +108,10 @@ def main(argv=None) -> int:
         if args.cmd == "predict":            # a broken model folder stops before Spark starts
             from .model import is_chunked, read_header
             from .prime_model import PrimeHead, load
-            from .stages.knn import load_info
+            from .stages.knn import check_prime, load_info
             knn_info = load_info(args.model)     # the kNN re-ranker's knn/knn.json, when there is one
-            if knn_info is not None and PrimeHead.load(args.model) is not None:
-                raise ConfigError(f"{args.model} has both prime/ and knn/, which both re-rank the tree: remove one")
+            if knn_info is not None:             # chosen on the folder's prime/ (stacked), or without one
+                check_prime(knn_info, PrimeHead.load(args.model), args.model)
             if is_chunked(args.model):
                 read_header(args.model)      # checked now; the weights are read whole or by the tasks later
                 PrimeHead.load(args.model)   # and prime/, when there is one

@@ -626,6 +626,3 @@ class PipelineParams(BaseParams):
     eval: EvalParams = field(default_factory=EvalParams)
     mlflow: MlflowParams = field(default_factory=MlflowParams)
 
-    def validate(self, prefix=""):
-        _check(self.prime.mode == "off" or self.knn.mode == "off", prefix + "knn.mode",
-               f"({self.knn.mode}) and prime.mode ({self.prime.mode}) both re-rank the tree: set one of them to off")

@@ -352,6 +352,22 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
     return fit
 
 
+def held_out_trainer(ctx: StageContext, split):
+    """train_df -> model for a re-ranker's held-out rows (:func:`eagle_model_trainer`, the whole
+    ensemble), kept in ``ctx.memo`` per held-out split (``split``'s fraction of the training rows
+    and seed) and model settings: PRIME and the kNN re-ranker stacked in one run hold out the same
+    rows and train that model once."""
+    from .stages.prime import val_fraction
+    key = ("held_out_model", val_fraction(split, ctx.dataset.n_train), split.seed, model_config(ctx.params))
+    fit = eagle_model_trainer(ctx.params, ctx.dataset, ctx.tables.scratch, whole_ensemble=True)
+
+    def cached(train_df):
+        if key not in ctx.memo:
+            ctx.memo[key] = fit(train_df)
+        return ctx.memo[key]
+    return cached
+
+
 def tree_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
     samples = ctx.tables.read("train")
@@ -466,7 +482,6 @@ def prime_stage(ctx: StageContext) -> StageResult:
     ``prime`` table, ``prime/`` in the model folder and, with ``mlflow.log_model``, the model
     logged again with PRIME."""
     p, tables = ctx.params, ctx.tables
-    check_rerankers(p)
     if p.prime.mode == "off":
         if ctx.model_dir:
             prime_model.PrimeHead.remove(ctx.model_dir)
@@ -485,7 +500,7 @@ def prime_stage(ctx: StageContext) -> StageResult:
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     head, facts = prime.run(samples, model, counts, p.prime, ing.n_train, ing.n_features, ing.n_labels,
                             p.predict.beam_size, p.eval, ctx.timer,
-                            val_tree_fit=eagle_model_trainer(p, ing, tables.scratch, whole_ensemble=True),
+                            val_tree_fit=held_out_trainer(ctx, p.prime),
                             embedding_params=p.embedding)
     with ctx.timer.stage("prime_write"):
         tables.write("prime", ctx.spark.createDataFrame(prime.head_frame(head)))
@@ -508,12 +523,6 @@ def prime_head(ctx: StageContext):
     if rec.get("prime.mode", "off") == "off":
         return None
     return ctx.memo.get("prime") or prime.head_from_table(ctx.tables.read("prime"), rec)
-
-
-def check_rerankers(params: PipelineParams) -> None:
-    """PRIME and the kNN re-ranker each mix their score into the tree's: one at a time (the
-    configuration's own check, repeated for parameters built in code)."""
-    params.validate()
 
 
 MODEL_SECTIONS = ("embedding", "tree", "train", "predict")
@@ -541,30 +550,35 @@ def knn_stage(ctx: StageContext) -> StageResult:
     (:mod:`.stages.knn`); with ``knn.mode`` off it only records itself. Writes no table: the
     predict stage reads the record and the ``train`` table (the neighbours' rows)."""
     p = ctx.params
-    check_rerankers(p)
     if p.knn.mode == "off":
         if ctx.model_dir:
             knn.remove_folder(ctx.model_dir)
         return StageResult({"knn.mode": "off"})
-    if ctx.records.get("prime", {}).get("prime.mode", "off") != "off":     # a keyed prime stage ran with it on
-        raise ConfigError(f"knn.mode={p.knn.mode}, but the prime stage of this run key ran with prime.mode="
-                          f"{ctx.records['prime']['prime.mode']}; both re-rank the tree: rerun `stage prime` with "
-                          "prime.mode=off, or this stage with knn.mode=off")
     check_held_out_model(ctx, "knn")
     ing = ctx.dataset
     if ing.n_test:                       # the test set's join, checked before anything runs
         knn.check_pairs(ing.n_test, ing.n_train, p.knn, "test")
     for t in ("slots", "weights"):
         ctx.tables.note_read(t)
+    head = prime_head(ctx)               # stacked on PRIME when its stage ran with it on
+    if head is not None and ctx.memo.get("prime") is not None:
+        ctx.tables.note_read("prime")
+    split = p.prime if head is not None else p.knn      # stacked: PRIME's held-out rows
     samples = ctx.tables.read("train")
     choice = knn.choose(samples, p.knn, ing.n_train, ing.n_features, ing.n_labels, p.predict.beam_size,
-                        eagle_model_trainer(p, ing, ctx.tables.scratch, whole_ensemble=True), ctx.timer)
-    facts = {"knn.mode": p.knn.mode, "knn.K": p.knn.K, **choice}
+                        held_out_trainer(ctx, split), ctx.timer, head=head, split=split)
+    n_prime = ctx.records.get("prime", {}).get("prime.n_held_out")
+    if head is not None and n_prime is not None and int(n_prime) != choice["knn.n_held_out"]:
+        raise ConfigError(f"the knn stage, stacked on PRIME, held out {choice['knn.n_held_out']:,} training rows by "
+                          f"prime.val_frac / val_max_rows / seed, the prime stage of this run {int(n_prime):,}: run "
+                          "it with the prime stage's settings")
+    facts = {"knn.mode": p.knn.mode, "knn.K": p.knn.K, "knn.on_prime": head is not None, **choice}
     table = ctx.tables.path("train")
     rows, fp = knn.fingerprint(knn.index_rows(samples))
     local = is_local_path(table) and not table.startswith("file:")
     info = {**{k.split(".", 1)[1]: v for k, v in facts.items()}, "rows": rows, "fingerprint": fp,
-            "table": str(Path(table).resolve()) if local else table, "run_key": ctx.run_key}
+            "table": str(Path(table).resolve()) if local else table, "run_key": ctx.run_key,
+            "prime": knn.prime_digest(head)}
 
     def write(folder):                 # the train stage's folder gets knn/; a fresh one the tree too
         if not Path(folder, "param.json").is_file():
@@ -583,20 +597,27 @@ def predict_stage(ctx: StageContext) -> StageResult:
     else:                                   # the train stage's model, as its tables hold it
         for t in ("slots", "weights"):
             ctx.tables.note_read(t)
-    rec = ctx.records.get("knn", {})
-    if rec.get("knn.mode", "off") != "off":
-        p = ctx.params
-        with ctx.timer.stage("predict"):          # K as the weight was chosen with
-            kp = dataclasses.replace(p.knn, K=int(rec["knn.K"]))
-            preds, tree = knn.rerank(ctx.tables.read("test"), knn.index_rows(ctx.tables.read("train")), model, kp,
-                                     rec, p.predict.beam_size, p.predict.topk, ing.n_features, ing.n_labels,
-                                     ing.n_test)
-            ctx.tables.write("predictions", preds)
-            ctx.tables.write("tree_predictions", tree)
-        return StageResult({"n_test": ing.n_test})
     head = prime_head(ctx)
     if head is not None and ctx.memo.get("prime") is not None:
         ctx.tables.note_read("prime")
+    rec = ctx.records.get("knn", {})
+    if rec.get("knn.mode", "off") != "off":
+        p = ctx.params
+        if bool(rec.get("knn.on_prime")) != (head is not None):
+            raise ConfigError("the knn stage of this run key was " + ("" if rec.get("knn.on_prime") else "not ")
+                              + "stacked on PRIME, and the prime stage's record says prime.mode="
+                              f"{ctx.records.get('prime', {}).get('prime.mode', 'off')}: rerun `stage knn`")
+        with ctx.timer.stage("predict"):          # K as the weight was chosen with
+            kp = dataclasses.replace(p.knn, K=int(rec["knn.K"]))
+            test = ctx.tables.read("test")
+            preds, tree = knn.rerank(test, knn.index_rows(ctx.tables.read("train")), prime_model.with_head(model, head),
+                                     kp, rec, p.predict.beam_size, p.predict.topk, ing.n_features, ing.n_labels,
+                                     ing.n_test)
+            ctx.tables.write("predictions", preds)
+            if head is not None:                  # stacked: the tree's own top-k, not PRIME's
+                tree = prediction.run(test, model, p.predict.beam_size, p.predict.topk, ing.n_test)
+            ctx.tables.write("tree_predictions", tree)
+        return StageResult({"n_test": ing.n_test})
     with ctx.timer.stage("predict"):
         write_predictions(ctx.tables, prime_model.with_head(model, head), ctx.params, "test", ing.n_test)
     return StageResult({"n_test": ing.n_test})
@@ -778,8 +799,7 @@ def predict(spark, model, data: str, out: str, params: PipelineParams, knn_info:
     model = load_model(spark, model, params) if isinstance(model, (str, Path)) else model
     index = None
     if knn_info is not None:            # checked before anything is written
-        if isinstance(model, prime_model.PrimedModel):
-            raise ConfigError("the model folder has both prime/ and knn/, which both re-rank the tree: remove one")
+        knn.check_prime(knn_info, getattr(model, "head", None), "the model")
         index = knn.saved_index(spark, knn_info)
     model.pred_params = dataclasses.replace(model.pred_params, search=params.predict.search)
     tables = Tables(spark, Path(out) / "tables")
@@ -793,6 +813,8 @@ def predict(spark, model, data: str, out: str, params: PipelineParams, knn_info:
         preds, tree = knn.rerank(df, index, model, kp, choice, params.predict.beam_size, params.predict.topk,
                                  model.n_features, model.n_labels, info.n_samples, int(knn_info["rows"]))
         tables.write("predictions", preds)
+        if isinstance(model, prime_model.PrimedModel):      # stacked: the tree's own top-k, not PRIME's
+            tree = prediction.run(df, model.tree, params.predict.beam_size, params.predict.topk, info.n_samples)
         tables.write("tree_predictions", tree)
     else:
         write_predictions(tables, model, params, "input", info.n_samples)

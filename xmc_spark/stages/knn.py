@@ -27,6 +27,13 @@ Where each part runs and what it holds:
   reason, before anything is written) and re-ranks as the pipeline does. The MLflow pyfunc
   (:func:`xmc_spark.prime_model.load`) scores with the tree alone, with a warning: it carries no
   training rows.
+* **Stacked on PRIME** (``prime.mode`` on as well): the kNN re-ranker re-orders PRIME's output
+  rather than the tree's (tree -> PRIME -> kNN). PRIME's weight is chosen first, by its stage; k,
+  power and weight are then chosen on PRIME's held-out rows (``prime.val_frac``,
+  ``prime.val_max_rows``, ``prime.seed``: the rows PRIME was not trained on), whose candidates
+  are PRIME's re-ranked top K of the held-out model (greedy: PRIME's weight is not revisited).
+  ``knn.json`` then records PRIME's mode, K, weight and a digest of its arrays
+  (:func:`prime_digest`), and ``xmc-spark predict`` stops when the folder's ``prime/`` differs.
 * **Cost guard**: a similarity join of more than ``knn.max_pairs`` (query, training row) pairs
   stops with the counts before it runs.
 * **Prediction** (:func:`rerank`, Spark): the tree's top K of each test row
@@ -37,6 +44,7 @@ Where each part runs and what it holds:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import shutil
@@ -54,6 +62,7 @@ from ..kernels import knn as K
 from ..kernels import prime as PR
 from ..kernels.sparse import csr_from_lists
 from ..params import KnnParams
+from ..prime_model import with_head
 from ..schemas import PREDICTIONS_SCHEMA
 from . import prediction
 from .prime import is_held_out, padded, val_fraction
@@ -173,9 +182,10 @@ def candidates(samples: DataFrame, model, beam_size: int, K_: int, n_rows: Optio
 def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: Dict, beam_size: int, topk: int,
            n_features: int, n_labels: int, n_rows: Optional[int] = None, n_index: Optional[int] = None
            ) -> Tuple[DataFrame, DataFrame]:
-    """(predictions, tree_predictions) of ``samples``: the tree's top ``knn.K`` re-ranked with the
+    """(predictions, base predictions) of ``samples``: ``model``'s top ``knn.K`` re-ranked with the
     votes of their ``choice["knn.k"]`` nearest rows of ``index`` (power and weight of ``choice``),
-    top ``topk`` kept; and the tree's own top ``topk``."""
+    top ``topk`` kept; and ``model``'s own top ``topk`` (the tree's; with a PRIME head, stacked,
+    PRIME's)."""
     k, power, w = int(choice["knn.k"]), float(choice["knn.power"]), float(choice["knn.weight"])
     if w < 1.0:                       # checked before the beam search
         n_rows = n_rows if n_rows is not None else samples.count()
@@ -203,11 +213,19 @@ def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: 
 
 
 def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_labels: int, beam_size: int,
-           val_tree_fit, timer=None) -> Dict:
-    """k, power and weight chosen on held-out training rows (module docstring); the facts."""
+           val_tree_fit, timer=None, head=None, split=None) -> Dict:
+    """k, power and weight chosen on held-out training rows (module docstring); the facts.
+
+    With a PRIME ``head`` (stacked: tree -> PRIME -> kNN) the candidates are the held-out model
+    with that head (:func:`~xmc_spark.prime_model.with_head`): PRIME's re-ranked top K, as the
+    predict stage gives them; PRIME's weight stays as its stage chose it. ``split`` (PRIME's
+    parameters when stacked) gives the held-out rows (``val_frac``, ``val_max_rows``, ``seed``;
+    default ``prm``'s): PRIME was trained without its held-out rows, so the kNN weight is chosen
+    on those same rows, where PRIME's scores are not those of training rows."""
     step = timer.stage if timer is not None else (lambda name: contextlib.nullcontext())
-    frac = val_fraction(prm, n_rows)
-    held = is_held_out(frac, prm.seed)
+    split = split if split is not None else prm
+    frac = val_fraction(split, n_rows)
+    held = is_held_out(frac, split.seed)
     rows = index_rows(samples)
     fit, val = rows.filter(~held), rows.filter(held)
     kmax = max(prm.ks)
@@ -215,7 +233,7 @@ def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_l
     n_val = val.count()
     check_pairs(n_val, n_rows - n_val, prm, "held-out")
     with step("knn_val_tree"):
-        vtree = val_tree_fit(samples.filter(~held))
+        vtree = with_head(val_tree_fit(samples.filter(~held)), head)
     with step("knn_choose"):
         vt = to_arrow(val.join(never_broadcast(candidates(val, vtree, beam_size, prm.K)), "sample_id")
                       .join(neighbour_lists(with_labels(neighbours(val, fit, kmax, n_features, prm.block_rows, n_val),
@@ -244,6 +262,38 @@ def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_l
 # ---- the model folder's knn/ ------------------------------------------------------------------
 FOLDER = "knn"
 INFO = "knn.json"
+
+
+def prime_digest(head) -> Optional[Dict]:
+    """What a stacked choice was made on: the PRIME head's mode, K, weight and a sha256 of its
+    arrays (as float32, how the prime table and the folder keep them); None without PRIME."""
+    if head is None:
+        return None
+    h = hashlib.sha256()
+    for name in sorted(head.weights):
+        a = np.ascontiguousarray(head.weights[name], dtype=np.float32)
+        h.update(f"{name}{a.shape}".encode())
+        h.update(a.tobytes())
+    return {"mode": head.mode, "K": int(head.K), "weight": float(head.weight), "sha256": h.hexdigest()}
+
+
+def check_prime(info: Dict, head, where) -> None:
+    """Stop when the PRIME head beside a saved kNN re-ranker (``head``: the folder's ``prime/``,
+    None without one) is not the one its k, power and weight were chosen on."""
+    from ..params import ConfigError
+    want, got = info.get("prime"), prime_digest(head)
+    if want == got:
+        return
+    if want is None:
+        why = "was chosen on the tree's candidates, but the folder also has PRIME (prime/)"
+    elif got is None:
+        why = "was chosen on PRIME's re-ranked candidates (stacked), but the folder has no prime/"
+    else:
+        why = (f"was chosen on another PRIME head (mode {want['mode']}, K {want['K']}, weight {want['weight']}) than "
+               f"the folder's prime/ (mode {got['mode']}, K {got['K']}, weight {got['weight']}"
+               f"{', other arrays' if want['sha256'] != got['sha256'] else ''})")
+    raise ConfigError(f"{where}: the kNN re-ranker (knn/{INFO}) {why}: rerun the knn stage after the prime stage, "
+                      "or remove knn/ (or prime/)")
 
 
 def save_info(folder, info: Dict) -> None:
