@@ -61,7 +61,7 @@ def test_shipped_confs_load(monkeypatch):
     assert set(raw) <= {"tree", "train", "clusters", "predict", "embedding", "prime", "knn"}
     acc = load_params([str(CONF / "local.yaml"), str(CONF / "accurate.yaml")])
     assert acc.tree.n_trees() == 3 and [acc.tree.for_tree(t).nr_splits for t in range(3)] == [2, 8, 32]
-    assert acc.knn.mode == "rerank" and acc.prime.mode == "off"
+    assert acc.knn.mode == acc.prime.mode == "rerank" and acc.prime.val_frac == acc.knn.val_frac == 0.2
     assert acc.spark == PipelineParams().spark and acc.train.C == 0.5
     # local.yaml is the embedded default, verbatim
     assert load_params(str(CONF / "local.yaml")) == PipelineParams()

@@ -118,17 +118,23 @@ def test_a_wrong_schema_table_stops_the_stage_naming_table_and_column(env, unkey
 
 
 def test_re_rankers_check_the_run_keys_records_before_any_work(env, unkeyed, spark, tmp_path):
-    """A keyed knn stage with the key's prime stage re-ranking, or a re-ranker whose held-out model
-    would be trained with other settings than the train stage's, stops naming the reason."""
+    """A keyed knn stage stacked on the key's PRIME with another held-out split, a keyed predict
+    stage whose knn record and prime record disagree on stacking, or a re-ranker whose held-out
+    model would be trained with other settings than the train stage's, stops naming the reason."""
     from xmc_spark.runner import Runner
     d, params, _ = env
     good = d / "run" / "tables"
     links = {t: str(good / t) for t in ("train", "test", "tree", "slots", "weights")}
     recs = {k: v for k, v in _records().items() if k != "knn"}
-    recs["prime"] = {**recs["prime"], "prime.mode": "rerank"}
+    recs["prime"] = {**recs["prime"], "prime.mode": "rerank", "prime.val_frac": 0.3}
     runner = Runner(spark, params.set_dotted("knn.mode", "rerank"), str(tmp_path / "a"), links=links, records=recs)
-    with pytest.raises(ConfigError, match="the prime stage of this run key ran with prime.mode=rerank"):
+    with pytest.raises(ConfigError, match="prime.val_frac is 0.1, the prime stage of this run used 0.3"):
         runner.run("knn")
+    recs = _records()
+    recs["knn"] = {**recs["knn"], "knn.mode": "rerank", "knn.K": 10, "knn.on_prime": True}
+    with pytest.raises(ConfigError, match="the knn stage of this run key was stacked on PRIME, and the prime stage's "
+                                          "record says prime.mode=off"):
+        Runner(spark, params, str(tmp_path / "p"), links=links, records=recs).run("predict")
     recs = {k: v for k, v in _records().items() if k != "knn"}
     recs["train"] = {**recs["train"], "model_config": pipeline.model_config(params)}
     changed = params.set_dotted("knn.mode", "rerank").set_dotted("train.C", 0.5)

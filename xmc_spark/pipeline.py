@@ -362,7 +362,10 @@ def held_out_trainer(ctx: StageContext, split):
     fit = eagle_model_trainer(ctx.params, ctx.dataset, ctx.tables.scratch, whole_ensemble=True)
 
     def cached(train_df):
-        if key not in ctx.memo:
+        if key in ctx.memo:
+            log.info("the held-out model of the prime stage, reused (held-out fraction %.4g, seed %d)", key[1],
+                     split.seed)
+        else:
             ctx.memo[key] = fit(train_df)
         return ctx.memo[key]
     return cached
@@ -558,6 +561,13 @@ def knn_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
     if ing.n_test:                       # the test set's join, checked before anything runs
         knn.check_pairs(ing.n_test, ing.n_train, p.knn, "test")
+    rec = ctx.records.get("prime", {})
+    for key in ("val_frac", "val_max_rows", "seed"):     # stacked: checked before any work (records since 2026-12)
+        if rec.get("prime.mode", "off") != "off" and rec.get(f"prime.{key}", getattr(p.prime, key)) != getattr(
+                p.prime, key):
+            raise ConfigError(f"the knn stage, stacked on PRIME, chooses on PRIME's held-out rows: prime.{key} is "
+                              f"{getattr(p.prime, key)}, the prime stage of this run used {rec[f'prime.{key}']}: run "
+                              "it with the prime stage's settings")
     for t in ("slots", "weights"):
         ctx.tables.note_read(t)
     head = prime_head(ctx)               # stacked on PRIME when its stage ran with it on
@@ -567,7 +577,7 @@ def knn_stage(ctx: StageContext) -> StageResult:
     samples = ctx.tables.read("train")
     choice = knn.choose(samples, p.knn, ing.n_train, ing.n_features, ing.n_labels, p.predict.beam_size,
                         held_out_trainer(ctx, split), ctx.timer, head=head, split=split)
-    n_prime = ctx.records.get("prime", {}).get("prime.n_held_out")
+    n_prime = rec.get("prime.n_held_out")
     if head is not None and n_prime is not None and int(n_prime) != choice["knn.n_held_out"]:
         raise ConfigError(f"the knn stage, stacked on PRIME, held out {choice['knn.n_held_out']:,} training rows by "
                           f"prime.val_frac / val_max_rows / seed, the prime stage of this run {int(n_prime):,}: run "
@@ -591,6 +601,11 @@ def knn_stage(ctx: StageContext) -> StageResult:
 
 def predict_stage(ctx: StageContext) -> StageResult:
     ing = ctx.dataset
+    rec, prime_mode = ctx.records.get("knn", {}), ctx.records.get("prime", {}).get("prime.mode", "off")
+    if rec.get("knn.mode", "off") != "off" and bool(rec.get("knn.on_prime")) != (prime_mode != "off"):
+        raise ConfigError("the knn stage of this run key was " + ("" if rec.get("knn.on_prime") else "not ")
+                          + f"stacked on PRIME, and the prime stage's record says prime.mode={prime_mode}: "
+                          "rerun `stage knn`")
     model = ctx.memo.get("model")
     if model is None:
         model = model_from_tables(ctx.tables, ing.n_features, ing.n_labels, ctx.params)
@@ -600,13 +615,8 @@ def predict_stage(ctx: StageContext) -> StageResult:
     head = prime_head(ctx)
     if head is not None and ctx.memo.get("prime") is not None:
         ctx.tables.note_read("prime")
-    rec = ctx.records.get("knn", {})
     if rec.get("knn.mode", "off") != "off":
         p = ctx.params
-        if bool(rec.get("knn.on_prime")) != (head is not None):
-            raise ConfigError("the knn stage of this run key was " + ("" if rec.get("knn.on_prime") else "not ")
-                              + "stacked on PRIME, and the prime stage's record says prime.mode="
-                              f"{ctx.records.get('prime', {}).get('prime.mode', 'off')}: rerun `stage knn`")
         with ctx.timer.stage("predict"):          # K as the weight was chosen with
             kp = dataclasses.replace(p.knn, K=int(rec["knn.K"]))
             test = ctx.tables.read("test")

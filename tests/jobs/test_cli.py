@@ -1,6 +1,7 @@
 """The real CLI end to end: subprocesses (a fresh JVM each, as a user runs it) for the bibtex run,
 exit codes and params; main() in this process on the test session for the longer commands."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -215,13 +216,21 @@ def test_run_with_prime_rerank_then_predict_from_the_folder(tmp_path, spark):
     _predict_from_folder_as_the_run(spark, tmp_path, data, out, m, fast, "prime")
 
 
-def test_run_with_knn_rerank_then_predict_from_the_folder(tmp_path, spark, capfd):
+def test_run_with_knn_rerank_then_predict_from_the_folder(tmp_path, spark, capfd, caplog):
     """`run --set knn.mode=rerank` on a tiny synth set: the choice on held-out training rows in
     metrics.json and knn/knn.json, the tree's own P@k beside the final ones; `predict` on the
     folder re-ranks as the run did (the training table's version it names), on a copy without
     knn/ it gives the tree's (the run's tree_predictions); once the training rows change it stops
-    before writing; PRIME and kNN together are refused."""
+    before writing; with PRIME also on, kNN re-ranks PRIME's output (stacked), `predict` on that
+    folder does the same and stops when its prime/ is not the head the choice was made on."""
+    import shutil
+
+    from xmc_spark.prime_model import PrimeHead
+    from xmc_spark.stages.knn import prime_digest
     from xmc_spark.storage import read_delta, write_delta
+
+    def preds(path):
+        return sorted((r["sample_id"], list(r["pred_labels"])) for r in read_delta(spark, str(path)).collect())
     assert main_in_process("synth", "--out", str(tmp_path / "data"), "--n-train", "300", "--n-test", "80",
                            "--labels", "24", "--features", "120", "--format", "xc", "--seed", "4") == 0
     data, out = tmp_path / "data", tmp_path / "run"
@@ -246,10 +255,34 @@ def test_run_with_knn_rerank_then_predict_from_the_folder(tmp_path, spark, capfd
     err = capfd.readouterr().err
     assert "was chosen on 300 training rows" in err and "now holds 200 rows" in err
     assert not (tmp_path / "pred2" / "tables").exists()
-    assert main_in_process("run", "--train", str(data / "train.txt"), "--test", str(data / "test.txt"), "--out",
-                           str(tmp_path / "both"), *fast, *knn, "--set", "prime.mode=rerank") == 2
-    err = capfd.readouterr().err
-    assert "knn.mode" in err and "prime.mode" in err and "set one of them to off" in err
+    # stacked on PRIME: kNN re-ranks PRIME's output; tree_predictions stay the tree's own
+    both = tmp_path / "both"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="xmc_spark.pipeline"):
+        assert main_in_process("run", "--train", str(data / "train.txt"), "--test", str(data / "test.txt"), "--out",
+                               str(both), *fast, *knn, "--set", "prime.mode=rerank", "--set", "prime.epochs=1",
+                               "--set", "prime.dim=8", "--set", "prime.ffn=16", "--set", "prime.K=10") == 0
+    mb = json.loads((both / "metrics.json").read_text())
+    assert mb["knn.on_prime"] is True and mb["knn.n_held_out"] == mb["prime.n_held_out"] > 0
+    assert mb["tree_p@1"] == pytest.approx(m["tree_p@1"])
+    assert "the held-out model of the prime stage, reused" in caplog.text     # trained once, by the prime stage
+    assert preds(both / "tables" / "tree_predictions") == preds(out / "tables" / "tree_predictions")
+    info = json.loads((both / "model" / "knn" / "knn.json").read_text())
+    assert info["prime"] == prime_digest(PrimeHead.load(both / "model"))
+    assert main_in_process("predict", "--model", str(both / "model"), "--data", str(data / "test.txt"), "--out",
+                           str(tmp_path / "pred3"), *fast) == 0
+    assert preds(tmp_path / "pred3" / "tables" / "predictions") == preds(both / "tables" / "predictions")
+    pm = json.loads((tmp_path / "pred3" / "metrics.json").read_text())
+    assert pm["p@1"] == pytest.approx(mb["p@1"]) and pm["tree_p@1"] == pytest.approx(mb["tree_p@1"])
+    # a folder whose prime/ is not the head the choice was made on, or has none: stops before Spark
+    meta = json.loads((both / "model" / "prime" / "prime.json").read_text())
+    (both / "model" / "prime" / "prime.json").write_text(json.dumps({**meta, "weight": meta["weight"] / 2 + 0.01}))
+    shutil.copytree(both / "model", tmp_path / "no_prime", ignore=shutil.ignore_patterns("prime"))
+    for folder, msg in ((both / "model", "was chosen on another PRIME head"), (tmp_path / "no_prime", "has no prime/")):
+        capfd.readouterr()
+        assert main_in_process("predict", "--model", str(folder), "--data", str(data / "test.txt"), "--out",
+                               str(tmp_path / "pred4"), *fast) == 2
+        assert msg in capfd.readouterr().err and not (tmp_path / "pred4" / "tables").exists()
 
 
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.on_demand)])

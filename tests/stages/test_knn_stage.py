@@ -1,7 +1,8 @@
 """The kNN re-ranker on Spark agrees with the numpy kernel (kernels.knn) on a tiny synth set:
 blocked neighbours and votes = a brute-force sort of every similarity; re-ranking = the tree's
 top K mixed with those votes (kernels.prime.rerank); the choice of k, power and weight = the
-same grid searched in numpy on the held-out rows, whose neighbours are the other rows only."""
+same grid searched in numpy on the held-out rows, whose neighbours are the other rows only;
+stacked on a PRIME head, the same on PRIME's re-ranked candidates and held-out rows."""
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -107,3 +108,81 @@ def test_choice_is_the_numpy_grid_search_on_held_out_rows_voted_by_the_others(da
     assert (facts["knn.k"], facts["knn.power"], facts["knn.weight"]) == best[:3]
     assert facts["knn.val_rerank_mean_p"] == pytest.approx(best[3], abs=1e-4)
     assert facts["knn.val_tree_mean_p"] == pytest.approx(best[4], abs=1e-4)
+
+
+def _head(weight=0.5, dim=8, seed=3):
+    from xmc_spark.prime_model import PrimeHead
+    rng = np.random.default_rng(seed)
+    Z = rng.normal(size=(L, dim))
+    return PrimeHead("rerank", 12, weight, {"E": rng.normal(size=(D, dim)).astype(np.float32),
+                                             "Z": (Z / np.linalg.norm(Z, axis=1, keepdims=True)).astype(np.float32)})
+
+
+def test_stacked_on_prime_reranks_primes_candidates_and_chooses_on_primes_held_out_rows(data):
+    """tree -> PRIME -> kNN: the votes re-order PRIME's re-ranked top K (a head mixing at 0.5), the
+    base predictions are PRIME's; the choice is the numpy grid on PRIME's candidates of the rows
+    that ``split`` (PRIME's 0.3, not the kNN section's 0.2) holds out."""
+    from xmc_spark.params import PrimeParams
+    from xmc_spark.prime_model import PrimedModel, with_head
+    X, Y, Xt, _, train, test, tree = data
+    head = _head()
+    prm = KnnParams(mode="rerank", K=12, ks=[3, 8], powers=[1.0, 4.0], val_frac=0.2, block_rows=64)
+    preds, base = stage.rerank(test, stage.index_rows(train), with_head(tree, head), prm,
+                               {"knn.k": 5, "knn.power": 2.0, "knn.weight": 0.6}, 3, 5, D, L)
+    cand, sc = PrimedModel(tree, head).predict(Xt, beam_size=3, topk=12)
+    tc, _ = tree.predict(Xt, beam_size=3, topk=12)
+    assert (np.sort(cand, 1) == np.sort(tc, 1)).all() and (cand != tc).any()   # PRIME's order of the tree's top 12
+    votes = np.take_along_axis(K.brute_force_votes(Xt, X, Y, 5, 2.0), np.maximum(cand, 0), 1)
+    lab, fin = PR.rerank(cand, sc, np.where(cand >= 0, votes, 0.0), 0.6)
+    got = _by_id(to_arrow(preds), "sample_id")
+    assert got.column("pred_labels").to_pylist() == [[x for x in r[:5] if x >= 0] for r in lab.tolist()]
+    np.testing.assert_allclose(np.concatenate(got.column("pred_scores").to_pylist()), fin[:, :5][lab[:, :5] >= 0],
+                               rtol=1e-5, atol=1e-6)
+    assert _by_id(to_arrow(base), "sample_id").column("pred_labels").to_pylist() == [
+        [x for x in r[:5] if x >= 0] for r in cand.tolist()]
+
+    split = PrimeParams(mode="rerank", val_frac=0.3, seed=1)
+    seen = {}
+
+    def val_tree_fit(train_df):
+        seen["ids"] = np.array(sorted(r["sample_id"] for r in train_df.select("sample_id").collect()))
+        return XMCModel.train_local(X[seen["ids"]], Y[seen["ids"]], tree=TreeParams(max_leaf_size=4))
+
+    facts = stage.choose(train, prm, N_TRAIN, D, L, 3, val_tree_fit, head=head, split=split)
+    held = np.setdiff1d(np.arange(N_TRAIN), seen["ids"])
+    want = sorted(r["sample_id"] for r in train.filter(stage.is_held_out(0.3, 1)).select("sample_id").collect())
+    assert held.tolist() == want and facts["knn.n_held_out"] == len(held) > 0
+    cand, sc = PrimedModel(val_tree_fit(train.filter(~stage.is_held_out(0.3, 1))), head).predict(
+        X[held], beam_size=3, topk=12)
+    best = None
+    for k in (3, 8):
+        for power in (1.0, 4.0):
+            v = np.take_along_axis(K.brute_force_votes(X[held], X[seen["ids"]], Y[seen["ids"]], k, power),
+                                   np.maximum(cand, 0), 1)
+            w, table = PR.choose_weight(cand, sc, np.where(cand >= 0, v, 0.0), Y[held])
+            if best is None or table[w] > best[3]:
+                best = (k, power, w, table[w], table[1.0])
+    assert (facts["knn.k"], facts["knn.power"], facts["knn.weight"]) == best[:3]
+    assert facts["knn.val_rerank_mean_p"] == pytest.approx(best[3], abs=1e-4)
+
+
+def test_a_saved_choice_names_the_prime_head_it_was_made_on():
+    """knn.json's PRIME digest: equal for the head's arrays in float32 or float64 (the prime table
+    keeps float32), different for another weight or other prototypes; predict stops on any mismatch."""
+    from xmc_spark.params import ConfigError
+    from xmc_spark.prime_model import PrimeHead
+    head = _head()
+    d = stage.prime_digest(head)
+    as64 = PrimeHead("rerank", 12, 0.5, {k: v.astype(np.float64) for k, v in head.weights.items()})
+    assert stage.prime_digest(None) is None and stage.prime_digest(as64) == d
+    other = _head(seed=4)
+    assert stage.prime_digest(other)["sha256"] != d["sha256"]
+    assert stage.prime_digest(_head(weight=0.7)) == {**d, "weight": 0.7}
+    stage.check_prime({"prime": d}, as64, "m")
+    stage.check_prime({}, None, "m")                  # a choice made before stacking existed, no prime/
+    for info, h, msg in (({}, head, "chosen on the tree's candidates, but the folder also has PRIME"),
+                         ({"prime": d}, None, "but the folder has no prime/"),
+                         ({"prime": d}, _head(weight=0.7), "weight 0.5\\) than the folder's prime/ .*weight 0.7\\)"),
+                         ({"prime": d}, other, "other arrays")):
+        with pytest.raises(ConfigError, match=msg):
+            stage.check_prime(info, h, "m")

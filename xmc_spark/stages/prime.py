@@ -257,7 +257,8 @@ def finish(model: PR.PrimeModel, prm: PrimeParams, vt: pa.Table, Xv: sp.csr_matr
         weights.update(W_res=model.weights["W_res"], b_res=model.weights["b_res"])
     head = PrimeHead(prm.mode, prm.K, 1.0, weights, prm.residual)
     facts.update({"prime.mode": prm.mode, "prime.K": prm.K, "prime.n_held_out": int(Xv.shape[0]),
-                  "prime.epoch": model.epoch})
+                  "prime.epoch": model.epoch, "prime.val_frac": prm.val_frac, "prime.val_max_rows": prm.val_max_rows,
+                  "prime.seed": prm.seed})
     if Xv.shape[0] and prm.mode == "rerank":
         cand = padded(vt, "cand", prm.K, -1, np.int64)
         tree_sc = padded(vt, "cand_scores", prm.K, -np.inf, np.float64)
