@@ -81,6 +81,19 @@ def test_rerank_equals_the_kernels_and_keeps_the_tree_beside(data):
             assert got.column("pred_labels").to_pylist() == tp.column("pred_labels").to_pylist()
 
 
+def _grid_search(X, Y, held, fit, cand, sc):
+    """(k, power, w, best mean, mean at w 1) over k 3/8 and power 1/4: the held-out rows' candidates
+    ``cand`` (scores ``sc``) voted by the rows ``fit``, in numpy."""
+    best = None
+    for k in (3, 8):
+        for power in (1.0, 4.0):
+            v = np.take_along_axis(K.brute_force_votes(X[held], X[fit], Y[fit], k, power), np.maximum(cand, 0), 1)
+            w, table = PR.choose_weight(cand, sc, np.where(cand >= 0, v, 0.0), Y[held])
+            if best is None or table[w] > best[3]:
+                best = (k, power, w, table[w], table[1.0])
+    return best
+
+
 def test_choice_is_the_numpy_grid_search_on_held_out_rows_voted_by_the_others(data, spark):
     X, Y, _, _, train, _, tree = data
     prm = KnnParams(mode="rerank", K=12, ks=[3, 8], powers=[1.0, 4.0], val_frac=0.3, block_rows=64)
@@ -97,14 +110,7 @@ def test_choice_is_the_numpy_grid_search_on_held_out_rows_voted_by_the_others(da
     assert set(held) | set(seen["ids"]) == set(range(N_TRAIN))
     vtree = val_tree_fit(train.filter(~stage.is_held_out(stage.val_fraction(prm, N_TRAIN), prm.seed)))
     cand, sc = vtree.predict(X[held], beam_size=3, topk=12)
-    best = None
-    for k in (3, 8):
-        for power in (1.0, 4.0):
-            v = np.take_along_axis(K.brute_force_votes(X[held], X[seen["ids"]], Y[seen["ids"]], k, power),
-                                   np.maximum(cand, 0), 1)
-            w, table = PR.choose_weight(cand, sc, np.where(cand >= 0, v, 0.0), Y[held])
-            if best is None or table[w] > best[3]:
-                best = (k, power, w, table[w], table[1.0])
+    best = _grid_search(X, Y, held, seen["ids"], cand, sc)
     assert (facts["knn.k"], facts["knn.power"], facts["knn.weight"]) == best[:3]
     assert facts["knn.val_rerank_mean_p"] == pytest.approx(best[3], abs=1e-4)
     assert facts["knn.val_tree_mean_p"] == pytest.approx(best[4], abs=1e-4)
@@ -154,14 +160,7 @@ def test_stacked_on_prime_reranks_primes_candidates_and_chooses_on_primes_held_o
     assert held.tolist() == want and facts["knn.n_held_out"] == len(held) > 0
     cand, sc = PrimedModel(val_tree_fit(train.filter(~stage.is_held_out(0.3, 1))), head).predict(
         X[held], beam_size=3, topk=12)
-    best = None
-    for k in (3, 8):
-        for power in (1.0, 4.0):
-            v = np.take_along_axis(K.brute_force_votes(X[held], X[seen["ids"]], Y[seen["ids"]], k, power),
-                                   np.maximum(cand, 0), 1)
-            w, table = PR.choose_weight(cand, sc, np.where(cand >= 0, v, 0.0), Y[held])
-            if best is None or table[w] > best[3]:
-                best = (k, power, w, table[w], table[1.0])
+    best = _grid_search(X, Y, held, seen["ids"], cand, sc)
     assert (facts["knn.k"], facts["knn.power"], facts["knn.weight"]) == best[:3]
     assert facts["knn.val_rerank_mean_p"] == pytest.approx(best[3], abs=1e-4)
 
