@@ -30,7 +30,7 @@ def test_command_line_choices_come_from_the_registry():
         parse_arguments(["stage", "nope", "--run-key", "k"])
 
 
-def test_eagle_rounds_add_their_models_sections():
+def test_eagle_rounds_and_stacked_knn_add_sections():
     from xmc_spark.params import PipelineParams
     from xmc_spark.registry import ROUND_MODEL_SECTIONS, stage_sections
     p = PipelineParams()
@@ -40,6 +40,11 @@ def test_eagle_rounds_add_their_models_sections():
     rounds = p.set_dotted("eagle.refine_rounds", 1)
     assert stage_sections("eagle", rounds) == ("eagle", *ROUND_MODEL_SECTIONS)
     assert stage_sections("train", rounds) == STAGES["train"].sections
+    # the kNN re-ranker stacked on PRIME: its output depends on the prime section as well
+    stacked = p.set_dotted("knn.mode", "rerank").set_dotted("prime.mode", "rerank")
+    assert stage_sections("knn", stacked) == ("knn", "prime")
+    assert stage_sections("knn", p.set_dotted("knn.mode", "rerank")) == ("knn",)
+    assert stage_sections("prime", stacked) == STAGES["prime"].sections
 
 
 @pytest.mark.parametrize("rounds", [0, 1])
