@@ -352,22 +352,26 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
     return fit
 
 
-def held_out_trainer(ctx: StageContext, split):
+def held_out_trainer(ctx: StageContext, split, keep: bool = False):
     """train_df -> model for a re-ranker's held-out rows (:func:`eagle_model_trainer`, the whole
-    ensemble), kept in ``ctx.memo`` per held-out split (``split``'s fraction of the training rows
-    and seed) and model settings: PRIME and the kNN re-ranker stacked in one run hold out the same
-    rows and train that model once."""
+    ensemble). PRIME and the kNN re-ranker stacked in one run hold out the same rows and train that
+    model once: the prime stage's is kept in ``ctx.memo`` (``keep``) under its held-out split
+    (``split``'s fraction of the training rows and seed) and model settings, and the knn stage
+    takes it from there (and drops it: the driver holds it no longer than needed)."""
     from .stages.prime import val_fraction
     key = ("held_out_model", val_fraction(split, ctx.dataset.n_train), split.seed, model_config(ctx.params))
     fit = eagle_model_trainer(ctx.params, ctx.dataset, ctx.tables.scratch, whole_ensemble=True)
 
     def cached(train_df):
-        if key in ctx.memo:
+        model = ctx.memo.pop(key, None)
+        if model is not None:
             log.info("the held-out model of the prime stage, reused (held-out fraction %.4g, seed %d)", key[1],
                      split.seed)
         else:
-            ctx.memo[key] = fit(train_df)
-        return ctx.memo[key]
+            model = fit(train_df)
+        if keep:
+            ctx.memo[key] = model
+        return model
     return cached
 
 
@@ -503,7 +507,7 @@ def prime_stage(ctx: StageContext) -> StageResult:
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     head, facts = prime.run(samples, model, counts, p.prime, ing.n_train, ing.n_features, ing.n_labels,
                             p.predict.beam_size, p.eval, ctx.timer,
-                            val_tree_fit=held_out_trainer(ctx, p.prime),
+                            val_tree_fit=held_out_trainer(ctx, p.prime, keep=p.knn.mode != "off"),
                             embedding_params=p.embedding)
     with ctx.timer.stage("prime_write"):
         tables.write("prime", ctx.spark.createDataFrame(prime.head_frame(head)))
