@@ -125,6 +125,12 @@ def test_tree_lambda_key_and_lambda_prime(tmp_path):
     assert load_params(str(f)).tree.lam == 0.5
     with pytest.raises(ConfigError, match="exclusive"):
         load_params(None, ["tree.lambda=1", "tree.lambda_prime=2"])
+    # kNN stacked on PRIME's re-ranking re-ranks at most PRIME's pool
+    stacked = ["prime.mode=rerank", "knn.mode=rerank", "prime.K=50"]
+    with pytest.raises(ConfigError, match=r"'knn.K' \(100\) must be <= prime.K \(50\) when the kNN re-ranker"):
+        load_params(None, stacked)
+    assert load_params(None, [*stacked, "knn.K=50"]).knn.K == 50      # checked once every override is in
+    assert load_params(None, ["prime.mode=retrieve", "knn.mode=rerank", "prime.K=50"]).knn.K == 100
     with pytest.raises(ConfigError, match="must be 2 when lambda > 0"):
         load_params(None, ["tree.lambda=1", "tree.nr_splits=4"])
     f.write_text("tree:\n  lambda: 0.5\n  lam: 0.5\n")

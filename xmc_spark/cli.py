@@ -106,18 +106,18 @@ def main(argv=None) -> int:
     log.info("xmc-spark %s (%s): %s", __version__, __file__.rsplit("/", 2)[0], args.cmd)
     try:
         if args.cmd == "predict":            # a broken model folder stops before Spark starts
-            from .model import is_chunked, read_header
-            from .prime_model import PrimeHead, load
+            from .model import XMCModel, is_chunked, read_header
+            from .prime_model import PrimeHead, with_head
             from .stages.knn import check_prime, load_info
             knn_info = load_info(args.model)     # the kNN re-ranker's knn/knn.json, when there is one
+            head = PrimeHead.load(args.model)    # prime/, when there is one (checked)
             if knn_info is not None:             # chosen on the folder's prime/ (stacked), or without one
-                check_prime(knn_info, PrimeHead.load(args.model), args.model)
+                check_prime(knn_info, head, args.model)
             if is_chunked(args.model):
                 read_header(args.model)      # checked now; the weights are read whole or by the tasks later
-                PrimeHead.load(args.model)   # and prime/, when there is one
                 model = args.model
             else:
-                model = load(args.model, knn_warning=False)   # the tree model, with PRIME when it has prime/
+                model = with_head(XMCModel.load(args.model), head)   # the tree model, with PRIME when it has prime/
         from pyspark.sql import SparkSession
         owner = SparkSession.getActiveSession() is None     # stop only a session this call started
         if args.cmd in ("run", "sweep", "stage"):

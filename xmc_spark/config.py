@@ -68,6 +68,7 @@ def load_params(paths: Union[None, str, Sequence[str]] = None, overrides: Iterab
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, value = item.split("=", 1)
         params = params.set_dotted(key.strip(), value)
+    params.check_combination()
     for k, v in params.spark.conf.items():
         if secrets.looks_secret(k):
             secrets.register(str(v))

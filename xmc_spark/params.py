@@ -626,3 +626,13 @@ class PipelineParams(BaseParams):
     eval: EvalParams = field(default_factory=EvalParams)
     mlflow: MlflowParams = field(default_factory=MlflowParams)
 
+    def check_combination(self) -> None:
+        """Checks across sections, once the whole configuration is read (files and every ``--set``:
+        a single override may pass through a combination that the next one mends).
+
+        Stacked (both on): kNN re-ranks PRIME's re-ranking of the tree's top ``prime.K``, on which
+        PRIME's weight was chosen; a larger ``knn.K`` would make PRIME re-rank a wider pool."""
+        _check(self.prime.mode != "rerank" or self.knn.mode == "off" or self.knn.K <= self.prime.K, "knn.K",
+               f"({self.knn.K}) must be <= prime.K ({self.prime.K}) when the kNN re-ranker re-ranks PRIME's output "
+               "(both on)")
+

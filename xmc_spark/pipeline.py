@@ -529,7 +529,10 @@ def prime_head(ctx: StageContext):
     rec = ctx.records.get("prime", {})
     if rec.get("prime.mode", "off") == "off":
         return None
-    return ctx.memo.get("prime") or prime.head_from_table(ctx.tables.read("prime"), rec)
+    if ctx.memo.get("prime") is not None:      # this process's head: the table recorded as read
+        ctx.tables.note_read("prime")
+        return ctx.memo["prime"]
+    return prime.head_from_table(ctx.tables.read("prime"), rec)
 
 
 MODEL_SECTIONS = ("embedding", "tree", "train", "predict")
@@ -575,8 +578,13 @@ def knn_stage(ctx: StageContext) -> StageResult:
     for t in ("slots", "weights"):
         ctx.tables.note_read(t)
     head = prime_head(ctx)               # stacked on PRIME when its stage ran with it on
-    if head is not None and ctx.memo.get("prime") is not None:
-        ctx.tables.note_read("prime")
+    if head is not None and head.mode == "rerank" and p.knn.K > head.K:
+        raise ConfigError(f"knn.K ({p.knn.K}) must be <= the prime stage's K ({head.K}) when the kNN re-ranker "
+                          "re-ranks PRIME's output (both on)")
+    if head is not None and any(getattr(p.knn, k) != getattr(p.prime, k) for k in ("val_frac", "val_max_rows", "seed")):
+        log.warning("knn: stacked on PRIME, k, power and weight are chosen on PRIME's held-out rows (prime.val_frac "
+                    "%g, val_max_rows %d, seed %d); knn.val_frac / val_max_rows / seed are not used", p.prime.val_frac,
+                    p.prime.val_max_rows, p.prime.seed)
     split = p.prime if head is not None else p.knn      # stacked: PRIME's held-out rows
     samples = ctx.tables.read("train")
     choice = knn.choose(samples, p.knn, ing.n_train, ing.n_features, ing.n_labels, p.predict.beam_size,
@@ -617,19 +625,14 @@ def predict_stage(ctx: StageContext) -> StageResult:
         for t in ("slots", "weights"):
             ctx.tables.note_read(t)
     head = prime_head(ctx)
-    if head is not None and ctx.memo.get("prime") is not None:
-        ctx.tables.note_read("prime")
     if rec.get("knn.mode", "off") != "off":
         p = ctx.params
         with ctx.timer.stage("predict"):          # K as the weight was chosen with
             kp = dataclasses.replace(p.knn, K=int(rec["knn.K"]))
-            test = ctx.tables.read("test")
-            preds, tree = knn.rerank(test, knn.index_rows(ctx.tables.read("train")), prime_model.with_head(model, head),
-                                     kp, rec, p.predict.beam_size, p.predict.topk, ing.n_features, ing.n_labels,
-                                     ing.n_test)
+            preds, tree = knn.rerank(ctx.tables.read("test"), knn.index_rows(ctx.tables.read("train")),
+                                     prime_model.with_head(model, head), kp, rec, p.predict.beam_size, p.predict.topk,
+                                     ing.n_features, ing.n_labels, ing.n_test)
             ctx.tables.write("predictions", preds)
-            if head is not None:                  # stacked: the tree's own top-k, not PRIME's
-                tree = prediction.run(test, model, p.predict.beam_size, p.predict.topk, ing.n_test)
             ctx.tables.write("tree_predictions", tree)
         return StageResult({"n_test": ing.n_test})
     with ctx.timer.stage("predict"):
@@ -827,8 +830,6 @@ def predict(spark, model, data: str, out: str, params: PipelineParams, knn_info:
         preds, tree = knn.rerank(df, index, model, kp, choice, params.predict.beam_size, params.predict.topk,
                                  model.n_features, model.n_labels, info.n_samples, int(knn_info["rows"]))
         tables.write("predictions", preds)
-        if isinstance(model, prime_model.PrimedModel):      # stacked: the tree's own top-k, not PRIME's
-            tree = prediction.run(df, model.tree, params.predict.beam_size, params.predict.topk, info.n_samples)
         tables.write("tree_predictions", tree)
     else:
         write_predictions(tables, model, params, "input", info.n_samples)

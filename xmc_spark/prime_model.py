@@ -169,14 +169,14 @@ def with_head(tree, head: Optional[PrimeHead]):
     return tree if head is None else PrimedModel(tree, head)
 
 
-def load(folder, knn_warning: bool = True):
+def load(folder):
     """A saved model folder: the tree model (:meth:`XMCModel.load`), wrapped in a
     :class:`PrimedModel` when the folder has ``prime/``. A kNN re-ranker (``knn/``) is not
-    applied here (it votes with the training rows, through Spark: ``xmc-spark predict``); with
-    ``knn_warning`` that is logged."""
+    applied here (it votes with the training rows, through Spark: ``xmc-spark predict``), which is
+    logged as a warning: the model scores with the tree (and PRIME, stacked) alone."""
     from .model import XMCModel
-    if knn_warning and (Path(folder) / "knn" / "knn.json").is_file():
+    if (Path(folder) / "knn" / "knn.json").is_file():
         logging.getLogger("xmc_spark.model").warning(
             "%s has a kNN re-ranker (knn/), which needs the training rows and Spark: `xmc-spark predict` applies "
-            "it; this model scores with the tree alone", folder)
+            "it; this model scores without it (the tree, with PRIME when the folder has prime/)", folder)
     return with_head(XMCModel.load(folder), PrimeHead.load(folder))

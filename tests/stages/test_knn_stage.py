@@ -125,16 +125,16 @@ def _head(weight=0.5, dim=8, seed=3):
 
 
 def test_stacked_on_prime_reranks_primes_candidates_and_chooses_on_primes_held_out_rows(data):
-    """tree -> PRIME -> kNN: the votes re-order PRIME's re-ranked top K (a head mixing at 0.5), the
-    base predictions are PRIME's; the choice is the numpy grid on PRIME's candidates of the rows
-    that ``split`` (PRIME's 0.3, not the kNN section's 0.2) holds out."""
+    """tree -> PRIME -> kNN: the votes re-order PRIME's re-ranked top K (a head mixing at 0.5), weight
+    1 keeps PRIME's order, tree_predictions are the tree's own; the choice is the numpy grid on
+    PRIME's candidates of the rows that ``split`` (PRIME's 0.3, not the kNN section's 0.2) holds out."""
     from xmc_spark.params import PrimeParams
     from xmc_spark.prime_model import PrimedModel, with_head
     X, Y, Xt, _, train, test, tree = data
     head = _head()
     prm = KnnParams(mode="rerank", K=12, ks=[3, 8], powers=[1.0, 4.0], val_frac=0.2, block_rows=64)
-    preds, base = stage.rerank(test, stage.index_rows(train), with_head(tree, head), prm,
-                               {"knn.k": 5, "knn.power": 2.0, "knn.weight": 0.6}, 3, 5, D, L)
+    preds, tree_preds = stage.rerank(test, stage.index_rows(train), with_head(tree, head), prm,
+                                     {"knn.k": 5, "knn.power": 2.0, "knn.weight": 0.6}, 3, 5, D, L)
     cand, sc = PrimedModel(tree, head).predict(Xt, beam_size=3, topk=12)
     tc, _ = tree.predict(Xt, beam_size=3, topk=12)
     assert (np.sort(cand, 1) == np.sort(tc, 1)).all() and (cand != tc).any()   # PRIME's order of the tree's top 12
@@ -144,7 +144,12 @@ def test_stacked_on_prime_reranks_primes_candidates_and_chooses_on_primes_held_o
     assert got.column("pred_labels").to_pylist() == [[x for x in r[:5] if x >= 0] for r in lab.tolist()]
     np.testing.assert_allclose(np.concatenate(got.column("pred_scores").to_pylist()), fin[:, :5][lab[:, :5] >= 0],
                                rtol=1e-5, atol=1e-6)
-    assert _by_id(to_arrow(base), "sample_id").column("pred_labels").to_pylist() == [
+    tl, _ = tree.predict(Xt, beam_size=3, topk=5)              # tree_predictions: the tree's own, not PRIME's
+    assert _by_id(to_arrow(tree_preds), "sample_id").column("pred_labels").to_pylist() == [
+        [x for x in r if x >= 0] for r in tl.tolist()]
+    base, _ = stage.rerank(test, stage.index_rows(train), with_head(tree, head), prm,
+                           {"knn.k": 5, "knn.power": 2.0, "knn.weight": 1.0}, 3, 5, D, L)
+    assert _by_id(to_arrow(base), "sample_id").column("pred_labels").to_pylist() == [   # weight 1: PRIME's order
         [x for x in r[:5] if x >= 0] for r in cand.tolist()]
 
     split = PrimeParams(mode="rerank", val_frac=0.3, seed=1)

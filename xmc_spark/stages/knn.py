@@ -36,7 +36,7 @@ Where each part runs and what it holds:
   (:func:`prime_digest`), and ``xmc-spark predict`` stops when the folder's ``prime/`` differs.
 * **Cost guard**: a similarity join of more than ``knn.max_pairs`` (query, training row) pairs
   stops with the counts before it runs.
-* **Prediction** (:func:`rerank`, Spark): the tree's top K of each test row
+* **Prediction** (:func:`rerank`, Spark): the tree's (stacked: PRIME's) top K of each test row
   (:func:`~.prediction.run`, broadcast or sharded), its neighbours among all training rows, and
   one Arrow pass per batch that votes and mixes (:func:`~xmc_spark.kernels.knn.votes`,
   :func:`~xmc_spark.kernels.prime.rerank`).
@@ -62,7 +62,7 @@ from ..kernels import knn as K
 from ..kernels import prime as PR
 from ..kernels.sparse import csr_from_lists
 from ..params import KnnParams
-from ..prime_model import with_head
+from ..prime_model import PrimedModel, with_head
 from ..schemas import PREDICTIONS_SCHEMA
 from . import prediction
 from .prime import is_held_out, padded, val_fraction
@@ -182,20 +182,22 @@ def candidates(samples: DataFrame, model, beam_size: int, K_: int, n_rows: Optio
 def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: Dict, beam_size: int, topk: int,
            n_features: int, n_labels: int, n_rows: Optional[int] = None, n_index: Optional[int] = None
            ) -> Tuple[DataFrame, DataFrame]:
-    """(predictions, base predictions) of ``samples``: ``model``'s top ``knn.K`` re-ranked with the
+    """(predictions, tree_predictions) of ``samples``: ``model``'s top ``knn.K`` re-ranked with the
     votes of their ``choice["knn.k"]`` nearest rows of ``index`` (power and weight of ``choice``),
-    top ``topk`` kept; and ``model``'s own top ``topk`` (the tree's; with a PRIME head, stacked,
-    PRIME's)."""
+    top ``topk`` kept; and the tree's own top ``topk``: ``model``'s candidates, or stacked (a
+    :class:`~xmc_spark.prime_model.PrimedModel`) a beam search of its tree alone."""
     k, power, w = int(choice["knn.k"]), float(choice["knn.power"]), float(choice["knn.weight"])
     if w < 1.0:                       # checked before the beam search
         n_rows = n_rows if n_rows is not None else samples.count()
         n_index = n_index if n_index is not None else index.count()
         check_pairs(n_rows, n_index, prm, "query")
     cand = candidates(samples, model, beam_size, max(prm.K, topk), n_rows).localCheckpoint()
-    tree = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
-                       F.slice("cand_scores", 1, topk).alias("pred_scores"))
-    if w >= 1.0:                      # the tree's order (a stable sort): no neighbours needed
-        return tree, tree
+    tree = base = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
+                              F.slice("cand_scores", 1, topk).alias("pred_scores"))
+    if isinstance(model, PrimedModel):  # stacked: the candidates are PRIME's, tree_predictions the tree's
+        tree = prediction.run(samples, model.tree, beam_size, topk, n_rows)
+    if w >= 1.0:                      # the base's order (a stable sort): no neighbours needed
+        return base, tree
     nb = neighbour_lists(with_labels(neighbours(samples, index, k, n_features, prm.block_rows, n_rows, n_index),
                                      index))
     rows = cand.join(nb, "sample_id", "left")
@@ -241,7 +243,7 @@ def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_l
                       .orderBy("sample_id"))
         facts: Dict = {"knn.n_held_out": vt.num_rows}
         if not vt.num_rows:
-            log.warning("knn: no held-out training rows (knn.val_frac x rows < 1): weight 1 (the tree)")
+            log.warning("knn: no held-out training rows (val_frac x rows < 1): weight 1 (the base's order)")
             return {**facts, "knn.k": kmax, "knn.power": 1.0, "knn.weight": 1.0}
         Yv = csr_from_table(vt, "label_idx", None, n_labels)
         cand = padded(vt, "cand", prm.K, -1, np.int64)
@@ -253,8 +255,8 @@ def choose(samples: DataFrame, prm: KnnParams, n_rows: int, n_features: int, n_l
                 if best is None or table[w] > best[3]:
                     best = (k, power, w, table[w], table[1.0])
     k, power, w, score, tree_score = best
-    log.info("knn: %d held-out training rows choose k %d, power %g, weight %g (mean P@1/3/5 %.2f, tree %.2f)",
-             vt.num_rows, k, power, w, score, tree_score)
+    log.info("knn: %d held-out training rows choose k %d, power %g, weight %g (mean P@1/3/5 %.2f, %s alone %.2f)",
+             vt.num_rows, k, power, w, score, "the tree" if head is None else "PRIME", tree_score)
     return {**facts, "knn.k": int(k), "knn.power": float(power), "knn.weight": float(w),
             "knn.val_tree_mean_p": round(tree_score, 4), "knn.val_rerank_mean_p": round(score, 4)}
 
