@@ -72,8 +72,8 @@ STAGES: Dict[str, StageSpec] = {s.name: s for s in (
               ("prime",), ("prime", "embedding"), help="PRIME label prototypes: a retriever or a re-ranker of the tree "
               "(prime.mode; off: nothing to do)"),
     StageSpec("knn", f"{_P}:knn_stage", ("prime",), ("train", "slots", "weights", "prime"), (), ("knn",),
-              help="kNN re-ranker of the tree: k, power and weight chosen on held-out training rows "
-              "(knn.mode; off: nothing to do)"),
+              help="kNN re-ranker of the tree (of PRIME's output when PRIME is on): k, power and weight chosen "
+              "on held-out training rows (knn.mode; off: nothing to do)"),
     StageSpec("predict", f"{_P}:predict_stage", ("knn",), ("test", "slots", "weights", "prime", "train"),
               ("predictions", "tree_predictions"), ("predict",), needs_test=True,
               help="beam search over the test table (and PRIME or kNN, when on)"),
@@ -109,9 +109,10 @@ def stage_sections(name: str, params) -> Tuple[str, ...]:
     """The config sections stage ``name``'s output depends on under ``params`` (a
     :class:`~.params.PipelineParams`): its :attr:`StageSpec.sections`, and for the eagle stage
     with ``eagle.refine_rounds`` > 0 also those of the round model it trains
-    (:data:`ROUND_MODEL_SECTIONS`), for the knn stage with ``prime.mode`` on also ``prime`` (stacked:
-    it re-ranks PRIME's output, on PRIME's held-out rows). A keyed stage run logs them as its MLflow params, and resumes
-    the key's MLflow run only when none of them holds another value there."""
+    (:data:`ROUND_MODEL_SECTIONS`), for the knn stage with ``prime.mode`` on also ``prime``
+    (stacked: it re-ranks PRIME's output, on PRIME's held-out rows). A keyed stage run logs them as
+    its MLflow params, and resumes the key's MLflow run only when none of them holds another value
+    there."""
     spec = STAGES[name]
     if name == "eagle" and params.eagle.refine_rounds > 0:
         return spec.sections + tuple(s for s in ROUND_MODEL_SECTIONS if s not in spec.sections)
