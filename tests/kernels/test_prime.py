@@ -301,3 +301,32 @@ def test_encoder_starts_from_the_top_singular_vectors_of_pifa():
     assert np.abs(E[:, k:]).max() < 1e-2                     # beyond the rank: small noise only
     model = P.init_model(X, Y, P.PrimeParams(dim=16, ffn=8), dtype=np.float64)
     np.testing.assert_allclose(model.centroids, P.encode(model, sp.csr_matrix(Z)), atol=1e-6)
+
+
+def test_a_label_without_training_rows_has_a_zero_prototype_and_finite_gradients():
+    """A label no training row carries has a zero PIFA row, so h_l, its centroid and (in a cluster of
+    such labels) its free vector are zero, and so is its prototype; drawn as a negative, it must
+    not make the gradient overflow (l2n_backward gives a clamped, all-zero row no gradient: 200K
+    synth, 4,596 of 20,000 labels without rows in a 60K-row sample, diverged in the first batch)."""
+    X, Y = random_problem(n=40, d=15, L=9, seed=3)
+    Y = sp.csr_matrix(Y.toarray() * (np.arange(9) != 8))             # label 8: no training row
+    Y.eliminate_zeros()
+    prm = P.PrimeParams(dim=6, ffn=10, n_free=4)
+    model = P.init_model(X, Y, prm)                                   # float32, as trained
+    model.weights["V"][model.free_of_label[8]] = 0.0                  # its cluster's vector, as in a zero cluster
+    assert not P.prototypes(model)[8].any() and P.prototypes(model)[:8].any(1).all()
+    rows = np.flatnonzero(np.diff(Y.indptr) > 0)[:8]
+    Xq, Yq = sp.csr_matrix(X[rows], dtype=np.float32), Y[rows]
+    rng = np.random.default_rng(2)
+    pos = P.sample_positives(Yq, np.ones(9), 2, rng)
+    neg = np.full((len(rows), 2), 8)                                  # label 8 the negative of every row
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        loss, grads, _, _ = P.batch_loss(model, Xq, Yq, pos, neg, np.ones(neg.shape, bool), None)
+    assert np.isfinite(loss) and all(np.isfinite(g).all() for g in grads.values())
+    # the gradient of l2n: zero on a clamped (all-zero) row, the usual formula elsewhere
+    u = np.array([[3.0, 4.0], [0.0, 0.0]], np.float32)
+    h, n = P.l2n(u)
+    dh = np.array([[1.0, 2.0], [5.0, -1.0]], np.float32)
+    got = P.l2n_backward(dh, h, n)
+    np.testing.assert_allclose(got[0], (dh[0] - h[0] * (dh[0] @ h[0])) / 5.0, rtol=1e-6)
+    assert not got[1].any() and got.dtype == np.float32

@@ -182,7 +182,12 @@ def l2n(u: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def l2n_backward(dh: np.ndarray, h: np.ndarray, n: np.ndarray) -> np.ndarray:
-    return (dh - h * np.sum(dh * h, axis=-1, keepdims=True)) / n
+    """The gradient of :func:`l2n` (``n`` its clamped norms). An all-zero row (norm clamped to
+    ``tiny``) gets none: its output stays zero, and dividing by ``tiny`` would overflow (e.g. the
+    prototype of a label without training rows, whose three tokens are all zero)."""
+    g = dh - h * np.sum(dh * h, axis=-1, keepdims=True)
+    ok = n > np.finfo(n.dtype).tiny
+    return np.where(ok, g / np.where(ok, n, 1), 0).astype(g.dtype, copy=False)
 
 
 def layer_norm(x, g, b):
