@@ -585,7 +585,10 @@ class KnnParams(BaseParams):
     and the weight are chosen on held-out *training* rows (``val_frac`` of them by a hash of
     sample_id, at most ``val_max_rows``), scored by a model trained without them. ``block_rows``:
     rows per block of the blocked similarity join (a task holds one block of queries and one of
-    training rows); ``max_pairs``: the largest join (queries x training rows) it may run."""
+    training rows); ``max_pairs``: the largest join (queries x training rows) it may run.
+    With ``prime.mode`` on as well the two are stacked: the kNN re-ranker re-orders PRIME's output,
+    ``K`` at most ``prime.K``, chosen on PRIME's held-out rows (``val_frac``, ``val_max_rows`` and
+    ``seed`` here are then not used)."""
 
     mode: str = "off"
     K: int = 100
