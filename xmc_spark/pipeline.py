@@ -594,11 +594,11 @@ def knn_stage(ctx: StageContext) -> StageResult:
         raise ConfigError(f"the knn stage, stacked on PRIME, held out {choice['knn.n_held_out']:,} training rows by "
                           f"prime.val_frac / val_max_rows / seed, the prime stage of this run {int(n_prime):,}: run "
                           "it with the prime stage's settings")
-    facts = {"knn.mode": p.knn.mode, "knn.K": p.knn.K, "knn.on_prime": head is not None, **choice}
+    rows, fp = knn.fingerprint(knn.index_rows(samples))     # the voting rows: the predict stage's join size
+    facts = {"knn.mode": p.knn.mode, "knn.K": p.knn.K, "knn.on_prime": head is not None, "knn.rows": rows, **choice}
     table = ctx.tables.path("train")
-    rows, fp = knn.fingerprint(knn.index_rows(samples))
     local = is_local_path(table) and not table.startswith("file:")
-    info = {**{k.split(".", 1)[1]: v for k, v in facts.items()}, "rows": rows, "fingerprint": fp,
+    info = {**{k.split(".", 1)[1]: v for k, v in facts.items()}, "fingerprint": fp,
             "table": str(Path(table).resolve()) if local else table, "run_key": ctx.run_key,
             "prime": knn.prime_digest(head)}
 
@@ -631,7 +631,7 @@ def predict_stage(ctx: StageContext) -> StageResult:
             kp = dataclasses.replace(p.knn, K=int(rec["knn.K"]))
             preds, tree = knn.rerank(ctx.tables.read("test"), knn.index_rows(ctx.tables.read("train")),
                                      prime_model.with_head(model, head), kp, rec, p.predict.beam_size, p.predict.topk,
-                                     ing.n_features, ing.n_labels, ing.n_test)
+                                     ing.n_features, ing.n_labels, ing.n_test, rec.get("knn.rows"))
             ctx.tables.write("predictions", preds)
             ctx.tables.write("tree_predictions", tree)
         return StageResult({"n_test": ing.n_test})
