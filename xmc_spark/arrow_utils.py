@@ -37,6 +37,18 @@ def csr_from_table(table: pa.Table, idx_col: str, val_col: Optional[str], n_cols
     return csr_from_lists(off, idx, val, n_cols)
 
 
+def padded(table: pa.Table, column: str, k: int, fill, dtype) -> np.ndarray:
+    """List column -> n x k array, each row's first k values, padded with ``fill``."""
+    off, val = list_offsets_values(table, column)
+    n = len(off) - 1
+    cnt = np.minimum(np.diff(off), k)
+    out = np.full((n, k), fill, dtype)
+    rows = np.repeat(np.arange(n), cnt)
+    cols = np.arange(cnt.sum()) - np.repeat(np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
+    out[rows, cols] = val[np.repeat(off[:-1], cnt) + cols]
+    return out
+
+
 def list_array(offsets: np.ndarray, values: np.ndarray, typ: pa.DataType) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(np.asarray(offsets, dtype=np.int32)), pa.array(values, type=typ))
 

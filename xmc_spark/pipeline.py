@@ -794,15 +794,13 @@ def plot_sweep(results, path: str, ks) -> None:
 
 def load_model(spark, folder, params: PipelineParams):
     """A saved model folder: whole in memory, or sharded (weights read by the tasks) when it is
-    chunked and bigger than ``predict.max_broadcast_mb``."""
+    chunked and bigger than ``predict.max_broadcast_mb``; with the folder's PRIME head (``prime/``)
+    around either."""
     head = prime_model.PrimeHead.load(folder)
     if is_chunked(folder):
         model = sharded.load(spark, str(folder))
         if model.nbytes > sharded.broadcast_bound(spark, params.predict):
-            if head is not None:
-                raise ConfigError(f"{folder} has PRIME (prime/) but its weights exceed predict.max_broadcast_mb: "
-                                  "PRIME needs the tree model whole; raise the bound")
-            return model
+            return prime_model.with_head(model, head)
     return prime_model.with_head(XMCModel.load(folder), head)
 
 

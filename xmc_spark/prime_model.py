@@ -69,25 +69,32 @@ class PrimeHead:
         out = [PR.encode_forward(self.weights, X[s:s + chunk], self.residual)[0] for s in range(0, X.shape[0], chunk)]
         return np.concatenate(out) if out else np.zeros((0, E.shape[1]), E.dtype)
 
-    def rerank_inputs(self, tree, X: sp.csr_matrix, beam_size: Optional[int] = None, k: Optional[int] = None):
-        """(candidates n x K, tree scores, PRIME scores) of rows X: the tree's top ``K`` by beam search."""
-        cand, tree_scores = tree.predict(X, beam_size=beam_size, topk=k or self.K)
-        return cand, tree_scores, PR.candidate_scores(self.encode(X), self.weights["Z"], cand)
-
-    def predict(self, tree, X: sp.csr_matrix, beam_size: Optional[int] = None, topk: Optional[int] = None):
-        """(labels n x topk, -1 padded; scores) of ingested rows X under this head's mode."""
-        topk = topk or tree.pred_params.topk
+    def scored(self, X: sp.csr_matrix, topk: int, cand: Optional[np.ndarray] = None,
+               tree_scores: Optional[np.ndarray] = None):
+        """(labels n x topk, -1 padded; scores) of ingested rows X under this head's mode, given
+        the tree's candidates (n x K, -1 padded, best first) and their scores when re-ranking:
+        the step a broadcast tree (:meth:`predict`) and a sharded one (its candidates from
+        :func:`~.stages.sharded.predict`, :func:`~.stages.prime.predict_sharded`) share."""
         if self.mode == "retrieve":
             lab, sc = PR.retrieve(self.encode(X), self.weights["Z"], topk)
         else:
-            cand, ts, ps = self.rerank_inputs(tree, X, beam_size, max(self.K, topk))
-            lab, sc = PR.rerank(cand, ts, ps, self.weight)
+            ps = PR.candidate_scores(self.encode(X), self.weights["Z"], cand)
+            lab, sc = PR.rerank(cand, tree_scores, ps, self.weight)
         lab, sc = lab[:, :topk], np.asarray(sc[:, :topk], np.float64)
         if lab.shape[1] < topk:                  # fewer labels than topk: pad as beam search does
             pad = topk - lab.shape[1]
             lab = np.pad(lab, ((0, 0), (0, pad)), constant_values=-1)
             sc = np.pad(sc, ((0, 0), (0, pad)), constant_values=-np.inf)
         return lab, sc
+
+    def predict(self, tree, X: sp.csr_matrix, beam_size: Optional[int] = None, topk: Optional[int] = None):
+        """(labels n x topk, -1 padded; scores) of ingested rows X under this head's mode; re-ranking
+        takes the tree's top ``max(K, topk)`` by beam search."""
+        topk = topk or tree.pred_params.topk
+        if self.mode == "retrieve":
+            return self.scored(X, topk)
+        cand, tree_scores = tree.predict(X, beam_size=beam_size, topk=max(self.K, topk))
+        return self.scored(X, topk, cand, tree_scores)
 
     # ---- persistence ------------------------------------------------------------------------
     def save(self, model_folder) -> None:
@@ -159,8 +166,9 @@ class PrimedModel:
             raise ValueError(f"input has {X.shape[1]} features; the model was trained on {self.tree.n_features}")
         return self.head.predict(self.tree, X, beam_size=beam_size, topk=topk)
 
-    def save(self, folder, parts: int = 0) -> None:
-        self.tree.save(folder, parts=parts)
+    def save(self, folder, **kw) -> None:
+        """The tree's folder (``kw``: its ``save``'s, e.g. ``parts`` of a whole model) and ``prime/``."""
+        self.tree.save(folder, **kw)
         self.head.save(folder)
 
 

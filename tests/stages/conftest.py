@@ -1,10 +1,15 @@
 """Shared by the stage tests: one small learnable problem as a samples DataFrame, and the same
-problem as the numpy matrices the kernels take."""
+problem as the numpy matrices the kernels take; a whole model as the weights table and the
+sharded model the pipeline keeps above ``predict.max_broadcast_mb``."""
+import dataclasses
+
 import numpy as np
+import pyarrow as pa
 import pytest
 import scipy.sparse as sp
 
 from tests.conftest import random_problem
+from xmc_spark.arrow_utils import csr_rows_to_arrays
 from xmc_spark.kernels.sparse import l2_normalize_rows
 from xmc_spark.schemas import SAMPLES_SCHEMA, TABLES
 
@@ -52,3 +57,22 @@ def synth_rows(start, count, n_labels, n_features, seed):
     t = synth.make_rows(start, count, p, proto, n_features, seed=seed)
     X = sp.csr_matrix(l2_normalize_rows(csr_from_table(t, "feature_idx", "feature_val", n_features)), dtype=np.float32)
     return X, sp.csr_matrix(csr_from_table(t, "label_idx", None, n_labels), dtype=np.float32)
+
+
+def weights_frame(spark, model):
+    """The weights table of ``model`` (what the training stage writes)."""
+    parts = []
+    for is_leaf, kc in ((False, model.node_w), (True, model.slot_w)):
+        idx, val = csr_rows_to_arrays(kc.W.T.tocsr())
+        parts.append(pa.table({"is_leaf": pa.array(np.full(len(kc.keys), is_leaf)), "key": pa.array(kc.keys),
+                               "w_idx": idx, "w_val": val}))
+    return spark.createDataFrame(pa.concat_tables(parts).to_pandas(), TABLES["weights"]).repartition(3)
+
+
+def as_sharded(spark, model, top_mb=0.0):
+    """``model`` sharded; ``top_mb``: its predict.max_broadcast_mb, which bounds the top layers
+    searched with their weights shared (0: every layer by the cogroup; "default": the default bound)."""
+    from xmc_spark.stages import sharded
+    pred = model.pred_params if top_mb == "default" else dataclasses.replace(model.pred_params, max_broadcast_mb=top_mb)
+    return sharded.ShardedModel(model.index, weights_frame(spark, model), model.n_features, model.bias,
+                                model.normalize, pred, dict(model.meta), model.label_counts)

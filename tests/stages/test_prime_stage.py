@@ -137,3 +137,82 @@ def test_mode_off_only_records_itself_and_predicts_with_the_tree(trained, spark,
     ctx.records["prime"] = {"prime.mode": "off"}
     assert prime_head(ctx) is None
     assert prime_model.with_head(tree, prime_head(ctx)) is tree        # predict runs the tree alone
+
+
+# ---- PRIME over a sharded tree (a model above predict.max_broadcast_mb) ------------------------
+
+def _no_weights_shipped(monkeypatch):
+    """The values broadcast from now on (a list filled as Spark broadcasts them)."""
+    from pyspark import SparkContext
+    shipped, real = [], SparkContext.broadcast
+    monkeypatch.setattr(SparkContext, "broadcast", lambda self, v: shipped.append(v) or real(self, v))
+    return shipped
+
+
+def _weights_in(shipped):
+    from xmc_spark.model import KeyedColumns
+    return [v for v in shipped if isinstance(v, (XMCModel, KeyedColumns, prime_model.PrimedModel))]
+
+
+def test_prime_over_a_sharded_tree_equals_the_broadcast_tree_and_ships_no_weights(trained, spark, monkeypatch):
+    from tests.stages.conftest import as_sharded
+    tree, head, _, test, _, _ = trained
+    sm = as_sharded(spark, tree)
+    for h in (dataclasses.replace(head, weight=0.3), dataclasses.replace(head, mode="retrieve")):
+        want, want_sc = _collect(prediction.run(test, prime_model.PrimedModel(tree, h), 3, 5))
+        shipped = _no_weights_shipped(monkeypatch)
+        got, got_sc = _collect(prediction.run(test, prime_model.PrimedModel(sm, h), 3, 5))
+        assert got == want and len(got) == N_TEST
+        np.testing.assert_allclose(np.concatenate(got_sc), np.concatenate(want_sc), rtol=1e-5, atol=1e-6)
+        assert not _weights_in(shipped) and any(isinstance(v, prime_model.PrimeHead) for v in shipped)
+        monkeypatch.undo()
+
+
+def test_stage_shortlists_and_trains_on_a_sharded_tree(trained, spark, monkeypatch):
+    from tests.stages.conftest import as_sharded
+    tree, _, _, _, _, prm = trained
+    X, Y = _synth(0, N_TRAIN)
+    samples = samples_frame(spark, X, Y, partitions=2)
+    sm = as_sharded(spark, tree)
+    whole = sorted((r["sample_id"], list(r["cand"])) for r in stage.shortlist(samples, tree, 3, 7).collect())
+    got = sorted((r["sample_id"], list(r["cand"])) for r in stage.shortlist(samples, sm, 3, 7).collect())
+    assert got == whole and len(got) == N_TRAIN
+    counts = np.asarray((Y > 0).sum(axis=0)).ravel()
+    shipped = _no_weights_shipped(monkeypatch)
+    head, facts = stage.run(samples, sm, counts, prm, N_TRAIN, D, L, beam_size=3, val_tree_fit=lambda df: sm)
+    assert not _weights_in(shipped)
+    assert np.isfinite(facts["prime.loss"]).all() and facts["prime.val_rerank_mean_p"] >= facts["prime.val_tree_mean_p"]
+    assert head.weights["Z"].shape == (L, prm.dim) and 0.0 <= head.weight <= 1.0
+
+
+def test_predict_from_a_chunked_folder_with_prime_keeps_the_tree_sharded(trained, spark, tmp_path, monkeypatch):
+    """`xmc-spark predict` of a folder whose weights exceed predict.max_broadcast_mb and that holds
+    prime/: the tree sharded, PRIME applied, the same predictions as the whole model; the pyfunc's
+    loader (no Spark) reads the same folder whole."""
+    from tests.conftest import write_xc
+    from xmc_spark import pipeline
+    from xmc_spark.stages import sharded
+    tree, head, _, _, Xt, _ = trained
+    Yt = _synth(N_TRAIN, N_TEST)[1]
+    h = dataclasses.replace(head, weight=0.3)
+    folder = tmp_path / "m"
+    tree.save(str(folder), parts=2)
+    h.save(folder)
+    write_xc(tmp_path / "test.txt", Xt * 2.0, Yt)                 # raw rows: ingest normalizes
+    params = PipelineParams()
+    tight = dataclasses.replace(params, predict=dataclasses.replace(params.predict, max_broadcast_mb=1e-4))
+    loaded = pipeline.load_model(spark, str(folder), tight)
+    assert isinstance(loaded, prime_model.PrimedModel) and isinstance(loaded.tree, sharded.ShardedModel)
+    shipped = _no_weights_shipped(monkeypatch)
+    out = pipeline.predict(spark, str(folder), str(tmp_path / "test.txt"), str(tmp_path / "out"), tight)
+    assert not _weights_in(shipped)
+    beam, topk = params.predict.beam_size, params.predict.topk
+    for table, model in (("predictions", prime_model.PrimedModel(tree, h)), ("tree_predictions", tree)):
+        labels, _ = model.predict(Xt, beam_size=beam, topk=topk)
+        rows = sorted(spark.read.format("delta").load(str(tmp_path / "out" / "tables" / table)).collect(),
+                      key=lambda r: r["sample_id"])
+        assert [list(r["pred_labels"]) for r in rows] == [[int(x) for x in r if x >= 0] for r in labels]
+    assert out["p@1"] != out["tree_p@1"] or out["p@3"] != out["tree_p@3"]
+    pyfunc = prime_model.load(folder)
+    np.testing.assert_array_equal(pyfunc.predict(Xt, beam_size=beam, topk=topk)[0],
+                                  prime_model.PrimedModel(tree, h).predict(Xt, beam_size=beam, topk=topk)[0])

@@ -7,29 +7,12 @@ import pyarrow as pa
 import pytest
 
 from tests.conftest import executed_plan
+from tests.stages.conftest import as_sharded, weights_frame
 from xmc_spark.arrow_utils import csr_rows_to_arrays
 from xmc_spark.model import ModelTrainParams, XMCModel, is_chunked
 from xmc_spark.params import ClustersParams, TreeParams
 from xmc_spark.schemas import TABLES, check_table
 from xmc_spark.stages import sharded
-
-
-def weights_frame(spark, model: XMCModel):
-    """The weights table of ``model`` (what the training stage writes)."""
-    parts = []
-    for is_leaf, kc in ((False, model.node_w), (True, model.slot_w)):
-        idx, val = csr_rows_to_arrays(kc.W.T.tocsr())
-        parts.append(pa.table({"is_leaf": pa.array(np.full(len(kc.keys), is_leaf)), "key": pa.array(kc.keys),
-                               "w_idx": idx, "w_val": val}))
-    return spark.createDataFrame(pa.concat_tables(parts).to_pandas(), TABLES["weights"]).repartition(3)
-
-
-def as_sharded(spark, model: XMCModel, top_mb=0.0) -> sharded.ShardedModel:
-    """``model`` sharded; ``top_mb``: its predict.max_broadcast_mb, which bounds the top layers
-    searched with their weights shared (0: every layer by the cogroup; "default": the default bound)."""
-    pred = model.pred_params if top_mb == "default" else dataclasses.replace(model.pred_params, max_broadcast_mb=top_mb)
-    return sharded.ShardedModel(model.index, weights_frame(spark, model), model.n_features, model.bias,
-                                model.normalize, pred, dict(model.meta), model.label_counts)
 
 
 def layer_mb(model: XMCModel, n: int) -> float:

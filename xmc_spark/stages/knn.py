@@ -56,7 +56,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from ..arrow_utils import cogrouped_apply, csr_from_table, to_arrow
+from ..arrow_utils import cogrouped_apply, csr_from_table, padded, to_arrow
 from ..compat import never_broadcast
 from ..kernels import knn as K
 from ..kernels import prime as PR
@@ -65,7 +65,7 @@ from ..params import KnnParams
 from ..prime_model import PrimedModel, with_head
 from ..schemas import PREDICTIONS_SCHEMA
 from . import prediction
-from .prime import is_held_out, padded, val_fraction
+from .prime import is_held_out, val_fraction
 
 log = logging.getLogger("xmc_spark.stages.knn")
 

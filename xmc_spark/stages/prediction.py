@@ -26,11 +26,14 @@ def label_batch(t: pa.Table, labels: np.ndarray, scores: np.ndarray,
          list_array(off, scores[keep].astype(np.float32), pa.float32())], names=["sample_id", *names])
 
 
-def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind: str = "predict") -> DataFrame:
-    """Broadcast ``model`` once and call ``score(model, table, X)`` on every Arrow batch."""
+def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind: str = "predict",
+                   columns=(), name: str = "the model") -> DataFrame:
+    """Broadcast ``model`` once and call ``score(model, table, X)`` on every Arrow batch of the
+    rows' ``sample_id``, features and ``columns``."""
     for m in getattr(model, "models", [model]):    # an ensemble's trees, or the one tree
-        m.layers()  # build once on the driver, ship with the broadcast
-    bmodel = share(samples, model, name="the model")
+        if hasattr(m, "layers"):
+            m.layers()  # build once on the driver, ship with the broadcast
+    bmodel = share(samples, model, name=name)
     n_features = model.n_features
 
     def fn(batches):
@@ -40,7 +43,7 @@ def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind
             yield score(m, t, csr_from_table(t, "feature_idx", "feature_val", n_features))
             worker_progress(kind, rows_scored=t.num_rows)
 
-    return samples.select("sample_id", "feature_idx", "feature_val").mapInArrow(fn, schema)
+    return samples.select("sample_id", "feature_idx", "feature_val", *columns).mapInArrow(fn, schema)
 
 
 def balanced(samples: DataFrame, n_rows: Optional[int] = None) -> DataFrame:
@@ -107,11 +110,16 @@ def _batch_rows(samples: DataFrame) -> int:
 def run(samples: DataFrame, model, beam_size: int, topk: int, n_rows: Optional[int] = None) -> DataFrame:
     """(sample_id, pred_labels, pred_scores), top-k per sample, best first; a
     :class:`~.sharded.ShardedModel` is scored layer by layer without a broadcast (which reads
-    the samples once per layer, so they are not spread first). A broadcast model scores the
+    the samples once per layer, so they are not spread first), and so is the tree of a
+    :class:`~xmc_spark.prime_model.PrimedModel` over one (:func:`.prime.predict_sharded`). A broadcast model scores the
     samples (``n_rows`` of them, when known) :func:`balanced` over the task slots."""
+    from ..prime_model import PrimedModel
     from . import sharded
     if isinstance(model, sharded.SHARDED):
         return sharded.predict(samples, model, beam_size, topk)
+    if isinstance(model, PrimedModel) and isinstance(model.tree, sharded.SHARDED):
+        from .prime import predict_sharded
+        return predict_sharded(samples, model, beam_size, topk)
     samples = balanced(samples, n_rows)
     def score(m, t, X):
         return label_batch(t, *m.predict(X, beam_size=beam_size, topk=topk))

@@ -46,12 +46,13 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_table, list_offsets_values, to_arrow
+from ..arrow_utils import csr_from_table, list_offsets_values, padded, to_arrow
 from ..compat import never_broadcast, shuffle_partitions
 from ..kernels import metrics as M
 from ..kernels import prime as PR
 from ..params import ConfigError, EmbeddingParams, PrimeParams
 from ..prime_model import PrimeHead
+from ..schemas import PREDICTIONS_SCHEMA
 from . import label_embedding
 from .prediction import label_batch, map_with_model
 
@@ -75,23 +76,42 @@ def is_held_out(frac: float, seed: int):
 
 def shortlist(samples: DataFrame, model, beam_size: int, k: int) -> DataFrame:
     """(sample_id, cand, cand_scores): the tree's top ``k`` labels of every row (beam search,
-    best first, fewer when the beam reaches fewer)."""
+    best first, fewer when the beam reaches fewer); a sharded model's by its layered join
+    (:func:`.sharded.predict`: no weights broadcast), a whole one's broadcast."""
+    from . import sharded
+    if isinstance(model, sharded.SHARDED):
+        return sharded.predict(samples, model, beam_size, k).select(
+            "sample_id", F.col("pred_labels").alias("cand"), F.col("pred_scores").alias("cand_scores"))
+
     def score(m, t, X):
         return label_batch(t, *m.predict(X, beam_size=beam_size, topk=k), names=("cand", "cand_scores"))
 
     return map_with_model(samples, model, score, SHORTLIST_SCHEMA, kind="prime shortlist")
 
 
-def padded(table: pa.Table, column: str, k: int, fill, dtype) -> np.ndarray:
-    """List column -> n x k array, each row's first k values, padded with ``fill``."""
-    off, val = list_offsets_values(table, column)
-    n = len(off) - 1
-    cnt = np.minimum(np.diff(off), k)
-    out = np.full((n, k), fill, dtype)
-    rows = np.repeat(np.arange(n), cnt)
-    cols = np.arange(cnt.sum()) - np.repeat(np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
-    out[rows, cols] = val[np.repeat(off[:-1], cnt) + cols]
-    return out
+def predict_sharded(samples: DataFrame, model, beam_size: int, topk: int) -> DataFrame:
+    """(sample_id, pred_labels, pred_scores) of a :class:`~xmc_spark.prime_model.PrimedModel`
+    whose tree is sharded: its top ``max(K, topk)`` from the layered join (:func:`shortlist`, no
+    weights broadcast) joined back to the rows, then the head (encoder E and prototypes Z:
+    (features + labels) x dim floats, shared like a model) re-ranks them in Arrow batches, as
+    :meth:`~xmc_spark.prime_model.PrimeHead.predict` does with a broadcast tree; ``retrieve``
+    needs no tree. The tree's scores come as float32 from the join (the broadcast search mixes
+    them as float64), so near-equal mixed scores may order differently in the last bits."""
+    head = model.head
+    Kc = max(head.K, topk)
+    rows, columns = samples, ()
+    if head.mode == "rerank":
+        rows = samples.select("sample_id", "feature_idx", "feature_val").join(
+            never_broadcast(shortlist(samples, model.tree, beam_size, Kc)), "sample_id")
+        columns = ("cand", "cand_scores")
+
+    def score(h, t, X):
+        if h.mode == "retrieve":
+            return label_batch(t, *h.scored(X, topk))
+        return label_batch(t, *h.scored(X, topk, padded(t, "cand", Kc, -1, np.int64),
+                                        padded(t, "cand_scores", Kc, -np.inf, np.float64)))
+
+    return map_with_model(rows, head, score, PREDICTIONS_SCHEMA, columns=columns, name="the PRIME head")
 
 
 def unpack(table: pa.Table, n_features: int, n_labels: int, hard_k: int):
@@ -208,10 +228,6 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
     :class:`~xmc_spark.runner.StageTimer`) times the steps ``prime_shortlist``, ``prime_val_tree``,
     ``prime_train`` (the epochs, with their held-out evaluations) and ``prime_weight``."""
     step = timer.stage if timer is not None else (lambda name: contextlib.nullcontext())
-    from .sharded import SHARDED
-    if isinstance(tree, SHARDED):
-        raise ConfigError("prime.mode needs a tree model within predict.max_broadcast_mb (the model is sharded): "
-                          "raise the bound or set prime.mode=off")
     frac = val_fraction(prm, n_rows)
     held = is_held_out(frac, prm.seed)
     rows = samples.filter(F.size("label_idx") > 0).select("sample_id", "feature_idx", "feature_val", "label_idx")
