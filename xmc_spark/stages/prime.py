@@ -13,7 +13,9 @@ Where each part runs and what it holds:
   epoch and the re-rank weight, never the test set, and are not trained on. They (at most about
   ``val_max_rows``) and their candidates are collected to the driver.
 * **Optimizer** (one process, the driver's Python): the other training rows, joined with their
-  shortlist, are packed by a Spark job into Arrow IPC blobs of at most
+  shortlist and put in an order of the data alone (hashed by ``sample_id`` into
+  :func:`~..compat.shuffle_partitions` partitions, sorted in each, so that a broadcast and a
+  sharded tree's shortlists train the same model), are packed by a Spark job into Arrow IPC blobs of at most
   ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows (one binary value per batch, no per-row
   Python), checkpointed on the executors, and streamed with ``toLocalIterator`` once per epoch;
   each blob's rows are permuted and cut into mini-batches of ``prime.batch_size`` for
@@ -173,7 +175,11 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
     rng = np.random.default_rng(prm.seed + 1)
     opt = PR.Optimizer()
     Xv, Yv = val
-    packed = pack(fit.select("feature_idx", "feature_val", "label_idx", "cand")).localCheckpoint()
+    # the rows' order is the data's alone (hashed by sample_id, sorted in each partition), not the
+    # plan's: a sharded tree's shortlist joins in other partitions than a broadcast one's, and the
+    # mini-batches, hence the model, would follow
+    ordered = fit.repartition(shuffle_partitions(fit.sparkSession), "sample_id").sortWithinPartitions("sample_id")
+    packed = pack(ordered.select("feature_idx", "feature_val", "label_idx", "cand")).localCheckpoint()
     fit.unpersist()
 
     def held_out() -> float:
