@@ -4,7 +4,8 @@ a re-ranker of the tree (``prime.mode``), around the numpy core :mod:`xmc_spark.
 Where each part runs and what it holds:
 
 * **Shortlist** (Spark, Arrow batches): the tree model's beam search over every training row
-  (:func:`~.prediction.map_with_model`, the model broadcast as for prediction) gives its top
+  (:func:`~.prediction.map_with_model`, the model broadcast as for prediction; a sharded model's
+  layered join, :func:`.sharded.predict`, no weights broadcast) gives its top
   ``max(prime.hard_k, prime.K)`` labels and scores: the first ``hard_k`` are PRIME's hard
   negatives, the top ``K`` of the held-out rows are the re-rank candidates on which the mixing
   weight is chosen.
@@ -29,7 +30,8 @@ Where each part runs and what it holds:
 * **Inference** (Spark, Arrow batches): only the encoder and the prototypes Z (the LPN applied
   once to every label, dropout off) are kept (:class:`~xmc_spark.prime_model.PrimeHead`); the
   predict stage broadcasts them with the tree and scores every batch (exact inner product over
-  all prototypes, or the tree's top K re-ranked).
+  all prototypes, or the tree's top K re-ranked); with a sharded tree the head alone is shared and
+  the tree's top K come from the layered join (:func:`predict_sharded`).
 
 The head is written to the ``prime`` table (one row per matrix row; the stage record holds
 mode, K and weight) for the predict stage, and to the model folder's ``prime/``.
