@@ -476,11 +476,14 @@ def write_predictions(tables: Tables, model: XMCModel, params: PipelineParams, s
                       n_rows: Optional[int] = None) -> None:
     """Beam search over table ``source`` (``n_rows`` rows, when known) and PRIME when ``model``
     carries it: writes ``predictions``; with PRIME also ``tree_predictions``, the tree's own top-k."""
-    tables.write("predictions", prediction.run(tables.read(source), model, params.predict.beam_size,
-                                               params.predict.topk, n_rows))
-    if isinstance(model, prime_model.PrimedModel):
-        tables.write("tree_predictions", prediction.run(tables.read(source), model.tree, params.predict.beam_size,
-                                                        params.predict.topk, n_rows))
+    if not isinstance(model, prime_model.PrimedModel):
+        tables.write("predictions", prediction.run(tables.read(source), model, params.predict.beam_size,
+                                                   params.predict.topk, n_rows))
+        return
+    preds, tree = prime.with_tree(tables.read(source), model, params.predict.beam_size, params.predict.topk,
+                                  n_rows=n_rows)
+    tables.write("predictions", preds)
+    tables.write("tree_predictions", tree)
 
 
 def prime_stage(ctx: StageContext) -> StageResult:

@@ -76,3 +76,15 @@ def as_sharded(spark, model, top_mb=0.0):
     pred = model.pred_params if top_mb == "default" else dataclasses.replace(model.pred_params, max_broadcast_mb=top_mb)
     return sharded.ShardedModel(model.index, weights_frame(spark, model), model.n_features, model.bias,
                                 model.normalize, pred, dict(model.meta), model.label_counts)
+
+
+def ensemble_frame(spark, e):
+    """The weights table the trainer writes for an ensemble: keys tree << 52 | id."""
+    from xmc_spark.kernels.tree import encode_keys
+    parts = []
+    for t, m in enumerate(e.models):
+        for is_leaf, kc in ((False, m.node_w), (True, m.slot_w)):
+            idx, val = csr_rows_to_arrays(kc.W.T.tocsr())
+            parts.append(pa.table({"is_leaf": pa.array(np.full(len(kc.keys), is_leaf)),
+                                   "key": pa.array(encode_keys(t, kc.keys)), "w_idx": idx, "w_val": val}))
+    return spark.createDataFrame(pa.concat_tables(parts).to_pandas(), TABLES["weights"]).repartition(3)

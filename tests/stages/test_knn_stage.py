@@ -124,13 +124,21 @@ def _head(weight=0.5, dim=8, seed=3):
                                              "Z": (Z / np.linalg.norm(Z, axis=1, keepdims=True)).astype(np.float32)})
 
 
-def test_stacked_on_prime_reranks_primes_candidates_and_chooses_on_primes_held_out_rows(data):
+@pytest.mark.parametrize("layout", ["whole", "sharded"])
+def test_stacked_on_prime_reranks_primes_candidates_and_chooses_on_primes_held_out_rows(data, spark, layout):
     """tree -> PRIME -> kNN: the votes re-order PRIME's re-ranked top K (a head mixing at 0.5), weight
     1 keeps PRIME's order, tree_predictions are the tree's own; the choice is the numpy grid on
-    PRIME's candidates of the rows that ``split`` (PRIME's 0.3, not the kNN section's 0.2) holds out."""
+    PRIME's candidates of the rows that ``split`` (PRIME's 0.3, not the kNN section's 0.2) holds out.
+    With the trees sharded (above predict.max_broadcast_mb) the same, against the whole tree's answers."""
+    from tests.stages.conftest import as_sharded
     from xmc_spark.params import PrimeParams
-    from xmc_spark.prime_model import PrimedModel, with_head
+    from xmc_spark.prime_model import PrimedModel
     X, Y, Xt, _, train, test, tree = data
+    layout_of = (lambda m: m) if layout == "whole" else (lambda m: as_sharded(spark, m))
+
+    def with_head(m, head):
+        return PrimedModel(layout_of(m), head)
+
     head = _head()
     prm = KnnParams(mode="rerank", K=12, ks=[3, 8], powers=[1.0, 4.0], val_frac=0.2, block_rows=64)
     preds, tree_preds = stage.rerank(test, stage.index_rows(train), with_head(tree, head), prm,
@@ -159,7 +167,8 @@ def test_stacked_on_prime_reranks_primes_candidates_and_chooses_on_primes_held_o
         seen["ids"] = np.array(sorted(r["sample_id"] for r in train_df.select("sample_id").collect()))
         return XMCModel.train_local(X[seen["ids"]], Y[seen["ids"]], tree=TreeParams(max_leaf_size=4))
 
-    facts = stage.choose(train, prm, N_TRAIN, D, L, 3, val_tree_fit, head=head, split=split)
+    facts = stage.choose(train, prm, N_TRAIN, D, L, 3, lambda df: layout_of(val_tree_fit(df)), head=head,
+                         split=split)
     held = np.setdiff1d(np.arange(N_TRAIN), seen["ids"])
     want = sorted(r["sample_id"] for r in train.filter(stage.is_held_out(0.3, 1)).select("sample_id").collect())
     assert held.tolist() == want and facts["knn.n_held_out"] == len(held) > 0

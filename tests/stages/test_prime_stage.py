@@ -189,7 +189,7 @@ def test_stage_shortlists_and_trains_on_a_sharded_tree(trained, spark, monkeypat
     assert (facts["prime.epoch"], facts["prime.val_retrieve_mean_p"]) == (want_facts["prime.epoch"],
                                                                          want_facts["prime.val_retrieve_mean_p"])
     np.testing.assert_allclose(head.weights["Z"], want.weights["Z"], atol=1e-5)
-    assert head.weight == want.weight and facts["prime.val_rerank_mean_p"] >= facts["prime.val_tree_mean_p"]
+    assert head.weight == want.weight and facts["prime.n_held_out"] == want_facts["prime.n_held_out"]
 
 
 def test_predict_from_a_chunked_folder_with_prime_keeps_the_tree_sharded(trained, spark, tmp_path, monkeypatch):
@@ -223,3 +223,42 @@ def test_predict_from_a_chunked_folder_with_prime_keeps_the_tree_sharded(trained
     pyfunc = prime_model.load(folder)
     np.testing.assert_array_equal(pyfunc.predict(Xt, beam_size=beam, topk=topk)[0],
                                   prime_model.PrimedModel(tree, h).predict(Xt, beam_size=beam, topk=topk)[0])
+
+
+def test_prime_over_a_sharded_ensemble_equals_the_broadcast_ensemble(trained, spark, monkeypatch):
+    """Two trees (branching 2 and 3) kept sharded, PRIME re-ranking their mean scores: the same as
+    the broadcast ensemble with the same head; with_tree gives the ensemble's own top k beside."""
+    from tests.stages.conftest import ensemble_frame
+    from xmc_spark.model import EnsembleModel, ModelTrainParams
+    from xmc_spark.stages import sharded
+    _, head, _, test, Xt, _ = trained
+    X, Y = _synth(0, N_TRAIN)
+    e = EnsembleModel.train_local(X, Y, ModelTrainParams(tree=TreeParams(max_leaf_size=4, ensemble_splits=[2, 3])))
+    frame = ensemble_frame(spark, e)
+    se = sharded.sharded_model(e.index, frame, e.n_features, e.bias, e.normalize, e.pred_params,
+                               sharded.tree_nbytes(frame))
+    assert isinstance(se, sharded.ShardedEnsemble)
+    h = dataclasses.replace(head, weight=0.3)
+    shipped = _no_weights_shipped(monkeypatch)
+    preds, tree_preds = stage.with_tree(test, prime_model.PrimedModel(se, h), 3, 5)
+    got, got_sc = _collect(preds)
+    assert not _weights_in(shipped) and not [v for v in shipped if isinstance(v, EnsembleModel)]
+    want, want_sc = prime_model.PrimedModel(e, h).predict(Xt, beam_size=3, topk=5)
+    assert got == [[int(x) for x in r if x >= 0] for r in want]
+    np.testing.assert_allclose(np.concatenate(got_sc), want_sc[want >= 0], rtol=1e-5, atol=1e-6)
+    tl, _ = e.predict(Xt, beam_size=3, topk=5)
+    assert _collect(tree_preds)[0] == [[int(x) for x in r if x >= 0] for r in tl]
+
+
+def test_a_row_the_sharded_search_gives_no_candidate_keeps_its_place(trained, spark):
+    """The candidates come by a join: a row without any (the ensemble's mean of exactly 0, say)
+    is still predicted (with nothing to re-rank), as the broadcast path writes it."""
+    from tests.stages.conftest import as_sharded
+    tree, head, _, test, _, _ = trained
+    h = dataclasses.replace(head, weight=0.3)
+    sm = as_sharded(spark, tree)
+    cand = stage.shortlist(test, sm, 3, h.K).filter("sample_id != 0")
+    labels, _ = _collect(stage.predict_sharded(test, prime_model.PrimedModel(sm, h), 3, 5, cand))
+    full, _ = _collect(prediction.run(test, prime_model.PrimedModel(tree, h), 3, 5))
+    assert len(labels) == N_TEST and labels[0] == [] and labels[1:] == full[1:]
+

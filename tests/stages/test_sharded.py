@@ -3,15 +3,13 @@ import dataclasses
 import re
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from tests.conftest import executed_plan
-from tests.stages.conftest import as_sharded, weights_frame
-from xmc_spark.arrow_utils import csr_rows_to_arrays
+from tests.stages.conftest import as_sharded, ensemble_frame, weights_frame
 from xmc_spark.model import ModelTrainParams, XMCModel, is_chunked
 from xmc_spark.params import ClustersParams, TreeParams
-from xmc_spark.schemas import TABLES, check_table
+from xmc_spark.schemas import check_table
 from xmc_spark.stages import sharded
 
 
@@ -220,18 +218,6 @@ def ensemble(problem):
                                                            clusters=ClustersParams(copies=2, beam_size=3)))
     assert [m.index.B for m in e.models] == [2, 3] and all(m.index.depth >= 1 for m in e.models)
     return e
-
-
-def ensemble_frame(spark, e):
-    """The weights table the trainer writes for an ensemble: keys tree << 52 | id."""
-    from xmc_spark.kernels.tree import encode_keys
-    parts = []
-    for t, m in enumerate(e.models):
-        for is_leaf, kc in ((False, m.node_w), (True, m.slot_w)):
-            idx, val = csr_rows_to_arrays(kc.W.T.tocsr())
-            parts.append(pa.table({"is_leaf": pa.array(np.full(len(kc.keys), is_leaf)),
-                                   "key": pa.array(encode_keys(t, kc.keys)), "w_idx": idx, "w_val": val}))
-    return spark.createDataFrame(pa.concat_tables(parts).to_pandas(), TABLES["weights"]).repartition(3)
 
 
 def as_sharded_ensemble(spark, e) -> sharded.ShardedEnsemble:

@@ -65,7 +65,7 @@ from ..params import KnnParams
 from ..prime_model import PrimedModel, with_head
 from ..schemas import PREDICTIONS_SCHEMA
 from . import prediction
-from .prime import is_held_out, val_fraction
+from .prime import is_held_out, val_fraction, with_tree
 
 log = logging.getLogger("xmc_spark.stages.knn")
 
@@ -191,11 +191,15 @@ def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: 
         n_rows = n_rows if n_rows is not None else samples.count()
         n_index = n_index if n_index is not None else index.count()
         check_pairs(n_rows, n_index, prm, "query")
-    cand = candidates(samples, model, beam_size, max(prm.K, topk), n_rows).localCheckpoint()
-    tree = base = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
-                              F.slice("cand_scores", 1, topk).alias("pred_scores"))
     if isinstance(model, PrimedModel):  # stacked: the candidates are PRIME's, tree_predictions the tree's
-        tree = prediction.run(samples, model.tree, beam_size, topk, n_rows)
+        primed, tree = with_tree(samples, model, beam_size, max(prm.K, topk), topk, n_rows)
+        cand = primed.select("sample_id", F.col("pred_labels").alias("cand"),
+                             F.col("pred_scores").alias("cand_scores")).localCheckpoint()
+    else:
+        cand = candidates(samples, model, beam_size, max(prm.K, topk), n_rows).localCheckpoint()
+    base = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
+                       F.slice("cand_scores", 1, topk).alias("pred_scores"))
+    tree = base if not isinstance(model, PrimedModel) else tree
     if w >= 1.0:                      # the base's order (a stable sort): no neighbours needed
         return base, tree
     nb = neighbour_lists(with_labels(neighbours(samples, index, k, n_features, prm.block_rows, n_rows, n_index),

@@ -10,7 +10,6 @@ from pyspark.sql import DataFrame
 
 from ..arrow_utils import csr_from_table, list_array
 from ..compat import default_parallelism, is_connect, share
-from ..model import XMCModel
 from ..progress import worker_progress
 from ..schemas import PREDICTIONS_SCHEMA
 
@@ -26,12 +25,17 @@ def label_batch(t: pa.Table, labels: np.ndarray, scores: np.ndarray,
          list_array(off, scores[keep].astype(np.float32), pa.float32())], names=["sample_id", *names])
 
 
-def map_with_model(samples: DataFrame, model: XMCModel, score, schema: str, kind: str = "predict",
+def map_with_model(samples: DataFrame, model, score, schema: str, kind: str = "predict",
                    columns=(), name: str = "the model") -> DataFrame:
-    """Broadcast ``model`` once and call ``score(model, table, X)`` on every Arrow batch of the
-    rows' ``sample_id``, features and ``columns``."""
-    for m in getattr(model, "models", [model]):    # an ensemble's trees, or the one tree
-        if hasattr(m, "layers"):
+    """Broadcast ``model`` (a whole tree model, with or without a PRIME head, or a head alone)
+    once and call ``score(model, table, X)`` on every Arrow batch of the rows' ``sample_id``,
+    features and ``columns``."""
+    from ..prime_model import PrimeHead
+    from . import sharded
+    if isinstance(getattr(model, "tree", model), sharded.SHARDED):
+        raise TypeError("a sharded model's weights stay on the executors: score it with prediction.run")
+    if not isinstance(model, PrimeHead):
+        for m in getattr(model, "models", [model]):    # an ensemble's trees, or the one tree
             m.layers()  # build once on the driver, ship with the broadcast
     bmodel = share(samples, model, name=name)
     n_features = model.n_features
@@ -119,7 +123,7 @@ def run(samples: DataFrame, model, beam_size: int, topk: int, n_rows: Optional[i
         return sharded.predict(samples, model, beam_size, topk)
     if isinstance(model, PrimedModel) and isinstance(model.tree, sharded.SHARDED):
         from .prime import predict_sharded
-        return predict_sharded(samples, model, beam_size, topk)
+        return predict_sharded(samples, model, beam_size, topk, n_rows=n_rows)
     samples = balanced(samples, n_rows)
     def score(m, t, X):
         return label_batch(t, *m.predict(X, beam_size=beam_size, topk=topk))

@@ -5,10 +5,10 @@ Where each part runs and what it holds:
 
 * **Shortlist** (Spark, Arrow batches): the tree model's beam search over every training row
   (:func:`~.prediction.map_with_model`, the model broadcast as for prediction; a sharded model's
-  layered join, :func:`.sharded.predict`, no weights broadcast) gives its top
-  ``max(prime.hard_k, prime.K)`` labels and scores: the first ``hard_k`` are PRIME's hard
-  negatives, the top ``K`` of the held-out rows are the re-rank candidates on which the mixing
-  weight is chosen.
+  layered join, :func:`.sharded.predict`, no weights broadcast) gives the top ``prime.hard_k``
+  labels of every fitting row (PRIME's hard negatives), and a second search, by the held-out
+  model when re-ranking, the top ``prime.K`` of the held-out rows with their scores (the
+  candidates the mixing weight is chosen on).
 * **Split**: a training row is held out when a hash of its ``sample_id`` falls below
   ``min(prime.val_frac, prime.val_max_rows / n)``; the held-out (validation) rows choose the
   epoch and the re-rank weight, never the test set, and are not trained on. They (at most about
@@ -58,7 +58,7 @@ from ..params import ConfigError, EmbeddingParams, PrimeParams
 from ..prime_model import PrimeHead
 from ..schemas import PREDICTIONS_SCHEMA
 from . import label_embedding
-from .prediction import label_batch, map_with_model
+from .prediction import balanced, label_batch, map_with_model
 
 log = logging.getLogger("xmc_spark.stages.prime")
 
@@ -93,21 +93,29 @@ def shortlist(samples: DataFrame, model, beam_size: int, k: int) -> DataFrame:
     return map_with_model(samples, model, score, SHORTLIST_SCHEMA, kind="prime shortlist")
 
 
-def predict_sharded(samples: DataFrame, model, beam_size: int, topk: int) -> DataFrame:
+def predict_sharded(samples: DataFrame, model, beam_size: int, topk: int, cand: Optional[DataFrame] = None,
+                    n_rows: Optional[int] = None) -> DataFrame:
     """(sample_id, pred_labels, pred_scores) of a :class:`~xmc_spark.prime_model.PrimedModel`
-    whose tree is sharded: its top ``max(K, topk)`` from the layered join (:func:`shortlist`, no
-    weights broadcast) joined back to the rows, then the head (encoder E and prototypes Z:
-    (features + labels) x dim floats, shared like a model) re-ranks them in Arrow batches, as
+    whose tree is sharded: the tree's top ``max(K, topk)`` (``cand``, :func:`shortlist` of the
+    layered join, no weights broadcast, when not given) left-joined back to the rows (a row the
+    join gives no candidate keeps its place, with none), then the head (encoder E and prototypes
+    Z: (features + labels) x dim floats, shared like a model) re-ranks them in Arrow batches, as
     :meth:`~xmc_spark.prime_model.PrimeHead.predict` does with a broadcast tree; ``retrieve``
-    needs no tree. The tree's scores come as float32 from the join (the broadcast search mixes
-    them as float64), so near-equal mixed scores may order differently in the last bits."""
+    needs no tree, and scores the ``n_rows`` rows spread as :func:`.prediction.run` does. The
+    tree's scores come as float32 from the join (the broadcast search mixes them as float64), so
+    near-equal mixed scores may order differently in the last bits."""
     head = model.head
     Kc = max(head.K, topk)
-    rows, columns = samples, ()
+    rows, columns = samples.select("sample_id", "feature_idx", "feature_val"), ()
     if head.mode == "rerank":
-        rows = samples.select("sample_id", "feature_idx", "feature_val").join(
-            never_broadcast(shortlist(samples, model.tree, beam_size, Kc)), "sample_id")
+        cand = cand if cand is not None else shortlist(samples, model.tree, beam_size, Kc)
+        rows = rows.join(never_broadcast(cand), "sample_id", "left")
         columns = ("cand", "cand_scores")
+    else:
+        rows = balanced(rows, n_rows)
+    nbytes = sum(a.nbytes for a in head.weights.values())
+    log.info("prime: the head (%.1f MB: encoder and prototypes) shared with the tasks, the tree kept sharded",
+             nbytes / 2 ** 20)
 
     def score(h, t, X):
         if h.mode == "retrieve":
@@ -116,6 +124,24 @@ def predict_sharded(samples: DataFrame, model, beam_size: int, topk: int) -> Dat
                                         padded(t, "cand_scores", Kc, -np.inf, np.float64)))
 
     return map_with_model(rows, head, score, PREDICTIONS_SCHEMA, columns=columns, name="the PRIME head")
+
+
+def with_tree(samples: DataFrame, model, beam_size: int, topk: int, tree_topk: Optional[int] = None,
+              n_rows: Optional[int] = None) -> Tuple[DataFrame, DataFrame]:
+    """(predictions, tree_predictions) of a :class:`~xmc_spark.prime_model.PrimedModel`: its top
+    ``topk`` and its tree's own top ``tree_topk`` (default ``topk``). A sharded tree re-ranked
+    searches once: the tree's top ``max(K, topk, tree_topk)`` are kept on the executors and give
+    both (the beam does not depend on k: the first k of a longer list are the top k). A broadcast
+    tree searches twice (two broadcast jobs, cheaper than keeping the list)."""
+    from .prediction import run
+    from .sharded import SHARDED
+    tree_topk = tree_topk or topk
+    if not (isinstance(model.tree, SHARDED) and model.head.mode == "rerank"):
+        return run(samples, model, beam_size, topk, n_rows), run(samples, model.tree, beam_size, tree_topk, n_rows)
+    cand = shortlist(samples, model.tree, beam_size, max(model.head.K, topk, tree_topk)).localCheckpoint()
+    tree = cand.select("sample_id", F.slice("cand", 1, tree_topk).alias("pred_labels"),
+                       F.slice("cand_scores", 1, tree_topk).alias("pred_scores"))
+    return predict_sharded(samples, model, beam_size, topk, cand), tree
 
 
 def unpack(table: pa.Table, n_features: int, n_labels: int, hard_k: int):
@@ -177,9 +203,9 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
     rng = np.random.default_rng(prm.seed + 1)
     opt = PR.Optimizer()
     Xv, Yv = val
-    # the rows' order is the data's alone (hashed by sample_id, sorted in each partition), not the
-    # plan's: a sharded tree's shortlist joins in other partitions than a broadcast one's, and the
-    # mini-batches, hence the model, would follow
+    # the rows' order is the data's (hashed by sample_id into the shuffle partitions, sorted in
+    # each; blobs of maxRecordsPerBatch rows), not the plan's: a sharded tree's shortlist joins in
+    # other partitions than a broadcast one's, and the mini-batches, hence the model, would follow
     ordered = fit.repartition(shuffle_partitions(fit.sparkSession), "sample_id").sortWithinPartitions("sample_id")
     packed = pack(ordered.select("feature_idx", "feature_val", "label_idx", "cand")).localCheckpoint()
     fit.unpersist()
@@ -242,7 +268,7 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
     fit, val = rows.filter(~held), rows.filter(held)
     with step("prime_shortlist"):           # one beam search over the fitting rows, kept on the executors
         if prm.hard_k:
-            fit = fit.join(never_broadcast(shortlist(fit, tree, beam_size, prm.hard_k)), "sample_id")
+            fit = fit.join(never_broadcast(shortlist(fit, tree, beam_size, prm.hard_k)), "sample_id", "left")
         else:
             fit = fit.withColumn("cand", F.array().cast("array<int>"))
         fit = fit.localCheckpoint()
@@ -253,7 +279,7 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
             vtree = val_tree_fit(samples.filter(~held))
     with step("prime_weight"):           # re-rank: the held-out rows' candidates, to choose the weight on
         if prm.mode == "rerank":
-            val = val.join(never_broadcast(shortlist(val, vtree, beam_size, prm.K)), "sample_id")
+            val = val.join(never_broadcast(shortlist(val, vtree, beam_size, prm.K)), "sample_id", "left")
         vt = to_arrow(val.orderBy("sample_id"))
     Xv = csr_from_table(vt, "feature_idx", "feature_val", n_features)
     Yv = csr_from_table(vt, "label_idx", None, n_labels)
