@@ -459,6 +459,8 @@ class PrimeParams(BaseParams):
     use_centroids: bool = True
     use_free: bool = True
     propensity_positives: bool = True
+    batching: str = "random"        # "clustered": NGAME's batches of similar queries (README, PRIME)
+    cluster_size: int = 16          # clustered: at most this many queries a cluster
     seed: int = 0
 
     STAGE_KEYS = ("mode", "K", "hard_k", "val_frac", "val_max_rows", "select_epoch", "patience", "val_tree")
@@ -491,6 +493,9 @@ class PrimeParams(BaseParams):
                f"and gamma_max: need 0 < gamma_min <= gamma_max, got {self.gamma_min}, {self.gamma_max}")
         _check(self.margin_variant in ("triplet", "inverted", "fixed"), prefix + "margin_variant",
                f"must be triplet, inverted or fixed, got {self.margin_variant!r}")
+        _check(self.batching in ("random", "clustered"), prefix + "batching",
+               f"must be random or clustered, got {self.batching!r}")
+        _check(self.cluster_size >= 2, prefix + "cluster_size", "must be >= 2")
 
 
 @dataclass

@@ -278,9 +278,59 @@ def test_free_vector_clusters_group_about_two_labels():
     assert 20 <= n <= 40 and np.bincount(cl).max() <= 2
 
 
-def test_loss_falls_and_retrieval_learns_on_a_toy():
+def test_in_batch_negatives_are_drawn_from_the_pool_and_skip_true_labels():
+    Yq = sp.csr_matrix(np.array([[1, 0, 1, 1, 0], [0, 1, 0, 0, 0]], np.float32))
+    pool = np.array([0, 0, 0, 4, 1, 1, 1, 1])               # the batch's sampled positives
+    short = np.array([[2, 4], [3, 4]])
+    neg, valid = P.sample_negatives(Yq, 5, 2, 20000, np.random.default_rng(2), short, pool)
+    assert set(neg[:, 2:].ravel()) == {0, 1, 4}               # never a label outside the pool
+    freq = np.bincount(neg[:, 2:].ravel(), minlength=5) / neg[:, 2:].size
+    np.testing.assert_allclose(freq, [3 / 8, 4 / 8, 0, 0, 1 / 8], atol=0.01)
+    truth = [{0, 2, 3}, {1}]
+    np.testing.assert_array_equal(valid, [[n not in truth[i] for n in row] for i, row in enumerate(neg)])
+
+
+def _grouped_rows(groups=4, size=16, seed=0):
+    """``groups`` x ``size`` rows in shuffled order: the rows of group g are equal (feature g, label
+    g), so h_q is one point per group; returns X, Y and each row's group."""
+    g = np.random.default_rng(seed).permutation(np.repeat(np.arange(groups), size))
+    X = sp.csr_matrix((np.ones(len(g), np.float32), (np.arange(len(g)), g)), shape=(len(g), groups))
+    return X, X.copy(), g
+
+
+def test_random_batches_are_a_permutation_cut_in_batch_size():
+    X, Y, _ = _grouped_rows()
+    model = P.init_model(X, Y, P.PrimeParams(dim=4, ffn=8, batch_size=24))
+    got = P.batch_order(model, X, np.random.default_rng(5))
+    perm = np.random.default_rng(5).permutation(64)
+    assert [b.tolist() for b in got] == [sorted(perm[s:s + 24]) for s in (0, 24, 48)]
+
+
+@pytest.mark.parametrize("batch_size", [16, 32])
+def test_clustered_batches_are_whole_groups_of_similar_queries(batch_size):
+    """NGAME's batches: with four groups of 16 equal queries and clusters of at most 16, every batch
+    is one group (batch 16) or two whole groups (batch 32), brute force over the rows' groups;
+    the batches cover every row once and change order with the generator."""
+    X, Y, g = _grouped_rows()
+    model = P.init_model(X, Y, P.PrimeParams(dim=4, ffn=8, batch_size=batch_size, batching="clustered",
+                                             cluster_size=16))
+    hq = P.encode(model, X)
+    assert np.linalg.norm(hq[g == 0][0] - hq[g == 1][0]) > 0.1      # the groups are distinct points
+    orders = []
+    for seed in (0, 1, 2):
+        batches = P.batch_order(model, X, np.random.default_rng(seed))
+        assert sorted(np.concatenate(batches).tolist()) == list(range(64))
+        for b in batches:
+            assert len(b) == batch_size and np.bincount(g[b], minlength=4).tolist().count(16) == batch_size // 16
+        orders.append([int(g[b[0]]) for b in batches])
+    assert len({tuple(o) for o in orders}) > 1                         # the clusters are shuffled
+
+
+@pytest.mark.parametrize("batching", P.BATCHINGS)
+def test_loss_falls_and_retrieval_learns_on_a_toy(batching):
     X, Y = random_problem(n=300, d=60, L=20, seed=1)
-    prm = P.PrimeParams(dim=16, ffn=32, epochs=12, batch_size=32, n_hard=3, n_random=4, lr=3e-3, seed=0)
+    prm = P.PrimeParams(dim=16, ffn=32, epochs=12, batch_size=32, n_hard=3, n_random=4, lr=3e-3, seed=0,
+                        batching=batching, cluster_size=8)
     short = np.argsort(-(X @ np.random.default_rng(0).normal(size=(60, 20))), axis=1)[:, :6]
     model = P.train(X, Y, prm, shortlist=short)
     assert len(model.history) == 12

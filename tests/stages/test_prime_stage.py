@@ -75,6 +75,23 @@ def test_patience_stops_when_no_epoch_beats_the_best(spark):
         assert facts["prime.epoch"] == 0 and len(set(facts["prime.val_retrieve_mean_p"])) == 1
 
 
+def test_stage_trains_with_ngame_clustered_batches(trained, spark):
+    """prime.batching = clustered reaches the optimizer (another loss path than random batches),
+    trains to finite losses and chooses as before; a bad value stops before any work."""
+    from xmc_spark.params import ConfigError
+    tree, _, facts, _, _, prm = trained
+    X, Y = _synth(0, N_TRAIN)
+    counts = np.asarray((Y > 0).sum(axis=0)).ravel()
+    samples = samples_frame(spark, X, Y, partitions=2)
+    clustered = dataclasses.replace(prm, batching="clustered", cluster_size=8)
+    head, got = stage.run(samples, tree, counts, clustered, N_TRAIN, D, L, beam_size=3, val_tree_fit=lambda df: tree)
+    assert np.isfinite(got["prime.loss"]).all() and len(got["prime.loss"]) == prm.epochs
+    assert got["prime.loss"] != facts["prime.loss"] and got["prime.n_held_out"] == facts["prime.n_held_out"]
+    assert 0.0 <= head.weight <= 1.0
+    with pytest.raises(ConfigError, match="prime.batching"):
+        dataclasses.replace(prm, batching="ngame").validate("prime.")
+
+
 def test_held_out_share_is_capped(spark):
     df = spark.range(0, 2000).withColumnRenamed("id", "sample_id")
     frac = stage.val_fraction(PrimeParams(val_frac=0.5, val_max_rows=100), 2000)

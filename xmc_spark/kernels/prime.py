@@ -74,6 +74,7 @@ from .metrics import evaluate, hits_matrix, propensities
 from .tree import build_tree
 
 MARGIN_VARIANTS = ("triplet", "inverted", "fixed")
+BATCHINGS = ("random", "clustered")
 NO_DECAY = frozenset({"b_res", "bq", "bk", "bv", "bo", "bf1", "bf2", "ln1_g", "ln1_b", "ln2_g", "ln2_b", "V"})
 LN_EPS = 1e-5
 
@@ -107,6 +108,8 @@ class PrimeParams:
     use_centroids: bool = True
     use_free: bool = True
     propensity_positives: bool = True   # False: positives drawn uniformly from the row's labels
+    batching: str = "random"       # "clustered": NGAME's batches of similar queries (batch_order)
+    cluster_size: int = 16         # clustered: at most this many queries a cluster
     propensity_a: float = 0.55
     propensity_b: float = 1.5
     seed: int = 0
@@ -122,6 +125,9 @@ class PrimeParams:
             raise ValueError("dim, ffn, epochs, batch_size and n_pos must be >= 1")
         if self.n_hard + self.n_random < 1 or min(self.n_hard, self.n_random, self.n_free) < 0:
             raise ValueError("need n_hard, n_random, n_free >= 0 and at least one negative per row")
+        if self.batching not in BATCHINGS or self.cluster_size < 2:
+            raise ValueError(f"batching must be one of {BATCHINGS} and cluster_size >= 2, got {self.batching!r}, "
+                             f"{self.cluster_size}")
 
 
 @dataclass
@@ -575,19 +581,48 @@ def sample_positives(Yq: sp.csr_matrix, inv_prop: np.ndarray, n_pos: int, rng) -
 
 
 def sample_negatives(Yq: sp.csr_matrix, n_labels: int, n_hard: int, n_random: int, rng,
-                     shortlist: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+                     shortlist: Optional[np.ndarray] = None,
+                     pool: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
     """(neg B x M, valid B x M): n_hard uniform draws from each row's shortlist (B x K label
-    ids, -1 padded) and n_random uniform labels (all M random without a shortlist); negatives
-    that are true labels of the row or -1 are invalid."""
+    ids, -1 padded) and n_random uniform labels (all M random without a shortlist), or, with
+    ``pool`` (the batch's sampled positives: NGAME's in-batch negatives), n_random uniform draws
+    from it; negatives that are true labels of the row or -1 are invalid."""
     B = Yq.shape[0]
     if shortlist is None or shortlist.shape[1] == 0:
         n_random, n_hard = n_random + n_hard, 0
-    parts = [rng.integers(0, n_labels, (B, n_random))]
+    pool = None if pool is None or not len(pool) else np.asarray(pool, np.int64)
+    parts = [rng.integers(0, n_labels, (B, n_random)) if pool is None
+             else pool[rng.integers(0, len(pool), (B, n_random))]]
     if n_hard:
         cols = rng.integers(0, shortlist.shape[1], (B, n_hard))
         parts.insert(0, np.asarray(shortlist)[np.arange(B)[:, None], cols])
     neg = np.concatenate(parts, axis=1).astype(np.int64)
     return neg, (neg >= 0) & ~hits_matrix(neg, Yq)
+
+
+def batch_order(model: PrimeModel, X: sp.csr_matrix, rng) -> List[np.ndarray]:
+    """One pass's mini-batches over the rows of X (row indices, each batch sorted).
+
+    ``random``: a permutation cut into ``batch_size`` rows. ``clustered`` (NGAME's mini-batching,
+    Dahiya et al. 2023, as the paper adopts it): the rows' h_q under the current encoder are split by
+    our balanced 2-means tree (:func:`~.tree.build_tree`, the label tree's kernel) into clusters of
+    at most ``cluster_size`` rows, the clusters shuffled and laid end to end, then cut into
+    ``batch_size`` rows: a batch is batch_size / cluster_size groups of similar queries, whose
+    sampled positives are each other's in-batch negatives (:func:`train_step`). NGAME clusters all
+    training queries and refreshes the clusters every few epochs; here the clusters are those of
+    the rows given (one streamed blob) and are recomputed at every pass, so no process holds
+    more than a blob's h_q."""
+    prm = model.params
+    n = X.shape[0]
+    if prm.batching != "clustered" or n <= prm.cluster_size:
+        order = rng.permutation(n)
+    else:
+        hq = encode(model, X)
+        leaf = build_tree(sp.csr_matrix(hq), max_leaf_size=prm.cluster_size, seed=int(rng.integers(2 ** 31 - 1)))
+        _, inv = np.unique(leaf, return_inverse=True)
+        cluster_rank = rng.permutation(int(inv.max()) + 1)[inv]
+        order = np.lexsort((rng.random(n), cluster_rank))         # clusters in shuffled order, rows shuffled
+    return [np.sort(order[s:s + prm.batch_size]) for s in range(0, n, prm.batch_size)]
 
 
 # ---- training ---------------------------------------------------------------------------------
@@ -612,7 +647,8 @@ def train_step(model: PrimeModel, opt: Optimizer, Xq: sp.csr_matrix, Yq: sp.csr_
     A caller that streams batches itself (e.g. from Spark partitions) loops over this."""
     prm = model.params
     pos = sample_positives(Yq, inv_prop if prm.propensity_positives else np.ones(model.n_labels), prm.n_pos, rng)
-    neg, valid = sample_negatives(Yq, model.n_labels, prm.n_hard, prm.n_random, rng, shortlist)
+    neg, valid = sample_negatives(Yq, model.n_labels, prm.n_hard, prm.n_random, rng, shortlist,
+                                  pos.ravel() if prm.batching == "clustered" else None)
     loss, grads, hq, _ = batch_loss(model, Xq, Yq, pos, neg, valid, rng if prm.dropout > 0 else None)
     opt.t += 1
     adamw_step(model.weights, grads, opt.state, opt.t, prm)
@@ -636,10 +672,9 @@ def train(X: sp.csr_matrix, Y: sp.csr_matrix, prm: PrimeParams, shortlist: Optio
     rng = np.random.default_rng(prm.seed + 1)
     opt = Optimizer()
     for ep in range(prm.epochs):
-        perm = rng.permutation(rows)
         total, nb = 0.0, 0
-        for s in range(0, len(perm), prm.batch_size):
-            b = np.sort(perm[s:s + prm.batch_size])
+        for b in batch_order(model, X[rows], rng):
+            b = rows[b]
             total += train_step(model, opt, X[b], Y[b], inv_prop, rng, None if shortlist is None else shortlist[b])
             nb += 1
         model.history.append(total / max(nb, 1))

@@ -19,7 +19,9 @@ Where each part runs and what it holds:
   sharded tree's shortlists train the same model), are packed by a Spark job into Arrow IPC blobs of at most
   ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows (one binary value per batch, no per-row
   Python), checkpointed on the executors, and streamed with ``toLocalIterator`` once per epoch;
-  each blob's rows are permuted and cut into mini-batches of ``prime.batch_size`` for
+  each blob's rows are permuted (or, ``prime.batching = clustered``, grouped into NGAME's clusters
+  of similar queries: :func:`~xmc_spark.kernels.prime.batch_order`) and cut into mini-batches of
+  ``prime.batch_size`` for
   :func:`~xmc_spark.kernels.prime.train_step` (AdamW). The process holds the parameters and
   their Adam moments (O(features x dim + labels x dim + the LPN's dim x ffn)), the label-side
   state (centroids, free vectors: O(labels x dim)), the PIFA label features (of the rows not
@@ -221,9 +223,7 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
         total, nb = 0.0, 0
         for t in stream(packed):
             X, Y, S = unpack(t, n_features, n_labels, prm.hard_k)
-            perm = rng.permutation(X.shape[0])
-            for s in range(0, len(perm), prm.batch_size):
-                b = np.sort(perm[s:s + prm.batch_size])
+            for b in PR.batch_order(model, X, rng):      # a permutation, or NGAME's clusters of the blob
                 total += PR.train_step(model, opt, X[b], Y[b], inv_prop, rng, None if S is None else S[b])
                 nb += 1
         model.history.append(total / max(nb, 1))
