@@ -75,19 +75,26 @@ def test_patience_stops_when_no_epoch_beats_the_best(spark):
         assert facts["prime.epoch"] == 0 and len(set(facts["prime.val_retrieve_mean_p"])) == 1
 
 
-def test_stage_trains_with_ngame_clustered_batches(trained, spark):
-    """prime.batching = clustered reaches the optimizer (another loss path than random batches),
-    trains to finite losses and chooses as before; a bad value stops before any work."""
+def test_stage_trains_with_ngame_clustered_batches(trained, spark, monkeypatch):
+    """prime.batching = clustered reaches the optimizer: every streamed blob's rows are clustered
+    (by the tree kernel, counted) and the training differs from random batches'; a bad value
+    stops before any work."""
+    from xmc_spark.kernels import prime as kernel
     from xmc_spark.params import ConfigError
     tree, _, facts, _, _, prm = trained
     X, Y = _synth(0, N_TRAIN)
     counts = np.asarray((Y > 0).sum(axis=0)).ravel()
     samples = samples_frame(spark, X, Y, partitions=2)
     clustered = dataclasses.replace(prm, batching="clustered", cluster_size=8)
-    head, got = stage.run(samples, tree, counts, clustered, N_TRAIN, D, L, beam_size=3, val_tree_fit=lambda df: tree)
+    calls, real = [], kernel.build_tree
+    monkeypatch.setattr(kernel, "build_tree", lambda Z, **kw: calls.append((Z.shape, kw)) or real(Z, **kw))
+    _, got = stage.run(samples, tree, counts, clustered, N_TRAIN, D, L, beam_size=3, val_tree_fit=lambda df: tree)
+    n_fit = N_TRAIN - facts["prime.n_held_out"]
+    queries = [(shape, kw) for shape, kw in calls if shape[1] == prm.dim]     # the others: free-vector clusters
+    assert sum(shape[0] for shape, _ in queries) == prm.epochs * n_fit        # every fitting row, every epoch
+    assert all(kw["max_leaf_size"] == 8 for _, kw in queries) and len(calls) - len(queries) == 1
     assert np.isfinite(got["prime.loss"]).all() and len(got["prime.loss"]) == prm.epochs
     assert got["prime.loss"] != facts["prime.loss"] and got["prime.n_held_out"] == facts["prime.n_held_out"]
-    assert 0.0 <= head.weight <= 1.0
     with pytest.raises(ConfigError, match="prime.batching"):
         dataclasses.replace(prm, batching="ngame").validate("prime.")
 

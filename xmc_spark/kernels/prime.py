@@ -606,12 +606,15 @@ def batch_order(model: PrimeModel, X: sp.csr_matrix, rng) -> List[np.ndarray]:
     ``random``: a permutation cut into ``batch_size`` rows. ``clustered`` (NGAME's mini-batching,
     Dahiya et al. 2023, as the paper adopts it): the rows' h_q under the current encoder are split by
     our balanced 2-means tree (:func:`~.tree.build_tree`, the label tree's kernel) into clusters of
-    at most ``cluster_size`` rows, the clusters shuffled and laid end to end, then cut into
-    ``batch_size`` rows: a batch is batch_size / cluster_size groups of similar queries, whose
-    sampled positives are each other's in-batch negatives (:func:`train_step`). NGAME clusters all
-    training queries and refreshes the clusters every few epochs; here the clusters are those of
-    the rows given (one streamed blob) and are recomputed at every pass, so no process holds
-    more than a blob's h_q."""
+    at most ``cluster_size`` rows (and more than half as many: the splits are balanced), the
+    clusters shuffled and laid end to end, then cut into ``batch_size`` rows: a batch is mostly
+    whole groups of similar queries (a cluster may straddle two batches), whose sampled positives
+    are the pool of in-batch negatives (:func:`train_step`; a row's own cluster gives about
+    cluster_size / batch_size of it). NGAME clusters all training queries and refreshes the
+    clusters every few epochs; the stage passes one streamed blob, so its clusters are the blob's,
+    recomputed at every pass, and no process holds more than a blob's h_q (:func:`train`, the
+    numpy reference, passes all its rows). At most ``cluster_size`` rows are only permuted (in-batch
+    negatives still apply)."""
     prm = model.params
     n = X.shape[0]
     if prm.batching != "clustered" or n <= prm.cluster_size:
@@ -660,7 +663,8 @@ def train(X: sp.csr_matrix, Y: sp.csr_matrix, prm: PrimeParams, shortlist: Optio
           label_features=None, on_epoch: Optional[Callable[[int, PrimeModel], None]] = None) -> PrimeModel:
     """Train on the rows of X (n x features, L2-normalized as ingest gives them) with labels Y
     (n x L); ``shortlist`` n x K label ids (-1 padded) gives the hard negatives (e.g. the tree's
-    beam search over the training rows). Rows without labels are skipped. One process, the
+    beam search over the training rows). Rows without labels are skipped. Clustered batches are
+    built over all the rows at once (the stage builds them per streamed blob). One process, the
     rows streamed in mini-batches; float32. ``on_epoch(epoch, model)`` runs after every epoch
     (``model.history`` holds the mean batch loss of each epoch so far)."""
     X = sp.csr_matrix(X, dtype=np.float32)
