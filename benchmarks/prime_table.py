@@ -175,6 +175,8 @@ def main() -> None:
     ap.add_argument("--residual", action="store_true")
     ap.add_argument("--linear-r", action="store_true", help="R as written in Eq. 6-7 (no hinge)")
     ap.add_argument("--uniform-positives", action="store_true", help="not by inverse propensity")
+    ap.add_argument("--batching", default=PR.PrimeParams.batching, choices=PR.BATCHINGS,
+                    help="clustered: NGAME's batches with in-batch negatives")
     ap.add_argument("--r-margin", type=float, default=PR.PrimeParams.r_margin)
     ap.add_argument("--dropout", type=float, default=PR.PrimeParams.dropout)
     ap.add_argument("--weight-decay", type=float, default=PR.PrimeParams.weight_decay)
@@ -219,7 +221,7 @@ def main() -> None:
     prm = PR.PrimeParams(dim=args.dim, epochs=args.epochs, lr=args.lr, batch_size=args.batch,
                          residual=args.residual, r_hinge=not args.linear_r, r_margin=args.r_margin,
                          dropout=args.dropout, weight_decay=args.weight_decay, seed=args.seed,
-                         propensity_positives=not args.uniform_positives)
+                         propensity_positives=not args.uniform_positives, batching=args.batching)
     d = (Xf, Yf, Xv, Yv, Xt, Yt)
     rows, model = prime_rows(prm, d, tree_top, inv, ks, log)
     results.update(rows)
