@@ -99,6 +99,14 @@ def test_stage_trains_with_ngame_clustered_batches(trained, spark, monkeypatch):
         dataclasses.replace(prm, batching="ngame").validate("prime.")
 
 
+def test_rows_are_packed_in_partitions_of_a_blob_or_more():
+    # (training rows, Arrow batch rows, shuffle partitions) -> partitions: a blob or more each, <= the shuffle's
+    assert stage.pack_partitions(4880, 4096, 8) == 1          # bibtex: one partition, batches of 1024 rows
+    assert stage.pack_partitions(12920, 4096, 8) == 3
+    assert stage.pack_partitions(200000, 4096, 8) == 8
+    assert stage.pack_partitions(100, 4096, 8) == 1 and stage.pack_partitions(10**6, 0, 4) == 4
+
+
 def test_held_out_share_is_capped(spark):
     df = spark.range(0, 2000).withColumnRenamed("id", "sample_id")
     frac = stage.val_fraction(PrimeParams(val_frac=0.5, val_max_rows=100), 2000)

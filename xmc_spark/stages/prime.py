@@ -15,8 +15,8 @@ Where each part runs and what it holds:
   ``val_max_rows``) and their candidates are collected to the driver.
 * **Optimizer** (one process, the driver's Python): the other training rows, joined with their
   shortlist and put in an order of the data alone (hashed by ``sample_id`` into
-  :func:`~..compat.shuffle_partitions` partitions, sorted in each, so that a broadcast and a
-  sharded tree's shortlists train the same model), are packed by a Spark job into Arrow IPC blobs of at most
+  :func:`pack_partitions` partitions, sorted in each, so that a broadcast and a sharded tree's
+  shortlists train the same model), are packed by a Spark job into Arrow IPC blobs of at most
   ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows (one binary value per batch, no per-row
   Python), checkpointed on the executors, and streamed with ``toLocalIterator`` once per epoch;
   each blob's rows are permuted (or, ``prime.batching = clustered``, grouped into NGAME's clusters
@@ -60,7 +60,7 @@ from ..params import ConfigError, EmbeddingParams, PrimeParams
 from ..prime_model import PrimeHead
 from ..schemas import PREDICTIONS_SCHEMA
 from . import label_embedding
-from .prediction import balanced, label_batch, map_with_model
+from .prediction import _batch_rows, balanced, label_batch, map_with_model
 
 log = logging.getLogger("xmc_spark.stages.prime")
 
@@ -190,6 +190,15 @@ def mean_precision(labels: np.ndarray, Y: sp.csr_matrix) -> float:
     return float(np.mean([m[f"p@{k}"] for k in KS]))
 
 
+def pack_partitions(n_rows: int, batch_rows: int, partitions: int) -> int:
+    """Partitions the optimizer's rows are hashed into before they are packed: about one Arrow
+    batch (``batch_rows`` rows, a blob) a partition or more, at most ``partitions`` (the shuffle
+    partitions), at least 1. A blob's rows are cut into the mini-batches, so partitions of fewer
+    rows than ``prime.batch_size`` would shrink them (bibtex's 4.4K fitting rows over 8
+    partitions: batches of ~550 rows instead of 1024)."""
+    return max(1, min(int(partitions), int(n_rows) // max(int(batch_rows), 1)))
+
+
 def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.ndarray, n_rows: int,
           prm: PrimeParams, n_features: int, eval_params=None) -> Tuple[PR.PrimeModel, Dict]:
     """Train PRIME streaming the rows of ``fit`` (training rows with ``cand``), one process.
@@ -205,10 +214,12 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
     rng = np.random.default_rng(prm.seed + 1)
     opt = PR.Optimizer()
     Xv, Yv = val
-    # the rows' order is the data's (hashed by sample_id into the shuffle partitions, sorted in
-    # each; blobs of maxRecordsPerBatch rows), not the plan's: a sharded tree's shortlist joins in
-    # other partitions than a broadcast one's, and the mini-batches, hence the model, would follow
-    ordered = fit.repartition(shuffle_partitions(fit.sparkSession), "sample_id").sortWithinPartitions("sample_id")
+    # the rows' order is the data's (hashed by sample_id into pack_partitions, sorted in each;
+    # blobs of maxRecordsPerBatch rows), not the plan's: a sharded tree's shortlist joins in other
+    # partitions than a broadcast one's, and the mini-batches, hence the model, would follow
+    spark = fit.sparkSession
+    parts = pack_partitions(n_rows, _batch_rows(fit), shuffle_partitions(spark))
+    ordered = fit.repartition(parts, "sample_id").sortWithinPartitions("sample_id")
     packed = pack(ordered.select("feature_idx", "feature_val", "label_idx", "cand")).localCheckpoint()
     fit.unpersist()
 
