@@ -26,25 +26,17 @@ import time
 from dataclasses import replace
 
 import numpy as np
-import scipy.sparse as sp
 
 from xmc_spark import synth
-from xmc_spark.arrow_utils import csr_from_table
 from xmc_spark.kernels import prime as P
-from xmc_spark.kernels.sparse import l2_normalize_rows
 from xmc_spark.model import XMCModel
 
 VARIANTS = ("random", "random + in-batch", "clustered")
 
 
 def rows(n: int, L: int, d: int):
-    """(X, Y) of n rows of synth's model, rows without labels dropped."""
-    p, proto = synth.label_model(L, d, seed=0)
-    t = synth.make_rows(0, n, p, proto, d, seed=0)
-    X = sp.csr_matrix(l2_normalize_rows(csr_from_table(t, "feature_idx", "feature_val", d)), dtype=np.float32)
-    Y = sp.csr_matrix(csr_from_table(t, "label_idx", None, L), dtype=np.float32)
-    keep = np.flatnonzero(np.diff(Y.indptr) > 0)
-    return X[keep], Y[keep]
+    """(X, Y) of n rows of synth's model (every synth row carries a label)."""
+    return synth.matrices(0, n, L, d, seed=0)
 
 
 def measure(X, Y, S, prm: P.PrimeParams, variant: str, blob: int, steps: int) -> dict:

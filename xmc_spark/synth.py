@@ -16,11 +16,13 @@ from typing import Dict
 
 import numpy as np
 import pyarrow as pa
+import scipy.sparse as sp
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from .arrow_utils import list_array
+from .arrow_utils import csr_from_table, list_array
 from .compat import share
+from .kernels.sparse import l2_normalize_rows
 from .schemas import SAMPLES_SCHEMA
 from .storage import write_delta
 
@@ -74,6 +76,15 @@ def make_rows(start: int, count: int, p: np.ndarray, proto: np.ndarray, n_featur
         "label_idx": list_array(loff, labels.astype(np.int32), pa.int32()),
         "weight": pa.array(np.ones(count, np.float32)),
     })
+
+
+def matrices(start: int, count: int, n_labels: int, n_features: int, seed: int):
+    """(X, Y) of rows ``start`` .. ``start + count`` of the model as float32 CSR, X L2-normalized
+    as ingest leaves it: one learnable problem in process, without Spark (tests, benchmarks)."""
+    p, proto = label_model(n_labels, n_features, seed)
+    t = make_rows(start, count, p, proto, n_features, seed)
+    X = sp.csr_matrix(l2_normalize_rows(csr_from_table(t, "feature_idx", "feature_val", n_features)), dtype=np.float32)
+    return X, sp.csr_matrix(csr_from_table(t, "label_idx", None, n_labels), dtype=np.float32)
 
 
 def generate(spark: SparkSession, n: int, n_labels: int, n_features: int, seed: int, id_offset: int = 0,

@@ -52,11 +52,7 @@ def synth_rows(start, count, n_labels, n_features, seed):
     """Rows ``start`` .. ``start + count`` of ``xmc_spark.synth``'s model (L2-normalized X, Y) as
     float32 CSR: a train and a test split of one learnable problem."""
     from xmc_spark import synth
-    from xmc_spark.arrow_utils import csr_from_table
-    p, proto = synth.label_model(n_labels, n_features, seed=seed)
-    t = synth.make_rows(start, count, p, proto, n_features, seed=seed)
-    X = sp.csr_matrix(l2_normalize_rows(csr_from_table(t, "feature_idx", "feature_val", n_features)), dtype=np.float32)
-    return X, sp.csr_matrix(csr_from_table(t, "label_idx", None, n_labels), dtype=np.float32)
+    return synth.matrices(start, count, n_labels, n_features, seed)
 
 
 def weights_frame(spark, model):

@@ -65,6 +65,7 @@ from ..params import KnnParams
 from ..prime_model import PrimedModel, with_head
 from ..schemas import PREDICTIONS_SCHEMA
 from . import prediction
+from .prediction import candidates
 from .prime import is_held_out, val_fraction, with_tree
 
 log = logging.getLogger("xmc_spark.stages.knn")
@@ -173,12 +174,6 @@ def list_votes(t: pa.Table, cand: np.ndarray, k: int, power: float, n_labels: in
     return parts_votes(neighbour_parts(t, n_labels), t.num_rows, cand, k, power)
 
 
-def candidates(samples: DataFrame, model, beam_size: int, K_: int, n_rows: Optional[int] = None) -> DataFrame:
-    """(sample_id, cand, cand_scores): the tree's top ``K_`` of every row (broadcast or sharded)."""
-    return prediction.run(samples, model, beam_size, K_, n_rows).select(
-        "sample_id", F.col("pred_labels").alias("cand"), F.col("pred_scores").alias("cand_scores"))
-
-
 def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: Dict, beam_size: int, topk: int,
            n_features: int, n_labels: int, n_rows: Optional[int] = None, n_index: Optional[int] = None
            ) -> Tuple[DataFrame, DataFrame]:
@@ -191,15 +186,15 @@ def rerank(samples: DataFrame, index: DataFrame, model, prm: KnnParams, choice: 
         n_rows = n_rows if n_rows is not None else samples.count()
         n_index = n_index if n_index is not None else index.count()
         check_pairs(n_rows, n_index, prm, "query")
+    tree = None
     if isinstance(model, PrimedModel):  # stacked: the candidates are PRIME's, tree_predictions the tree's
         primed, tree = with_tree(samples, model, beam_size, max(prm.K, topk), topk, n_rows)
-        cand = primed.select("sample_id", F.col("pred_labels").alias("cand"),
-                             F.col("pred_scores").alias("cand_scores")).localCheckpoint()
+        cand = primed.withColumnsRenamed({"pred_labels": "cand", "pred_scores": "cand_scores"}).localCheckpoint()
     else:
         cand = candidates(samples, model, beam_size, max(prm.K, topk), n_rows).localCheckpoint()
     base = cand.select("sample_id", F.slice("cand", 1, topk).alias("pred_labels"),
                        F.slice("cand_scores", 1, topk).alias("pred_scores"))
-    tree = base if not isinstance(model, PrimedModel) else tree
+    tree = base if tree is None else tree
     if w >= 1.0:                      # the base's order (a stable sort): no neighbours needed
         return base, tree
     nb = neighbour_lists(with_labels(neighbours(samples, index, k, n_features, prm.block_rows, n_rows, n_index),

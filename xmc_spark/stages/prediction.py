@@ -7,6 +7,7 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_table, list_array
 from ..compat import default_parallelism, is_connect, share
@@ -70,7 +71,7 @@ def balanced(samples: DataFrame, n_rows: Optional[int] = None) -> DataFrame:
     cache: counting fills a cache not filled yet, work the scoring then reuses."""
     if is_connect(samples):
         return samples
-    parts = _spread_parts(default_parallelism(samples), _batch_rows(samples), n_rows)
+    parts = _spread_parts(default_parallelism(samples), arrow_batch_rows(samples), n_rows)
     if parts <= 1 or _has_exchange(samples):
         return samples
     return samples if samples.rdd.getNumPartitions() >= parts else samples.repartition(parts)
@@ -106,9 +107,16 @@ def _has_exchange(df: DataFrame) -> bool:
     return False
 
 
-def _batch_rows(samples: DataFrame) -> int:
+def arrow_batch_rows(samples: DataFrame) -> int:
     v = str(samples.sparkSession.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000"))
     return int(v) if v.strip().isdigit() and int(v) > 0 else 10000
+
+
+def candidates(samples: DataFrame, model, beam_size: int, k: int, n_rows: Optional[int] = None) -> DataFrame:
+    """(sample_id, cand, cand_scores): :func:`run`'s top ``k`` (broadcast or sharded, a PRIME head
+    applied when ``model`` carries one) under the names the re-rankers read."""
+    return run(samples, model, beam_size, k, n_rows).select(
+        "sample_id", F.col("pred_labels").alias("cand"), F.col("pred_scores").alias("cand_scores"))
 
 
 def run(samples: DataFrame, model, beam_size: int, topk: int, n_rows: Optional[int] = None) -> DataFrame:

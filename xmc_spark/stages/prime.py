@@ -60,7 +60,7 @@ from ..params import ConfigError, EmbeddingParams, PrimeParams
 from ..prime_model import PrimeHead
 from ..schemas import PREDICTIONS_SCHEMA
 from . import label_embedding
-from .prediction import _batch_rows, balanced, label_batch, map_with_model
+from .prediction import arrow_batch_rows, balanced, candidates, label_batch, map_with_model
 
 log = logging.getLogger("xmc_spark.stages.prime")
 
@@ -86,8 +86,7 @@ def shortlist(samples: DataFrame, model, beam_size: int, k: int) -> DataFrame:
     (:func:`.sharded.predict`: no weights broadcast), a whole one's broadcast."""
     from . import sharded
     if isinstance(model, sharded.SHARDED):
-        return sharded.predict(samples, model, beam_size, k).select(
-            "sample_id", F.col("pred_labels").alias("cand"), F.col("pred_scores").alias("cand_scores"))
+        return candidates(samples, model, beam_size, k)
 
     def score(m, t, X):
         return label_batch(t, *m.predict(X, beam_size=beam_size, topk=k), names=("cand", "cand_scores"))
@@ -218,7 +217,7 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
     # blobs of maxRecordsPerBatch rows), not the plan's: a sharded tree's shortlist joins in other
     # partitions than a broadcast one's, and the mini-batches, hence the model, would follow
     spark = fit.sparkSession
-    parts = pack_partitions(n_rows, _batch_rows(fit), shuffle_partitions(spark))
+    parts = pack_partitions(n_rows, arrow_batch_rows(fit), shuffle_partitions(spark))
     ordered = fit.repartition(parts, "sample_id").sortWithinPartitions("sample_id")
     packed = pack(ordered.select("feature_idx", "feature_val", "label_idx", "cand")).localCheckpoint()
     fit.unpersist()
