@@ -135,13 +135,16 @@ def written(tmp_path_factory, spark):
         lines.append(",".join(map(str, labs)) + " " + " ".join(map(str, range(g, g + 3))))
     (agg / "groups.txt").write_text("\n".join(lines) + "\n")
     write_xc(d / "test.txt", X[72:], Y[72:])
+    # PRIME's h_l from label features (the XC repository's 'rows cols' sparse file): label i has feature i
+    (d / "lbl_X_Xf.txt").write_text("8 24\n" + "".join(f"{i}:1 {i + 8}:0.5\n" for i in range(8)))
     common = ["--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=3", "--set", "eagle.T=2"]
     root = d / "root"
     assert main(["stage", "all", "--run-key", "k1", "--train", str(agg), "--test", str(d / "test.txt"),
                  "--root", str(root), "--set", "eagle.refine_rounds=1", "--set", "clusters.copies=2",
                  "--set", "clusters.beam_size=2",
                  "--set", "train.negatives=tfn+man", "--set", "prime.mode=rerank", "--set", "prime.epochs=1",
-                 "--set", "prime.dim=4", "--set", "prime.ffn=8", "--set", "prime.K=4", *common]) == 0
+                 "--set", f"prime.label_features={d / 'lbl_X_Xf.txt'}", "--set", "prime.dim=4",
+                 "--set", "prime.ffn=8", "--set", "prime.K=4", *common]) == 0
     assert main(["predict", "--model", str(root / "models" / "k1"), "--data", str(d / "test.txt"),
                  "--out", str(d / "pred"), *common]) == 0
     tables = {p.name: p for p in (root / "tables").iterdir()}
@@ -157,3 +160,5 @@ def test_written_tables_match_their_declarations(written):
         assert [f.name for f in df.schema.fields] == \
             [f.name for f in TABLES[name].fields if f.name in df.columns], name
     assert "label_weight" in written["train"].columns          # EAGLE's training table carries it
+    info = {r["stage"]: r["info"] for r in written["stage_info"].collect()}
+    assert '"prime.h_l_input": "label_features"' in info["prime"]  # prime.label_features reached the stage

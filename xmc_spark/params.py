@@ -462,8 +462,12 @@ class PrimeParams(BaseParams):
     batching: str = "random"        # "clustered": NGAME's batches of similar queries (README, PRIME)
     cluster_size: int = 16          # clustered: at most this many queries a cluster
     seed: int = 0
+    # h_l's input: None -> the labels' PIFA rows; a path -> the user's label features (any input
+    # ingest reads, row i = label i, in the training set's feature space: stages.prime.read_label_features)
+    label_features: Optional[str] = None
 
-    STAGE_KEYS = ("mode", "K", "hard_k", "val_frac", "val_max_rows", "select_epoch", "patience", "val_tree")
+    STAGE_KEYS = ("mode", "K", "hard_k", "val_frac", "val_max_rows", "select_epoch", "patience", "val_tree",
+                  "label_features")
 
     def kernel(self, propensity_a: float = 0.55, propensity_b: float = 1.5):
         """The kernel's parameters (:class:`xmc_spark.kernels.prime.PrimeParams`)."""
@@ -493,6 +497,8 @@ class PrimeParams(BaseParams):
                f"and gamma_max: need 0 < gamma_min <= gamma_max, got {self.gamma_min}, {self.gamma_max}")
         _check(self.margin_variant in ("triplet", "inverted", "fixed"), prefix + "margin_variant",
                f"must be triplet, inverted or fixed, got {self.margin_variant!r}")
+        _check(self.label_features is None or (isinstance(self.label_features, str) and self.label_features.strip()),
+               prefix + "label_features", f"must be a path or null, got {self.label_features!r}")
         _check(self.batching in ("random", "clustered"), prefix + "batching",
                f"must be random or clustered, got {self.batching!r}")
         _check(self.cluster_size >= 2, prefix + "cluster_size", "must be >= 2")

@@ -499,6 +499,10 @@ def prime_stage(ctx: StageContext) -> StageResult:
     if p.prime.mode == "rerank" and p.prime.val_tree:
         check_held_out_model(ctx, "prime")
     ing = ctx.dataset
+    label_feats = None
+    if p.prime.label_features:          # checked before any training, like an input
+        label_feats = prime.read_label_features(ctx.spark, p.prime.label_features, ing.n_labels, ing.n_features,
+                                                p.ingest)
     model = ctx.memo.get("model")
     if model is None:
         model = model_from_tables(tables, ing.n_features, ing.n_labels, p)
@@ -511,7 +515,7 @@ def prime_stage(ctx: StageContext) -> StageResult:
     head, facts = prime.run(samples, model, counts, p.prime, ing.n_train, ing.n_features, ing.n_labels,
                             p.predict.beam_size, p.eval, ctx.timer,
                             val_tree_fit=held_out_trainer(ctx, p.prime, keep=p.knn.mode != "off"),
-                            embedding_params=p.embedding)
+                            embedding_params=p.embedding, label_feats=label_feats)
     with ctx.timer.stage("prime_write"):
         tables.write("prime", ctx.spark.createDataFrame(prime.head_frame(head)))
 

@@ -2,9 +2,11 @@
 retrieval = kernels.prime.retrieve, re-ranking = kernels.prime.rerank, weight 1 = the tree's
 order; the head survives the ``prime`` table; mode off leaves the stage a no-op."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 
 from tests.stages.conftest import samples_frame, synth_rows
 from xmc_spark import prime_model
@@ -294,3 +296,96 @@ def test_a_row_the_sharded_search_gives_no_candidate_keeps_its_place(trained, sp
     full, _ = _collect(prediction.run(test, prime_model.PrimedModel(tree, h), 3, 5))
     assert len(labels) == N_TEST and labels[0] == [] and labels[1:] == full[1:]
 
+
+
+# ---- prime.label_features: h_l from the user's label features --------------------------------
+def _label_feats(seed=11):
+    """L x D label features with every row non-empty (a text row without features is a blank line)."""
+    F = sp.random(L, D, density=0.05, random_state=seed, format="csr", dtype=np.float64)
+    F = F + sp.csr_matrix((np.ones(L), (np.arange(L), np.arange(L) % D)), shape=(L, D))
+    F.data = np.round(F.data, 4) + 0.5
+    return F.tocsr()
+
+
+def _write_sparse(path, F, header):
+    with open(path, "w") as f:
+        f.write(header + "\n")
+        for i in range(F.shape[0]):
+            lo, hi = F.indptr[i], F.indptr[i + 1]
+            f.write(" ".join(f"{j}:{v:.6g}" for j, v in zip(F.indices[lo:hi], F.data[lo:hi])) + "\n")
+
+
+def test_label_features_are_read_from_xc_files_and_tables(spark, tmp_path):
+    """Row i is label i's features, from the XC repository's 'rows cols' sparse file, an XC file
+    (rows without labels) or a Parquet table without label_idx in any row order; normalized as
+    ingest.normalize says."""
+    from tests.conftest import write_xc
+    from xmc_spark.params import IngestParams
+    F = _label_feats()
+    _write_sparse(tmp_path / "lbl_X_Xf.txt", F, f"{L} {D}")
+    write_xc(tmp_path / "xc.txt", F, sp.csr_matrix((L, 1)))
+    perm = np.random.default_rng(0).permutation(L)
+    spark.createDataFrame([(int(i), F[i].indices.tolist(), F[i].data.tolist()) for i in perm],
+                          "sample_id long, feature_idx array<int>, feature_val array<double>") \
+        .write.parquet(str(tmp_path / "lf.parquet"))
+    unit = sp.diags(1 / np.sqrt(np.asarray(F.multiply(F).sum(axis=1)).ravel())) @ F
+    for name in ("lbl_X_Xf.txt", "xc.txt", "lf.parquet"):
+        for normalize, want in ((False, F), (True, unit)):
+            got = stage.read_label_features(spark, str(tmp_path / name), L, D, IngestParams(normalize=normalize))
+            assert got.shape == (L, D), name
+            np.testing.assert_allclose(got.toarray(), want.toarray(), rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("feature_out_of_range", r"FILE:3: feature index 150 out of range \[0, 150\)"),
+    ("too_few_rows", r"FILE: 29 rows of label features for 30 labels: no row for label 29 \(row i holds"),
+    ("row_not_a_label", r"FILE: row 30 is not a label \(1 row\(s\) outside \[0, 30\)"),
+    ("malformed_header", r"FILE:1: malformed header '30' \(expected .* or 'num_rows num_features'\)"),
+])
+def test_bad_label_features_name_the_file_and_the_row(spark, tmp_path, case, pattern):
+    from xmc_spark.params import IngestParams
+    from xmc_spark.schemas import IngestError
+    F = _label_feats()
+    path = str(tmp_path / ("lf.parquet" if case == "row_not_a_label" else "lf.txt"))
+    if case == "feature_out_of_range":
+        _write_sparse(path, F, f"{L} {D}")
+        lines = open(path).read().splitlines()
+        lines[2] += f" {D}:1"
+        open(path, "w").write("\n".join(lines) + "\n")
+    elif case == "too_few_rows":
+        _write_sparse(path, F[:-1], f"{L - 1} {D}")
+    elif case == "malformed_header":
+        _write_sparse(path, F, f"{L}")
+    else:
+        spark.createDataFrame([(i + 1, F[i].indices.tolist(), F[i].data.tolist()) for i in range(L)],
+                              "sample_id long, feature_idx array<int>, feature_val array<double>").write.parquet(path)
+    with pytest.raises(IngestError, match=pattern.replace("FILE", re.escape(path))):
+        stage.read_label_features(spark, path, L, D, IngestParams())
+
+
+def test_stage_encodes_h_l_from_the_label_features(trained, spark, monkeypatch):
+    """With label features the encoder's h_l input is them (the SVD start still PIFA's), and
+    the training differs; given the PIFA rows the stage computes itself, the same model."""
+    from xmc_spark.compat import shuffle_partitions
+    from xmc_spark.params import EmbeddingParams
+    from xmc_spark.stages import label_embedding
+    tree, head, facts, _, _, prm = trained
+    X, Y = _synth(0, N_TRAIN)
+    samples = samples_frame(spark, X, Y, partitions=2)
+    counts = np.asarray((Y > 0).sum(axis=0)).ravel()
+    fit_rows = samples.filter(~stage.is_held_out(stage.val_fraction(prm, N_TRAIN), prm.seed))
+    pifa = stage.label_features(label_embedding.run(fit_rows, EmbeddingParams(), n_features=D, n_labels=L,
+                                                    n_buckets=shuffle_partitions(spark)), L, D)
+    seen = []
+    real = PR.init_from_pifa
+    monkeypatch.setattr(PR, "init_from_pifa", lambda Z, kp, lf=None, *a: seen.append((Z, lf)) or real(Z, kp, lf, *a))
+    F = _label_feats()
+    own, own_facts = stage.run(samples, tree, counts, prm, N_TRAIN, D, L, beam_size=3, val_tree_fit=lambda df: tree,
+                               label_feats=F)
+    assert seen[0][1] is F and abs(seen[0][0] - pifa).max() < 1e-6        # h_l from F, the SVD from PIFA
+    assert own_facts["prime.h_l_input"] == "label_features" and facts["prime.h_l_input"] == "pifa"
+    assert not np.allclose(own_facts["prime.loss"], facts["prime.loss"], rtol=1e-3)
+    same, same_facts = stage.run(samples, tree, counts, prm, N_TRAIN, D, L, beam_size=3,
+                                 val_tree_fit=lambda df: tree, label_feats=pifa)
+    np.testing.assert_allclose(same_facts["prime.loss"], facts["prime.loss"], rtol=1e-5)
+    np.testing.assert_allclose(same.weights["Z"], head.weights["Z"], atol=1e-5)

@@ -360,7 +360,8 @@ def finish_batch(t: pa.Table, normalize: bool) -> pa.Table:
 
 def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
               expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
-              header: Optional[str] = None, count_labels: bool = False, seen_labels=None):
+              header: Optional[str] = None, count_labels: bool = False, seen_labels=None,
+              features_only: bool = False):
     """Parse and validate an XC or svmlight text file; returns (DataFrame, DatasetInfo).
 
     One Spark job validates every line and counts the lines of each input partition; line
@@ -375,10 +376,12 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         if header is None:
             header = _first_line(spark, path) or ""
         toks = header.split()
-        if len(toks) != 3 or not all(t.isdigit() for t in toks):
+        # a features-only file may have the XC repository's sparse-matrix header 'num_rows num_columns'
+        if not (len(toks) == 3 or (features_only and len(toks) == 2)) or not all(t.isdigit() for t in toks):
+            also = " or 'num_rows num_features'" if features_only else ""
             raise IngestError(f"{path}:1: malformed header {header!r} "
-                              "(expected 'num_samples num_features num_labels')")
-        header_n, hd, hL = (int(t) for t in toks)
+                              f"(expected 'num_samples num_features num_labels'{also})")
+        header_n, hd, hL = (int(t) for t in (toks + ["0"])[:3])
         if expect_features and hd != expect_features:
             log.warning("%s declares %d features, the model/training set has %d", path, hd, expect_features)
         d = params.num_features or max(hd, expect_features or 0)
@@ -554,11 +557,15 @@ def _table_errors(columns) -> str:
 
 
 def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
-               expect_features: Optional[int] = None, expect_labels: Optional[int] = None):
+               expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
+               features_only: bool = False):
     """Validate a Parquet/Delta samples table (schema, ranges, unique ids) in one Spark job;
-    a corrupt file (Parquet page checksums are verified) is an :class:`IngestError`."""
+    a corrupt file (Parquet page checksums are verified) is an :class:`IngestError`.
+    ``features_only``: the ``label_idx`` column may be absent (read as empty)."""
     with _read_errors(path):
         raw = spark.read.format(fmt).option("parquet.page.verify-checksum.enabled", "true").load(path)
+    if features_only and "label_idx" not in raw.columns:
+        raw = raw.withColumn("label_idx", F.array().cast("array<int>"))
     df = check_samples_columns(raw, path)       # the schema (no job); its casts run after validation
     d = params.num_features or expect_features
     L = params.num_labels or expect_labels
@@ -594,8 +601,11 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
 
 def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Optional[str] = None,
                  expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
-                 count_labels: bool = False, seen_labels=None):
+                 count_labels: bool = False, seen_labels=None, features_only: bool = False):
     """Any supported input as a validated samples DataFrame plus its sizes.
+
+    ``features_only`` (rows whose labels are not used, e.g. PRIME's label features): an XC file
+    may also have the sparse-matrix header 'num_rows num_features', a table may lack ``label_idx``.
 
     ``count_labels``: where the check job can (plain XC or svmlight text), it also counts the
     rows carrying each label (``info.label_counts``, as :func:`~.evaluation.label_counts` of the
@@ -608,9 +618,9 @@ def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Opti
         raise IngestError(f"{path}: no such file or directory")
     if fmt in ("xc", "svmlight"):
         return read_text(spark, path, fmt, params, expect_features, expect_labels, header=first,
-                         count_labels=count_labels, seen_labels=seen_labels)
+                         count_labels=count_labels, seen_labels=seen_labels, features_only=features_only)
     if fmt in ("parquet", "delta"):
-        return read_table(spark, path, fmt, params, expect_features, expect_labels)
+        return read_table(spark, path, fmt, params, expect_features, expect_labels, features_only)
     raise IngestError(f"{path}: unknown input format {fmt!r}")
 
 

@@ -25,7 +25,8 @@ Where each part runs and what it holds:
   :func:`~xmc_spark.kernels.prime.train_step` (AdamW). The process holds the parameters and
   their Adam moments (O(features x dim + labels x dim + the LPN's dim x ffn)), the label-side
   state (centroids, free vectors: O(labels x dim)), the PIFA label features (of the rows not
-  held out, the encoder's input for h_l: O(nnz of PIFA)), the held-out rows and one blob,
+  held out, the encoder's input for h_l, or the user's ``prime.label_features``:
+  :func:`read_label_features`; O(their nnz)), the held-out rows and one blob,
   never all training rows. One process rather than local steps per partition with averaging:
   the Adam moments and the centroids (Eq. 4) are sequential state that averaging per epoch
   would blur, and on 2 cores a second replica buys nothing.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -56,10 +58,10 @@ from ..arrow_utils import csr_from_table, list_offsets_values, padded, to_arrow
 from ..compat import never_broadcast, shuffle_partitions
 from ..kernels import metrics as M
 from ..kernels import prime as PR
-from ..params import ConfigError, EmbeddingParams, PrimeParams
+from ..params import ConfigError, EmbeddingParams, IngestParams, PrimeParams
 from ..prime_model import PrimeHead
-from ..schemas import PREDICTIONS_SCHEMA
-from . import label_embedding
+from ..schemas import PREDICTIONS_SCHEMA, IngestError
+from . import ingest, label_embedding
 from .prediction import arrow_batch_rows, balanced, candidates, label_batch, map_with_model
 
 log = logging.getLogger("xmc_spark.stages.prime")
@@ -172,16 +174,50 @@ def stream(packed: DataFrame) -> Iterator[pa.Table]:
         yield pa.ipc.open_stream(row["blob"]).read_all()
 
 
-def label_features(emb: DataFrame, n_labels: int, n_features: int) -> sp.csr_matrix:
-    """The ``label_embeddings`` table (PIFA rows) as labels x features CSR; absent labels are empty."""
-    t = to_arrow(emb.select("label_idx", "emb_idx", "emb_val"))
-    rows = np.asarray(t.column("label_idx").to_numpy(zero_copy_only=False), np.int64)
-    part = csr_from_table(t, "emb_idx", "emb_val", n_features)
-    order = np.zeros(n_labels, np.int64)
-    full = sp.vstack([part, sp.csr_matrix((1, n_features), dtype=part.dtype)]).tocsr()
+def rows_by_id(t: pa.Table, id_col: str, idx_col: str, val_col: str, n_rows: int, n_cols: int) -> sp.csr_matrix:
+    """Rows of ``t`` (ids in ``id_col``, each at most once) as an n_rows x n_cols CSR, row i the
+    one whose id is i; ids absent from ``t`` are empty rows."""
+    rows = np.asarray(t.column(id_col).to_numpy(zero_copy_only=False), np.int64)
+    part = csr_from_table(t, idx_col, val_col, n_cols)
+    order = np.zeros(n_rows, np.int64)
+    full = sp.vstack([part, sp.csr_matrix((1, n_cols), dtype=part.dtype)]).tocsr()
     order[:] = part.shape[0]                  # the empty row
     order[rows] = np.arange(len(rows))
     return full[order]
+
+
+def label_features(emb: DataFrame, n_labels: int, n_features: int) -> sp.csr_matrix:
+    """The ``label_embeddings`` table (PIFA rows) as labels x features CSR; absent labels are empty."""
+    return rows_by_id(to_arrow(emb.select("label_idx", "emb_idx", "emb_val")), "label_idx", "emb_idx", "emb_val",
+                      n_labels, n_features)
+
+
+def read_label_features(spark, path: str, n_labels: int, n_features: int, params: IngestParams) -> sp.csr_matrix:
+    """``prime.label_features``: the user's label features (labels x features CSR, h_l's input
+    instead of the PIFA rows), from any input ``xmc-spark ingest`` reads, row i (line i after an
+    XC header, or ``sample_id`` i of a Parquet/Delta table) holding label i's features in the
+    training set's feature space; labels on the rows are ignored. An XC file may have the XC
+    repository's sparse-matrix header ``num_rows num_features`` (the LF-* sets' label feature
+    files). Rows are normalized as ``ingest.normalize`` says, like the samples. Checked in full,
+    as ingest checks its input: a feature id outside the training set's features (the file and
+    line, or the row), a row id that is not a label, a label without a row, are
+    :class:`~xmc_spark.schemas.IngestError`. Collected to the driver: O(nnz), like PIFA's rows."""
+    df, _ = ingest.read_samples(spark, path, dataclasses.replace(params, num_features=n_features, num_labels=0),
+                                features_only=True)
+    t = to_arrow(df.select("sample_id", "feature_idx", "feature_val"))
+    ids = np.asarray(t.column("sample_id").to_numpy(zero_copy_only=False), np.int64)
+    bad = ids[(ids < 0) | (ids >= n_labels)]
+    if bad.size:
+        raise IngestError(f"{path}: row {int(bad.min())} is not a label ({bad.size} row(s) outside [0, {n_labels}): "
+                          f"the training set has {n_labels} labels, row i holds label i's features)")
+    if ids.size != n_labels:
+        missing = np.setdiff1d(np.arange(n_labels), ids)
+        more = f" and {missing.size - 1} more" if missing.size > 1 else ""
+        raise IngestError(f"{path}: {ids.size} rows of label features for {n_labels} labels: no row for label "
+                          f"{int(missing[0])}{more} (row i holds label i's features)")
+    F_ = rows_by_id(t, "sample_id", "feature_idx", "feature_val", n_labels, n_features)
+    log.info("prime: label features of %d labels from %s (%d non-zeros)", n_labels, path, F_.nnz)
+    return F_
 
 
 def mean_precision(labels: np.ndarray, Y: sp.csr_matrix) -> float:
@@ -199,15 +235,18 @@ def pack_partitions(n_rows: int, batch_rows: int, partitions: int) -> int:
 
 
 def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.ndarray, n_rows: int,
-          prm: PrimeParams, n_features: int, eval_params=None) -> Tuple[PR.PrimeModel, Dict]:
+          prm: PrimeParams, n_features: int, eval_params=None,
+          label_feats: Optional[sp.csr_matrix] = None) -> Tuple[PR.PrimeModel, Dict]:
     """Train PRIME streaming the rows of ``fit`` (training rows with ``cand``), one process.
+    The encoder starts from the PIFA rows ``Z_pifa``'s singular vectors; h_l encodes
+    ``label_feats`` (the user's label features) when given, else ``Z_pifa``.
 
     ``val`` = (X, Y) of the held-out rows: after every epoch the standalone retrieval's mean
     P@1/3/5 on them is measured and, with ``prime.select_epoch``, the best epoch's state kept;
     with ``prime.patience`` P > 0 the epochs stop once P in a row have not beaten the best.
     Returns the model and facts (losses per epoch, held-out scores, the chosen epoch)."""
     kp = prm.kernel(*((eval_params.propensity_a, eval_params.propensity_b) if eval_params else ()))
-    model = PR.init_from_pifa(Z_pifa, kp)
+    model = PR.init_from_pifa(Z_pifa, kp, label_feats)
     n_labels = model.n_labels
     inv_prop = PR.inverse_propensities(np.asarray(label_counts), n_rows, kp)
     rng = np.random.default_rng(prm.seed + 1)
@@ -255,14 +294,16 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
 
 def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_rows: int, n_features: int,
         n_labels: int, beam_size: int, eval_params=None, timer=None, val_tree_fit=None,
-        embedding_params: Optional[EmbeddingParams] = None) -> Tuple[PrimeHead, Dict]:
+        embedding_params: Optional[EmbeddingParams] = None,
+        label_feats: Optional[sp.csr_matrix] = None) -> Tuple[PrimeHead, Dict]:
     """Shortlist, split, train, choose the re-rank weight: the :class:`PrimeHead` and the facts.
 
     PRIME's label features (h_l's input, and the encoder's SVD initialization) are the PIFA
     embeddings of the rows that are not held out (:func:`.label_embedding.run`), not the tree
     stage's ``label_embeddings``: a held-out row is part of its labels' PIFA rows, so PRIME would
     score it like a training row (bibtex: held-out mean P@1/3/5 58 for the re-rank, 43 on test,
-    weight 0.05 chosen).
+    weight 0.05 chosen). ``label_feats`` (:func:`read_label_features`), when given, replace the
+    PIFA rows as h_l's input; the encoder still starts from PIFA's singular vectors.
 
     ``val_tree_fit(train_df) -> model`` (with ``prime.val_tree``, re-rank only) trains a tree
     on the training rows that are not held out; its top K of the held-out rows are the
@@ -299,11 +340,12 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
         emb = label_embedding.run(samples.filter(~held), embedding_params or EmbeddingParams(), n_features=n_features,
                                   n_labels=n_labels, n_buckets=shuffle_partitions(samples.sparkSession))
         model, facts = train(fit, (Xv, Yv), label_features(emb, n_labels, n_features), label_counts,
-                             n_rows, prm, n_features, eval_params)       # (train releases fit)
+                             n_rows, prm, n_features, eval_params, label_feats)       # (train releases fit)
     with step("prime_weight"):
         head, more = finish(model, prm, vt, Xv, Yv)
     facts.update(more)
     facts["prime.val_tree"] = own
+    facts["prime.h_l_input"] = "pifa" if label_feats is None else "label_features"
     return head, facts
 
 
