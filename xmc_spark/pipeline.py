@@ -493,6 +493,8 @@ def prime_stage(ctx: StageContext) -> StageResult:
     logged again with PRIME."""
     p, tables = ctx.params, ctx.tables
     if p.prime.mode == "off":
+        if p.prime.label_features:
+            log.warning("prime.label_features=%s is not used: prime.mode is off", p.prime.label_features)
         if ctx.model_dir:
             prime_model.PrimeHead.remove(ctx.model_dir)
         return StageResult({"prime.mode": "off"})

@@ -316,20 +316,33 @@ def _write_sparse(path, F, header):
 
 
 def test_label_features_are_read_from_xc_files_and_tables(spark, tmp_path):
-    """Row i is label i's features, from the XC repository's 'rows cols' sparse file, an XC file
-    (rows without labels) or a Parquet table without label_idx in any row order; normalized as
-    ingest.normalize says."""
-    from tests.conftest import write_xc
+    """Row i is label i's features, from the XC repository's 'rows cols' sparse file (a blank
+    line: a label without features), an XC data file (rows without labels), svmlight (1-based
+    ids) or a Parquet table without label_idx in any row order; normalized as ingest.normalize
+    says. One text file has a value written '1.5f', which only the SQL parser reads."""
     from xmc_spark.params import IngestParams
     F = _label_feats()
-    _write_sparse(tmp_path / "lbl_X_Xf.txt", F, f"{L} {D}")
-    write_xc(tmp_path / "xc.txt", F, sp.csr_matrix((L, 1)))
+    F = (sp.diags((np.arange(L) != 3).astype(float)) @ F).tocsr()     # label 3 without features
+    F.eliminate_zeros()
+
+    def lines(M, base=0):
+        return [" ".join(f"{j + base}:{v:.6g}" for j, v in zip(M[i].indices, M[i].data)) for i in range(M.shape[0])]
+
+    rows = lines(F)
+    assert rows[3] == ""
+    (tmp_path / "lbl_X_Xf.txt").write_text("\n".join([f"{L} {D}"] + rows) + "\n")
+    plus = list(rows)
+    plus[0] = plus[0].replace(" ", "f ", 1)                            # '1.5f': only the SQL parser reads it
+    (tmp_path / "sql.txt").write_text("\n".join([f"{L} {D}"] + plus) + "\n")
+    (tmp_path / "xc.txt").write_text("\n".join([f"{L} {D} 0"] + [" " + r for r in rows]) + "\n")
+    (tmp_path / "lf.svm").write_text("\n".join(lines(F, base=1)) + "\n")
     perm = np.random.default_rng(0).permutation(L)
     spark.createDataFrame([(int(i), F[i].indices.tolist(), F[i].data.tolist()) for i in perm],
                           "sample_id long, feature_idx array<int>, feature_val array<double>") \
         .write.parquet(str(tmp_path / "lf.parquet"))
-    unit = sp.diags(1 / np.sqrt(np.asarray(F.multiply(F).sum(axis=1)).ravel())) @ F
-    for name in ("lbl_X_Xf.txt", "xc.txt", "lf.parquet"):
+    norms = np.sqrt(np.asarray(F.multiply(F).sum(axis=1)).ravel())
+    unit = sp.diags(1 / np.where(norms > 0, norms, 1)) @ F
+    for name in ("lbl_X_Xf.txt", "sql.txt", "xc.txt", "lf.svm", "lf.parquet"):
         for normalize, want in ((False, F), (True, unit)):
             got = stage.read_label_features(spark, str(tmp_path / name), L, D, IngestParams(normalize=normalize))
             assert got.shape == (L, D), name
@@ -339,7 +352,10 @@ def test_label_features_are_read_from_xc_files_and_tables(spark, tmp_path):
 @pytest.mark.parametrize("case, pattern", [
     ("feature_out_of_range", r"FILE:3: feature index 150 out of range \[0, 150\)"),
     ("too_few_rows", r"FILE: 29 rows of label features for 30 labels: no row for label 29 \(row i holds"),
-    ("row_not_a_label", r"FILE: row 30 is not a label \(1 row\(s\) outside \[0, 30\)"),
+    ("too_many_lines", r"FILE: line 32 is not a label's \(1 row\(s\) beyond the 30 labels of the training set"),
+    ("row_not_a_label", r"FILE: the row with sample_id 30 is not a label's \(1 row\(s\) beyond the 30 labels"),
+    ("more_features_declared", r"FILE:5: feature index 150 out of range \[0, 150\) \(label features are in the "
+                               r"training set's 150 features\)"),
     ("malformed_header", r"FILE:1: malformed header '30' \(expected .* or 'num_rows num_features'\)"),
 ])
 def test_bad_label_features_name_the_file_and_the_row(spark, tmp_path, case, pattern):
@@ -354,6 +370,13 @@ def test_bad_label_features_name_the_file_and_the_row(spark, tmp_path, case, pat
         open(path, "w").write("\n".join(lines) + "\n")
     elif case == "too_few_rows":
         _write_sparse(path, F[:-1], f"{L - 1} {D}")
+    elif case == "too_many_lines":
+        _write_sparse(path, sp.vstack([F, F[:1]]).tocsr(), f"{L + 1} {D}")
+    elif case == "more_features_declared":
+        _write_sparse(path, F, f"{L} {D + 5}")
+        lines = open(path).read().splitlines()
+        lines[4] += f" {D}:1"
+        open(path, "w").write("\n".join(lines) + "\n")
     elif case == "malformed_header":
         _write_sparse(path, F, f"{L}")
     else:
@@ -384,6 +407,7 @@ def test_stage_encodes_h_l_from_the_label_features(trained, spark, monkeypatch):
                                label_feats=F)
     assert seen[0][1] is F and abs(seen[0][0] - pifa).max() < 1e-6        # h_l from F, the SVD from PIFA
     assert own_facts["prime.h_l_input"] == "label_features" and facts["prime.h_l_input"] == "pifa"
+    assert own.info["prime.h_l_input"] == "label_features"                    # saved with the head
     assert not np.allclose(own_facts["prime.loss"], facts["prime.loss"], rtol=1e-3)
     same, same_facts = stage.run(samples, tree, counts, prm, N_TRAIN, D, L, beam_size=3,
                                  val_tree_fit=lambda df: tree, label_feats=pifa)

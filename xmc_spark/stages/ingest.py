@@ -123,12 +123,15 @@ def _read_errors(path: str):
 
 
 # ---- line numbers of text input ----------------------------------------------------------------
-def text_lines(spark: SparkSession, path: str, *columns: str) -> DataFrame:
+def text_lines(spark: SparkSession, path: str, *columns: str, blank_as: Optional[str] = None) -> DataFrame:
     """The lines (``value``) of a text input with ``_pid`` (input partition) and ``_mid``
     (``monotonically_increasing_id``), which :class:`Lines` turns into line numbers, and
-    ``columns`` (SQL over these and each other), all in one projection."""
-    return spark.read.text(path).selectExpr("value", "spark_partition_id() AS _pid",
-                                            "monotonically_increasing_id() AS _mid", *columns)
+    ``columns`` (SQL over these and each other), all in one projection. ``blank_as``: a blank
+    line reads as this text (features-only input, where a blank line is a row without features)."""
+    lines = spark.read.text(path)
+    if blank_as is not None:
+        lines = lines.select(F.when(F.trim("value") == "", F.lit(blank_as)).otherwise(F.col("value")).alias("value"))
+    return lines.selectExpr("value", "spark_partition_id() AS _pid", "monotonically_increasing_id() AS _mid", *columns)
 
 
 def one_split(spark: SparkSession, path: str) -> bool:
@@ -390,10 +393,13 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     else:
         one_based = params.svmlight_one_based
     is_data = "_mid != 0" if fmt == "xc" else "true"     # the XC header is the first line of the first split
+    # features-only input (the XC sparse-matrix format): a blank line is a row without features,
+    # read as one explicit zero (no labels: it starts with a space)
+    blank = f" {int(one_based)}:0" if features_only else None
     with _read_errors(path):
-        lines = _fast_lines(spark, path, is_data, one_based, d, L, count_labels, seen_labels)
+        lines = _fast_lines(spark, path, is_data, one_based, d, L, count_labels, seen_labels, blank)
     if lines is not None:          # every line in the plain forms: parsed by the numba kernel
-        data = text_lines(spark, path).where(is_data).select(
+        data = text_lines(spark, path, blank_as=blank).where(is_data).select(
             "value", (lines.line() - 1 - (1 if fmt == "xc" else 0)).alias("sample_id"))
         info = _info(path, fmt, lines, header_n, d, L)
         if count_labels or seen_labels is not None:
@@ -405,7 +411,8 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     # the full checks run only on the lines the compiled screen rejects
     err = _error_sql(d, L, first=_token_error_sql(one_based))
     parsed = text_lines(spark, path, *_text_columns(one_based),
-                        f"CASE WHEN {is_data} AND NOT coalesce({_text_ok(d, L)}, false) THEN {err} END AS _err")
+                        f"CASE WHEN {is_data} AND NOT coalesce({_text_ok(d, L)}, false) THEN {err} END AS _err",
+                        blank_as=blank)
     rep = f"{is_data} AND {_REPEATED}"
     with _read_errors(path):
         lines = Lines(parsed, one_split(spark, path), err=first_where("_err IS NOT NULL", "_err"),
@@ -452,7 +459,8 @@ def _line_bytes(col: pa.Array):
 
 
 def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d: Optional[int],
-                L: Optional[int], count_labels: bool = False, seen=None) -> Optional[Lines]:
+                L: Optional[int], count_labels: bool = False, seen=None,
+                blank_as: Optional[str] = None) -> Optional[Lines]:
     """:class:`Lines` of a text input whose every data line :func:`~..kernels.text_parse.parse_lines`
     parses (one Spark job, a summary row per Arrow batch), with ids in range; None otherwise (the
     SQL checks then find and name the problem, or accept the unusual forms).
@@ -504,7 +512,8 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
     try:
         if seen is not None:
             shared = share(spark, np.asarray(seen, np.bool_), name="the seen labels")
-        summary = text_lines(spark, path, f"{is_data} AS _data").select("value", "_pid", "_mid", "_data") \
+        summary = text_lines(spark, path, f"{is_data} AS _data", blank_as=blank_as) \
+            .select("value", "_pid", "_mid", "_data") \
             .mapInArrow(screen, FAST_SCHEMA)
         lines = Lines(summary, one_split(spark, path), count="sum(n)", by_label=by_label, bad="sum(bad)",
                       max_label="max(max_label)", max_feature="max(max_feature)", n_rep="sum(n_rep)",
@@ -605,7 +614,8 @@ def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Opti
     """Any supported input as a validated samples DataFrame plus its sizes.
 
     ``features_only`` (rows whose labels are not used, e.g. PRIME's label features): an XC file
-    may also have the sparse-matrix header 'num_rows num_features', a table may lack ``label_idx``.
+    may also have the sparse-matrix header 'num_rows num_features', a blank line of a text file is
+    a row without features (not an error), a table may lack ``label_idx``.
 
     ``count_labels``: where the check job can (plain XC or svmlight text), it also counts the
     rows carrying each label (``info.label_counts``, as :func:`~.evaluation.label_counts` of the

@@ -175,15 +175,19 @@ def stream(packed: DataFrame) -> Iterator[pa.Table]:
 
 
 def rows_by_id(t: pa.Table, id_col: str, idx_col: str, val_col: str, n_rows: int, n_cols: int) -> sp.csr_matrix:
-    """Rows of ``t`` (ids in ``id_col``, each at most once) as an n_rows x n_cols CSR, row i the
-    one whose id is i; ids absent from ``t`` are empty rows."""
-    rows = np.asarray(t.column(id_col).to_numpy(zero_copy_only=False), np.int64)
+    """Rows of ``t`` (ids in ``id_col``, each at most once, in [0, n_rows)) as an n_rows x n_cols
+    CSR, row i the one whose id is i; ids absent from ``t`` are empty rows. One copy of the
+    non-zeros beside the table's."""
+    ids = np.asarray(t.column(id_col).to_numpy(zero_copy_only=False), np.int64)
     part = csr_from_table(t, idx_col, val_col, n_cols)
-    order = np.zeros(n_rows, np.int64)
-    full = sp.vstack([part, sp.csr_matrix((1, n_cols), dtype=part.dtype)]).tocsr()
-    order[:] = part.shape[0]                  # the empty row
-    order[rows] = np.arange(len(rows))
-    return full[order]
+    perm = np.argsort(ids, kind="stable")
+    cnt = np.zeros(n_rows, np.int64)
+    cnt[ids] = np.diff(part.indptr)
+    indptr = np.concatenate([[0], np.cumsum(cnt)])
+    lengths = np.diff(part.indptr)[perm]
+    # the source position of every non-zero, taken row by row in id order
+    src = np.repeat(part.indptr[:-1][perm] - (indptr[1:] - cnt)[ids[perm]], lengths) + np.arange(int(lengths.sum()))
+    return sp.csr_matrix((part.data[src], part.indices[src], indptr), shape=(n_rows, n_cols))
 
 
 def label_features(emb: DataFrame, n_labels: int, n_features: int) -> sp.csr_matrix:
@@ -202,22 +206,33 @@ def read_label_features(spark, path: str, n_labels: int, n_features: int, params
     as ingest checks its input: a feature id outside the training set's features (the file and
     line, or the row), a row id that is not a label, a label without a row, are
     :class:`~xmc_spark.schemas.IngestError`. Collected to the driver: O(nnz), like PIFA's rows."""
-    df, _ = ingest.read_samples(spark, path, dataclasses.replace(params, num_features=n_features, num_labels=0),
-                                features_only=True)
+    try:
+        df, info = ingest.read_samples(spark, path, dataclasses.replace(params, num_features=n_features, num_labels=0),
+                                       expect_features=n_features, features_only=True)
+    except IngestError as e:
+        if "feature index" not in str(e):
+            raise
+        raise IngestError(f"{e} (label features are in the training set's {n_features} features)") from None
     t = to_arrow(df.select("sample_id", "feature_idx", "feature_val"))
     ids = np.asarray(t.column("sample_id").to_numpy(zero_copy_only=False), np.int64)
+    text = info.fmt in ("xc", "svmlight")
+
+    def where(i: int) -> str:                # a text row's line, a table row's sample_id
+        return f"line {i + (2 if info.fmt == 'xc' else 1)}" if text else f"the row with sample_id {i}"
+
     bad = ids[(ids < 0) | (ids >= n_labels)]
     if bad.size:
-        raise IngestError(f"{path}: row {int(bad.min())} is not a label ({bad.size} row(s) outside [0, {n_labels}): "
-                          f"the training set has {n_labels} labels, row i holds label i's features)")
+        raise IngestError(f"{path}: {where(int(bad.min()))} is not a label's ({bad.size} row(s) beyond the "
+                          f"{n_labels} labels of the training set; row i holds label i's features)")
     if ids.size != n_labels:
         missing = np.setdiff1d(np.arange(n_labels), ids)
         more = f" and {missing.size - 1} more" if missing.size > 1 else ""
         raise IngestError(f"{path}: {ids.size} rows of label features for {n_labels} labels: no row for label "
                           f"{int(missing[0])}{more} (row i holds label i's features)")
-    F_ = rows_by_id(t, "sample_id", "feature_idx", "feature_val", n_labels, n_features)
-    log.info("prime: label features of %d labels from %s (%d non-zeros)", n_labels, path, F_.nnz)
-    return F_
+    lf = rows_by_id(t, "sample_id", "feature_idx", "feature_val", n_labels, n_features)
+    log.info("prime: label features of %d labels from %s (%s%s, %d non-zeros)", n_labels, path, info.fmt,
+             f", ids from {int(params.svmlight_one_based)}" if info.fmt == "svmlight" else "", lf.nnz)
+    return lf
 
 
 def mean_precision(labels: np.ndarray, Y: sp.csr_matrix) -> float:
@@ -247,6 +262,7 @@ def train(fit: DataFrame, val: Tuple, Z_pifa: sp.csr_matrix, label_counts: np.nd
     Returns the model and facts (losses per epoch, held-out scores, the chosen epoch)."""
     kp = prm.kernel(*((eval_params.propensity_a, eval_params.propensity_b) if eval_params else ()))
     model = PR.init_from_pifa(Z_pifa, kp, label_feats)
+    del Z_pifa                                   # with label features, only the model's copy is needed
     n_labels = model.n_labels
     inv_prop = PR.inverse_propensities(np.asarray(label_counts), n_rows, kp)
     rng = np.random.default_rng(prm.seed + 1)
@@ -346,6 +362,7 @@ def run(samples: DataFrame, tree, label_counts: np.ndarray, prm: PrimeParams, n_
     facts.update(more)
     facts["prime.val_tree"] = own
     facts["prime.h_l_input"] = "pifa" if label_feats is None else "label_features"
+    head.info.update({k: facts[k] for k in ("prime.val_tree", "prime.h_l_input")})   # the saved head's too
     return head, facts
 
 
