@@ -53,20 +53,28 @@ def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group
         np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
 
 
-def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, models):
+def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, models, tmp_path):
     """The rows' features rejoin each layer's beam by a shuffle, never a broadcast: a small input
     table (here every table is small) would otherwise be broadcast, its rows passing through the
     driver once per layer. The top layers' weights are shared (the default bound), the rest
-    cogrouped."""
+    cogrouped. The input and the placed weights are read once and kept on the executors: the
+    layers' plans scan those copies, not the input's or the weights' files."""
     samples, _, _ = problem
-    got = sharded.predict(samples, as_sharded(spark, models["plain"], "default"), beam_size=3, topk=4)
+    samples.write.parquet(str(tmp_path / "rows"))
+    sm = as_sharded(spark, models["plain"], "default")
+    sm.weights.write.parquet(str(tmp_path / "weights"))
+    sm = dataclasses.replace(sm, weights=spark.read.parquet(str(tmp_path / "weights")))
+    got = sharded.predict(spark.read.parquet(str(tmp_path / "rows")), sm, beam_size=3, topk=4)
     got.collect()                             # the adaptive plan as it ran
     plan = executed_plan(got)
     assert "isFinalPlan=true" in plan
     joins = re.findall(r"(\w+Join) \[(\w+)#", plan)
     assert models["plain"].index.depth >= 2 and ("ShuffledHashJoin", "sample_id") in joins, joins
-    # the one broadcast: the tree's (is_leaf, key) -> place table (O(nodes + slots)) joined to the weights
-    assert {key for kind, key in joins if kind.startswith("Broadcast")} == {"is_leaf"}, joins
+    assert not [j for j in joins if j[0].startswith("Broadcast")], joins
+    assert "FileScan" not in plan and "Scan ExistingRDD" in plan
+    # the one broadcast, the tree's (is_leaf, key) -> place table (O(nodes + slots)) joined to the
+    # weights, ran once, when the placed weights were kept
+    assert "Scan ExistingRDD" in executed_plan(sm.placed)
 
 
 @pytest.mark.parametrize("topk", [1, 2])

@@ -256,9 +256,11 @@ def _placed(weights: DataFrame, index: TreeIndex) -> DataFrame:
 
 
 def _placed_of(model: ShardedModel) -> DataFrame:
-    """:func:`_placed` of the model's weights, its place table built once."""
+    """:func:`_placed` of the model's weights, computed once and kept on the executors (memory
+    and disk, ``localCheckpoint``): every layer of a search, and every search of the model, reads
+    its layer from there instead of scanning the whole weights table again."""
     if model.placed is None:
-        model.placed = _placed(model.weights, model.index)
+        model.placed = _placed(model.weights, model.index).localCheckpoint()
     return model.placed
 
 
@@ -338,8 +340,10 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     their weights shared (:func:`_top_beam`); the label layer always goes through the cogroup."""
     shape = tree_layers(model.index)
     layer_nbytes(model)                          # one aggregate; stops on a key the tree lacks
-    W = _placed_of(model)                        # a plan, not a Spark cache: nothing to release
-    feats = samples.select("sample_id", "feature_idx", "feature_val")
+    W = _placed_of(model)
+    # the rows' features, read once and kept on the executors (memory and disk): every layer
+    # rejoins its beam with them, which would otherwise read the input (a Delta table) again
+    feats = samples.select("sample_id", "feature_idx", "feature_val").localCheckpoint()
 
     def rejoin(top: DataFrame) -> DataFrame:
         # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
