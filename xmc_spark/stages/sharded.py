@@ -56,7 +56,7 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import CONNECT_MAX_MB, is_connect, never_broadcast, share
+from ..compat import CONNECT_MAX_MB, default_parallelism, is_connect, never_broadcast, share, shuffle_partitions
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys
@@ -77,6 +77,7 @@ from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA
 
 GROUP_ROWS = 20000               # rows of one (parent, salt) group: bounds a task's share of a layer
+SEARCH_TASK_ROWS = 1 << 18       # beam rows (sample x candidate) a task of the search's shuffles takes
 PART_BYTES = 64 << 20            # a saved part file holds about this many bytes of weights
 BYTES_PER_NNZ = 8                # int32 index + float32 value
 
@@ -187,6 +188,17 @@ def members(model) -> list:
 def _keyed(model, t: int, ids) -> np.ndarray:
     """Node or leaf ids of tree t as the model's keys: ensemble keys of an ensemble, else the ids."""
     return encode_keys(t, ids) if isinstance(model, ShardedEnsemble) else np.asarray(ids, np.int64)
+
+
+def search_partitions(spark, n: int, beam_size: int) -> int:
+    """Partitions of the sharded search's shuffles (the layers' cogroups, the beams' merges and
+    rejoins): about ``SEARCH_TASK_ROWS`` beam rows (n x beam) a task, at least the default
+    parallelism, at most ``spark.sql.shuffle.partitions``. Each of a layer's tasks starts a Python
+    worker pass and reports its metrics to the driver, so a fixed partition count (the shuffle
+    partitions, without adaptive coalescing) costs per task what small inputs do not need, while a
+    task's rows stay bounded as n grows."""
+    want = math.ceil(max(n, 1) * max(beam_size, 1) / SEARCH_TASK_ROWS)
+    return max(1, min(shuffle_partitions(spark), max(default_parallelism(spark), want)))
 
 
 def _row_count(samples: DataFrame):
@@ -344,10 +356,16 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     # the rows' features, read once and kept on the executors (memory and disk): every layer
     # rejoins its beam with them, which would otherwise read the input (a Delta table) again
     feats = samples.select("sample_id", "feature_idx", "feature_val").localCheckpoint()
+    k = search_partitions(samples.sparkSession, n, beam_size)
+
+    def by(df: DataFrame, *keys: str) -> DataFrame:       # the search's own shuffles: k partitions
+        return df.repartition(k, *keys)
 
     def rejoin(top: DataFrame) -> DataFrame:
         # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
-        # small input table would otherwise be broadcast, its rows through the driver every layer
+        # small input table would otherwise be broadcast, its rows through the driver every layer.
+        # (Not ``by``: when both sides of a join are shuffled, Spark sizes the two shuffles to
+        # spark.sql.shuffle.partitions whatever they asked for.)
         return (top.join(never_broadcast(feats), "sample_id")
                 .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
                 .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
@@ -377,17 +395,17 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         left = cur.withColumn("salt", F.pmod(F.xxhash64("sample_id"), F.lit(salt)).cast("long"))
         right = (W.filter(F.col("layer") == t)
                  .withColumn("salt", F.explode(F.sequence(F.lit(0).cast("long"), F.lit(salt - 1).cast("long")))))
-        cand = cogrouped_apply(left, right, ["ppos", "salt"], score,
+        cand = cogrouped_apply(by(left, "ppos", "salt"), by(right, "ppos", "salt"), ["ppos", "salt"], score,
                                "sample_id long, prank int, pos long, score double")
         if last and topk:  # every label in one leaf: its one score
-            return cand.select("sample_id", "pos", "score")
+            return by(cand, "sample_id").select("sample_id", "pos", "score")
         if last:           # (sample_id, label, mean score over the leaves that reach it)
-            return cand.groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
+            return by(cand, "sample_id").groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
         best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "prank", "pos"))), 1,
                        beam_size)
         # checkpointed (computed once, here): the next layer's plan starts from it, so a layer's
         # planning and its tasks' metric updates stay the size of one layer, not of all above it
-        top = cand.groupBy("sample_id").agg(best.alias("beam")).localCheckpoint()
+        top = by(cand, "sample_id").groupBy("sample_id").agg(best.alias("beam")).localCheckpoint()
         if keep is not None:
             keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
         if t < n_layers - 1:
@@ -461,7 +479,8 @@ def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: in
                   trees=len(parts))
         scores = s if scores is None else scores.unionByName(s)
     if len(parts) > 1:      # a mean of exactly 0 is no candidate, as in EnsembleModel's sparse sum
-        scores = (scores.groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
+        scores = (scores.repartition(search_partitions(samples.sparkSession, n(), beam_size), "sample_id")
+                  .groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
                   .where(F.col("score") != 0))
     best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1, topk)
     return (scores.groupBy("sample_id").agg(best.alias("top"))
