@@ -354,37 +354,34 @@ def test_weights_of_a_node_not_in_the_tree_are_rejected(spark, problem, models):
 
 
 def test_search_partitions_follow_the_rows_not_the_shuffle_partitions(spark, problem, models, monkeypatch):
-    """The search's shuffles take about SEARCH_TASK_ROWS beam rows a task, between the default
+    """The search's own shuffles take about SEARCH_TASK_ROWS rows a task, between the default
     parallelism and the shuffle partitions: with 64 shuffle partitions and no adaptive
-    coalescing, a small input's cogroups and merges still run on the default parallelism's
-    tasks, with the same answer (the features' rejoin, a join, is sized by Spark)."""
+    coalescing, a small input's cogroups and merges run on the default parallelism's tasks, a
+    large one's (here: SEARCH_TASK_ROWS made 1) on all 64, with the same answer either way (the
+    features' rejoin, a join, is sized by Spark)."""
     from xmc_spark.compat import default_parallelism, shuffle_partitions
     dp, sp_ = default_parallelism(spark), shuffle_partitions(spark)
     monkeypatch.setattr(sharded, "SEARCH_TASK_ROWS", 10)
-    for n, beam, want in ((1, 1, min(sp_, dp)), (10 * sp_, 10, sp_), (10 * dp + 1, 1, min(sp_, dp + 1))):
-        assert sharded.search_partitions(spark, n, beam) == max(1, want), (n, beam)
+    for rows, want in ((1, min(sp_, dp)), (10 * sp_ + 5, sp_), (10 * dp + 1, min(sp_, dp + 1))):
+        assert sharded.search_partitions(spark, rows) == max(1, want), rows
     monkeypatch.undo()
-    samples, Xl, _ = problem
-    sm = as_sharded(spark, models["plain"], 0.0)
-    want = _rows(sharded.predict(samples, sm, beam_size=3, topk=4))
-    k = sharded.search_partitions(spark, Xl.shape[0], 3)
-    assert k < 64
+    samples, _, _ = problem
+    want = _rows(sharded.predict(samples, as_sharded(spark, models["plain"], 0.0), beam_size=3, topk=4))
     old = {key: spark.conf.get(key) for key in ("spark.sql.shuffle.partitions",
                                                 "spark.sql.adaptive.coalescePartitions.enabled")}
+    counts, default_rows = {}, sharded.SEARCH_TASK_ROWS
     try:
         spark.conf.set("spark.sql.shuffle.partitions", "64")
         spark.conf.set("spark.sql.adaptive.coalescePartitions.enabled", "false")
-        assert sharded.search_partitions(spark, Xl.shape[0], 3) == k
-        got = sharded.predict(samples, as_sharded(spark, models["plain"], 0.0), beam_size=3, topk=4)
-        assert _rows(got) == want
-        plan = executed_plan(got)
+        for task_rows in (default_rows, 1):
+            monkeypatch.setattr(sharded, "SEARCH_TASK_ROWS", task_rows)
+            got = sharded.predict(samples, as_sharded(spark, models["plain"], 0.0), beam_size=3, topk=4)
+            assert _rows(got) == want
+            shuffles = re.findall(r"Exchange hashpartitioning\((.*?), (\d+)\), (\w+)", executed_plan(got))
+            counts[task_rows] = {int(c) for _, c, why in shuffles if why == "REPARTITION_BY_NUM"}
+            # the rejoin of the rows' features: both sides shuffled, sized by Spark
+            assert {int(c) for _, c, why in shuffles if why == "ENSURE_REQUIREMENTS"} <= {64}, shuffles
     finally:
         for key, value in old.items():
             spark.conf.set(key, value)
-    shuffles = re.findall(r"Exchange hashpartitioning\((.*?), (\d+)\), (\w+)", plan)
-    # the layers' cogroups (ppos, salt) and the merges by sample_id: k tasks
-    assert {int(c) for keys, c, _ in shuffles if keys.startswith("ppos")} == {k}, shuffles
-    assert {int(c) for keys, c, why in shuffles if why == "REPARTITION_BY_NUM"} == {k}, shuffles
-    # the rejoin of the rows' features: both sides shuffled, sized by Spark to the shuffle partitions
-    assert {int(c) for keys, c, why in shuffles if why == "ENSURE_REQUIREMENTS"} <= {64}, shuffles
-    assert len([s for s in shuffles if s[2] == "ENSURE_REQUIREMENTS"]) == 2 * plan.count("ShuffledHashJoin")
+    assert counts[default_rows] == {dp} and counts[1] == {64}, counts

@@ -77,7 +77,7 @@ from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA
 
 GROUP_ROWS = 20000               # rows of one (parent, salt) group: bounds a task's share of a layer
-SEARCH_TASK_ROWS = 1 << 18       # beam rows (sample x candidate) a task of the search's shuffles takes
+SEARCH_TASK_ROWS = 1 << 16       # rows (sample x candidate) a task of the search's own shuffles reads
 PART_BYTES = 64 << 20            # a saved part file holds about this many bytes of weights
 BYTES_PER_NNZ = 8                # int32 index + float32 value
 
@@ -190,14 +190,14 @@ def _keyed(model, t: int, ids) -> np.ndarray:
     return encode_keys(t, ids) if isinstance(model, ShardedEnsemble) else np.asarray(ids, np.int64)
 
 
-def search_partitions(spark, n: int, beam_size: int) -> int:
-    """Partitions of the sharded search's shuffles (the layers' cogroups, the beams' merges and
-    rejoins): about ``SEARCH_TASK_ROWS`` beam rows (n x beam) a task, at least the default
-    parallelism, at most ``spark.sql.shuffle.partitions``. Each of a layer's tasks starts a Python
-    worker pass and reports its metrics to the driver, so a fixed partition count (the shuffle
-    partitions, without adaptive coalescing) costs per task what small inputs do not need, while a
-    task's rows stay bounded as n grows."""
-    want = math.ceil(max(n, 1) * max(beam_size, 1) / SEARCH_TASK_ROWS)
+def search_partitions(spark, rows: float) -> int:
+    """Partitions of one of the sharded search's own shuffles (a layer's cogroup, the merge of its
+    candidates) that carries about ``rows`` rows: ``SEARCH_TASK_ROWS`` a task, at least the
+    default parallelism, at most ``spark.sql.shuffle.partitions``. Each task of a layer starts a
+    Python worker pass and reports its metrics to the driver, so a fixed partition count (the
+    shuffle partitions, without adaptive coalescing) costs per task what small inputs do not
+    need, while a task's rows stay bounded as n grows."""
+    want = math.ceil(max(rows, 1) / SEARCH_TASK_ROWS)
     return max(1, min(shuffle_partitions(spark), max(default_parallelism(spark), want)))
 
 
@@ -356,10 +356,10 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     # the rows' features, read once and kept on the executors (memory and disk): every layer
     # rejoins its beam with them, which would otherwise read the input (a Delta table) again
     feats = samples.select("sample_id", "feature_idx", "feature_val").localCheckpoint()
-    k = search_partitions(samples.sparkSession, n, beam_size)
+    spark = samples.sparkSession
 
-    def by(df: DataFrame, *keys: str) -> DataFrame:       # the search's own shuffles: k partitions
-        return df.repartition(k, *keys)
+    def by(df: DataFrame, rows: float, *keys: str) -> DataFrame:    # the search's own shuffles
+        return df.repartition(search_partitions(spark, rows), *keys)
 
     def rejoin(top: DataFrame) -> DataFrame:
         # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
@@ -389,23 +389,27 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         last = labels and t == n_layers - 1
         m_prev = len(child_ptr) - 1
         salt = max(1, math.ceil(n * min(beam_size, m_prev) / m_prev / group_rows))
+        rows_in = n * min(beam_size, m_prev)                        # rows reaching this layer
+        fan = (child_ptr[-1] / max(m_prev, 1)) if topk is None or not last else min(topk, child_ptr[-1] / m_prev)
+        rows_out = rows_in * max(fan, 1.0)                          # their candidates
 
         score = _scorer(model, child_ptr, through, slot_label[keys] if last else None, topk if last else None)
         # both sides' keys must have one type: a long and an int of equal value hash apart
         left = cur.withColumn("salt", F.pmod(F.xxhash64("sample_id"), F.lit(salt)).cast("long"))
         right = (W.filter(F.col("layer") == t)
                  .withColumn("salt", F.explode(F.sequence(F.lit(0).cast("long"), F.lit(salt - 1).cast("long")))))
-        cand = cogrouped_apply(by(left, "ppos", "salt"), by(right, "ppos", "salt"), ["ppos", "salt"], score,
+        cand = cogrouped_apply(by(left, rows_in, "ppos", "salt"), by(right, rows_in, "ppos", "salt"),
+                               ["ppos", "salt"], score,
                                "sample_id long, prank int, pos long, score double")
         if last and topk:  # every label in one leaf: its one score
-            return by(cand, "sample_id").select("sample_id", "pos", "score")
+            return by(cand, rows_out, "sample_id").select("sample_id", "pos", "score")
         if last:           # (sample_id, label, mean score over the leaves that reach it)
-            return by(cand, "sample_id").groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
+            return by(cand, rows_out, "sample_id").groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
         best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "prank", "pos"))), 1,
                        beam_size)
         # checkpointed (computed once, here): the next layer's plan starts from it, so a layer's
         # planning and its tasks' metric updates stay the size of one layer, not of all above it
-        top = by(cand, "sample_id").groupBy("sample_id").agg(best.alias("beam")).localCheckpoint()
+        top = by(cand, rows_out, "sample_id").groupBy("sample_id").agg(best.alias("beam")).localCheckpoint()
         if keep is not None:
             keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
         if t < n_layers - 1:
@@ -479,7 +483,8 @@ def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: in
                   trees=len(parts))
         scores = s if scores is None else scores.unionByName(s)
     if len(parts) > 1:      # a mean of exactly 0 is no candidate, as in EnsembleModel's sparse sum
-        scores = (scores.repartition(search_partitions(samples.sparkSession, n(), beam_size), "sample_id")
+        scores = (scores.repartition(search_partitions(samples.sparkSession, n() * beam_size * topk * len(parts)),
+                                     "sample_id")
                   .groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
                   .where(F.col("score") != 0))
     best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1, topk)
