@@ -364,6 +364,7 @@ def test_search_partitions_follow_the_rows_not_the_shuffle_partitions(spark, pro
     monkeypatch.setattr(sharded, "SEARCH_TASK_ROWS", 10)
     for rows, want in ((1, min(sp_, dp)), (10 * sp_ + 5, sp_), (10 * dp + 1, min(sp_, dp + 1))):
         assert sharded.search_partitions(spark, rows) == max(1, want), rows
+    assert sharded.search_partitions(spark, 10 * sp_ + 5, (dp, None)) == sp_ + 1     # 'auto': no cap
     monkeypatch.undo()
     samples, _, _ = problem
     want = _rows(sharded.predict(samples, as_sharded(spark, models["plain"], 0.0), beam_size=3, topk=4))
@@ -379,8 +380,9 @@ def test_search_partitions_follow_the_rows_not_the_shuffle_partitions(spark, pro
             assert _rows(got) == want
             shuffles = re.findall(r"Exchange hashpartitioning\((.*?), (\d+)\), (\w+)", executed_plan(got))
             counts[task_rows] = {int(c) for _, c, why in shuffles if why == "REPARTITION_BY_NUM"}
-            # the rejoin of the rows' features: both sides shuffled, sized by Spark
-            assert {int(c) for _, c, why in shuffles if why == "ENSURE_REQUIREMENTS"} <= {64}, shuffles
+            # the only other shuffles: the rejoin of the rows' features (both sides), sized by Spark
+            assert {(keys.split("#")[0], int(c)) for keys, c, why in shuffles
+                    if why == "ENSURE_REQUIREMENTS"} <= {("sample_id", 64)}, shuffles
     finally:
         for key, value in old.items():
             spark.conf.set(key, value)

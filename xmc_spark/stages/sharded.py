@@ -39,7 +39,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -56,7 +56,7 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import CONNECT_MAX_MB, default_parallelism, is_connect, never_broadcast, share, shuffle_partitions
+from ..compat import CONNECT_MAX_MB, default_parallelism, is_connect, never_broadcast, share
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys
@@ -190,15 +190,28 @@ def _keyed(model, t: int, ids) -> np.ndarray:
     return encode_keys(t, ids) if isinstance(model, ShardedEnsemble) else np.asarray(ids, np.int64)
 
 
-def search_partitions(spark, rows: float) -> int:
+def search_bounds(spark) -> Tuple[int, Optional[int]]:
+    """(least, most) partitions of the search's own shuffles: the default parallelism and
+    ``spark.sql.shuffle.partitions`` (no most when the platform sets it to ``auto``); read once
+    a search (on Spark Connect each read is a call to the server)."""
+    lo = max(1, int(default_parallelism(spark)))
+    try:
+        v = str(spark.conf.get("spark.sql.shuffle.partitions"))
+    except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
+        v = "auto"
+    return lo, (int(v) if v.isdigit() else None)
+
+
+def search_partitions(spark, rows: float, bounds: Optional[Tuple[int, Optional[int]]] = None) -> int:
     """Partitions of one of the sharded search's own shuffles (a layer's cogroup, the merge of its
     candidates) that carries about ``rows`` rows: ``SEARCH_TASK_ROWS`` a task, at least the
-    default parallelism, at most ``spark.sql.shuffle.partitions``. Each task of a layer starts a
-    Python worker pass and reports its metrics to the driver, so a fixed partition count (the
-    shuffle partitions, without adaptive coalescing) costs per task what small inputs do not
-    need, while a task's rows stay bounded as n grows."""
-    want = math.ceil(max(rows, 1) / SEARCH_TASK_ROWS)
-    return max(1, min(shuffle_partitions(spark), max(default_parallelism(spark), want)))
+    default parallelism, at most ``spark.sql.shuffle.partitions`` (:func:`search_bounds`). Each
+    task of a layer starts a Python worker pass and reports its metrics to the driver, so a fixed
+    partition count (the shuffle partitions, without adaptive coalescing) costs per task what
+    small inputs do not need, while a task's rows stay bounded as n grows (up to that cap)."""
+    lo, hi = bounds if bounds is not None else search_bounds(spark)
+    k = max(lo, math.ceil(max(rows, 1) / SEARCH_TASK_ROWS))
+    return max(1, k if hi is None else min(hi, k))
 
 
 def _row_count(samples: DataFrame):
@@ -357,9 +370,10 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     # rejoins its beam with them, which would otherwise read the input (a Delta table) again
     feats = samples.select("sample_id", "feature_idx", "feature_val").localCheckpoint()
     spark = samples.sparkSession
+    bounds = search_bounds(spark)
 
     def by(df: DataFrame, rows: float, *keys: str) -> DataFrame:    # the search's own shuffles
-        return df.repartition(search_partitions(spark, rows), *keys)
+        return df.repartition(search_partitions(spark, rows, bounds), *keys)
 
     def rejoin(top: DataFrame) -> DataFrame:
         # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
@@ -390,7 +404,8 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         m_prev = len(child_ptr) - 1
         salt = max(1, math.ceil(n * min(beam_size, m_prev) / m_prev / group_rows))
         rows_in = n * min(beam_size, m_prev)                        # rows reaching this layer
-        fan = (child_ptr[-1] / max(m_prev, 1)) if topk is None or not last else min(topk, child_ptr[-1] / m_prev)
+        fan = child_ptr[-1] / max(m_prev, 1)                       # children a parent has, on average
+        fan = min(topk, fan) if last and topk else fan
         rows_out = rows_in * max(fan, 1.0)                          # their candidates
 
         score = _scorer(model, child_ptr, through, slot_label[keys] if last else None, topk if last else None)
@@ -483,8 +498,10 @@ def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: in
                   trees=len(parts))
         scores = s if scores is None else scores.unionByName(s)
     if len(parts) > 1:      # a mean of exactly 0 is no candidate, as in EnsembleModel's sparse sum
-        scores = (scores.repartition(search_partitions(samples.sparkSession, n() * beam_size * topk * len(parts)),
-                                     "sample_id")
+        # each tree's label layer (never pruned in an ensemble): rows x beam x the leaves' mean size
+        rows = sum(n() * beam_size * max(1.0, tree_layers(m.index).layers[-1][1][-1] /
+                                         max(len(tree_layers(m.index).layers[-1][1]) - 1, 1)) for _, m in parts)
+        scores = (scores.repartition(search_partitions(samples.sparkSession, rows), "sample_id")
                   .groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
                   .where(F.col("score") != 0))
     best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "pos"))), 1, topk)
