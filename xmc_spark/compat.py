@@ -159,14 +159,21 @@ def range_partitions(spark: Any) -> int:
     return int(r["p"]) + 1
 
 
-def shuffle_partitions(spark) -> int:
-    """Task count for our own bucketing: ``spark.sql.shuffle.partitions``, or the default
-    parallelism when the platform sets it to ``auto`` (Databricks)."""
+def shuffle_partitions_set(spark) -> Optional[int]:
+    """``spark.sql.shuffle.partitions`` as a number, None when the platform sets it to ``auto``
+    (Databricks) or a Spark Connect server does not expose it."""
     try:     # unset: Spark's own default (a fallback of "auto" is rejected by Spark 4.2's typed conf)
         v = str(spark.conf.get("spark.sql.shuffle.partitions"))
     except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
         v = "auto"
-    return int(v) if v.isdigit() else int(default_parallelism(spark))
+    return int(v) if v.isdigit() else None
+
+
+def shuffle_partitions(spark) -> int:
+    """Task count for our own bucketing: ``spark.sql.shuffle.partitions``, or the default
+    parallelism when the platform sets it to ``auto`` (Databricks)."""
+    n = shuffle_partitions_set(spark)
+    return n if n is not None else int(default_parallelism(spark))
 
 
 def spark_hash_int(values) -> np.ndarray:

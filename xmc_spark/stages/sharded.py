@@ -56,7 +56,7 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import CONNECT_MAX_MB, default_parallelism, is_connect, never_broadcast, share
+from ..compat import CONNECT_MAX_MB, default_parallelism, is_connect, never_broadcast, share, shuffle_partitions_set
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys
@@ -194,12 +194,7 @@ def search_bounds(spark) -> Tuple[int, Optional[int]]:
     """(least, most) partitions of the search's own shuffles: the default parallelism and
     ``spark.sql.shuffle.partitions`` (no most when the platform sets it to ``auto``); read once
     a search (on Spark Connect each read is a call to the server)."""
-    lo = max(1, int(default_parallelism(spark)))
-    try:
-        v = str(spark.conf.get("spark.sql.shuffle.partitions"))
-    except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
-        v = "auto"
-    return lo, (int(v) if v.isdigit() else None)
+    return max(1, int(default_parallelism(spark))), shuffle_partitions_set(spark)
 
 
 def search_partitions(spark, rows: float, bounds: Optional[Tuple[int, Optional[int]]] = None) -> int:
