@@ -307,12 +307,24 @@ def _label_feats(seed=11):
     return F.tocsr()
 
 
-def _write_sparse(path, F, header):
+def _sparse_lines(F, base=0):
+    """F's rows as 'index:value' lines (ids from ``base``; an empty row is an empty line)."""
+    return [" ".join(f"{j + base}:{v:.6g}" for j, v in zip(F[i].indices, F[i].data)) for i in range(F.shape[0])]
+
+
+def _write_sparse(path, F, header, extra=None):
+    """An XC sparse-matrix file of F; ``extra`` = (row, token): that token appended to the row's line."""
+    rows = _sparse_lines(F)
+    if extra is not None:
+        rows[extra[0]] += " " + extra[1]
     with open(path, "w") as f:
-        f.write(header + "\n")
-        for i in range(F.shape[0]):
-            lo, hi = F.indptr[i], F.indptr[i + 1]
-            f.write(" ".join(f"{j}:{v:.6g}" for j, v in zip(F.indices[lo:hi], F.data[lo:hi])) + "\n")
+        f.write("\n".join([header] + rows) + "\n")
+
+
+def _write_table(spark, path, F, ids):
+    """F's rows as a Parquet table without label_idx, row i with sample_id ids[i]."""
+    spark.createDataFrame([(int(ids[i]), F[i].indices.tolist(), F[i].data.tolist()) for i in range(F.shape[0])],
+                          "sample_id long, feature_idx array<int>, feature_val array<double>").write.parquet(path)
 
 
 def test_label_features_are_read_from_xc_files_and_tables(spark, tmp_path):
@@ -325,21 +337,16 @@ def test_label_features_are_read_from_xc_files_and_tables(spark, tmp_path):
     F = (sp.diags((np.arange(L) != 3).astype(float)) @ F).tocsr()     # label 3 without features
     F.eliminate_zeros()
 
-    def lines(M, base=0):
-        return [" ".join(f"{j + base}:{v:.6g}" for j, v in zip(M[i].indices, M[i].data)) for i in range(M.shape[0])]
-
-    rows = lines(F)
+    rows = _sparse_lines(F)
     assert rows[3] == ""
     (tmp_path / "lbl_X_Xf.txt").write_text("\n".join([f"{L} {D}"] + rows) + "\n")
     plus = list(rows)
     plus[0] = plus[0].replace(" ", "f ", 1)                            # '1.5f': only the SQL parser reads it
     (tmp_path / "sql.txt").write_text("\n".join([f"{L} {D}"] + plus) + "\n")
     (tmp_path / "xc.txt").write_text("\n".join([f"{L} {D} 0"] + [" " + r for r in rows]) + "\n")
-    (tmp_path / "lf.svm").write_text("\n".join(lines(F, base=1)) + "\n")
+    (tmp_path / "lf.svm").write_text("\n".join(_sparse_lines(F, base=1)) + "\n")
     perm = np.random.default_rng(0).permutation(L)
-    spark.createDataFrame([(int(i), F[i].indices.tolist(), F[i].data.tolist()) for i in perm],
-                          "sample_id long, feature_idx array<int>, feature_val array<double>") \
-        .write.parquet(str(tmp_path / "lf.parquet"))
+    _write_table(spark, str(tmp_path / "lf.parquet"), F[perm], perm)
     norms = np.sqrt(np.asarray(F.multiply(F).sum(axis=1)).ravel())
     unit = sp.diags(1 / np.where(norms > 0, norms, 1)) @ F
     for name in ("lbl_X_Xf.txt", "sql.txt", "xc.txt", "lf.svm", "lf.parquet"):
@@ -364,24 +371,17 @@ def test_bad_label_features_name_the_file_and_the_row(spark, tmp_path, case, pat
     F = _label_feats()
     path = str(tmp_path / ("lf.parquet" if case == "row_not_a_label" else "lf.txt"))
     if case == "feature_out_of_range":
-        _write_sparse(path, F, f"{L} {D}")
-        lines = open(path).read().splitlines()
-        lines[2] += f" {D}:1"
-        open(path, "w").write("\n".join(lines) + "\n")
+        _write_sparse(path, F, f"{L} {D}", extra=(1, f"{D}:1"))          # the file's line 3
     elif case == "too_few_rows":
         _write_sparse(path, F[:-1], f"{L - 1} {D}")
     elif case == "too_many_lines":
         _write_sparse(path, sp.vstack([F, F[:1]]).tocsr(), f"{L + 1} {D}")
     elif case == "more_features_declared":
-        _write_sparse(path, F, f"{L} {D + 5}")
-        lines = open(path).read().splitlines()
-        lines[4] += f" {D}:1"
-        open(path, "w").write("\n".join(lines) + "\n")
+        _write_sparse(path, F, f"{L} {D + 5}", extra=(3, f"{D}:1"))      # the file's line 5
     elif case == "malformed_header":
         _write_sparse(path, F, f"{L}")
     else:
-        spark.createDataFrame([(i + 1, F[i].indices.tolist(), F[i].data.tolist()) for i in range(L)],
-                              "sample_id long, feature_idx array<int>, feature_val array<double>").write.parquet(path)
+        _write_table(spark, path, F, np.arange(L) + 1)
     with pytest.raises(IngestError, match=pattern.replace("FILE", re.escape(path))):
         stage.read_label_features(spark, path, L, D, IngestParams())
 
