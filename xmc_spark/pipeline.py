@@ -165,9 +165,8 @@ def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp
     """Train every node's classifiers for ``index``; write the weights table; build the model.
     ``n_samples`` (the rows of ``samples``, when known) spares the trainer a count."""
     w = node_training.run(samples, index, n_features, tp.train, n_samples=n_samples, scratch=tables.scratch,
-                          label_counts=label_counts).cache()
-    tables.write("weights", w)
-    w.unpersist()
+                          label_counts=label_counts)
+    tables.write("weights", w)            # trained in the write's tasks (no cache: the frame is used once)
     return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
 
 
