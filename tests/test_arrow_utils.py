@@ -6,14 +6,17 @@ import pytest
 import scipy.sparse as sp
 
 from xmc_spark.arrow_utils import (
+    binary_lengths,
     binary_segments,
     binary_values,
+    csr_from_binary,
     csr_from_table,
     csr_rows_to_arrays,
     grouped_apply,
     list_array,
     list_offsets_values,
     local_frame,
+    pack_rows,
     to_arrow,
 )
 
@@ -95,6 +98,30 @@ def test_binary_segments_round_trip_by_chunks():
     assert binary_values(seg.slice(1, 1), np.float32).size == 0
     with pytest.raises(ValueError, match="2 GiB"):
         binary_segments(np.zeros(4, np.int8), np.array([0, 1 << 31]), np.int8)
+
+
+def test_packed_rows_give_the_lists_csr():
+    """pack_rows turns each row's (indices, values) lists into two byte strings; csr_from_binary
+    reads them back as the CSR matrix csr_from_table builds from the lists, also over chunks, a
+    sliced chunk and empty rows (duplicates summed alike)."""
+    rng = np.random.default_rng(3)
+    M = sp.random(9, 40, density=0.2, format="csr", random_state=rng, dtype=np.float32)
+    M[[2, 5]] = 0
+    M.eliminate_zeros()
+    idx, val = csr_rows_to_arrays(M)
+    t = pa.table({"i": idx, "v": val})
+    t = pa.concat_tables([t.slice(0, 4), t.slice(4)])               # two chunks
+    pi, pv = pack_rows(t, "i", "v")
+    np.testing.assert_array_equal(binary_lengths(pi, 4), np.diff(M.indptr))
+    packed = pa.table({"i": pa.chunked_array([pi.slice(0, 3), pi.slice(3)]),
+                       "v": pa.chunked_array([pv.slice(0, 3), pv.slice(3)])})
+    got = csr_from_binary(packed, "i", "v", 40)
+    want = csr_from_table(t, "i", "v", 40)
+    assert (got != want).nnz == 0 and (got != M).nnz == 0
+    dup = pa.table({"i": pa.array([[1, 1, 0]], pa.list_(pa.int32())),
+                    "v": pa.array([[1.0, 2.0, 4.0]], pa.list_(pa.float32()))})
+    np.testing.assert_array_equal(csr_from_binary(pa.table(dict(zip("iv", pack_rows(dup, "i", "v")))), "i", "v", 3)
+                                  .toarray(), [[4.0, 3.0, 0.0]])
 
 
 def _lineage(df) -> str:

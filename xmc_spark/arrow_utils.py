@@ -84,6 +84,33 @@ def binary_values(column, dtype) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
+def binary_lengths(column, itemsize: int) -> np.ndarray:
+    """Each value's length in items of ``itemsize`` bytes, of a binary column of
+    :func:`binary_segments` (chunk by chunk; nulls count 0)."""
+    parts = []
+    for col in getattr(column, "chunks", [column]):
+        wide = pa.types.is_large_binary(col.type)
+        offs = np.frombuffer(col.buffers()[1], np.int64 if wide else np.int32)[col.offset:col.offset + len(col) + 1]
+        parts.append(np.diff(offs.astype(np.int64)) // itemsize)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def pack_rows(table: pa.Table, idx_col: str, val_col: str) -> tuple:
+    """The list columns ``idx_col`` (int32) and ``val_col`` (float32) of a table as two binary
+    columns of one value per row (:func:`binary_segments`): a row's non-zeros travel through
+    Spark as two byte strings, which the JVM copies whole where it converts lists number by number."""
+    off, idx = list_offsets_values(table, idx_col)
+    _, val = list_offsets_values(table, val_col)
+    return binary_segments(idx, off, np.int32), binary_segments(val, off, np.float32)
+
+
+def csr_from_binary(table: pa.Table, idx_col: str, val_col: str, n_cols: int) -> sp.csr_matrix:
+    """:func:`csr_from_table` of the rows :func:`pack_rows` packed."""
+    lengths = binary_lengths(table.column(idx_col), 4)
+    return csr_from_lists(np.concatenate([[0], np.cumsum(lengths)]), binary_values(table.column(idx_col), np.int32),
+                          binary_values(table.column(val_col), np.float32), n_cols)
+
+
 def grouped_apply(df, keys, func: Callable[[pa.Table], pa.Table], schema: str):
     """``df.groupBy(keys)`` then ``func`` on each group as an Arrow table.
 
