@@ -106,8 +106,9 @@ def test_packed_rows_give_the_lists_csr():
     sliced chunk and empty rows (duplicates summed alike)."""
     rng = np.random.default_rng(3)
     M = sp.random(9, 40, density=0.2, format="csr", random_state=rng, dtype=np.float32)
-    M[[2, 5]] = 0
+    M = sp.diags(np.r_[1, 1, 0, 1, 1, 0, 1, 1, 1].astype(np.float32)) @ M     # rows 2 and 5 empty
     M.eliminate_zeros()
+    assert np.diff(M.indptr)[[2, 5]].tolist() == [0, 0] and M.nnz > 20
     idx, val = csr_rows_to_arrays(M)
     t = pa.table({"i": idx, "v": val})
     t = pa.concat_tables([t.slice(0, 4), t.slice(4)])               # two chunks
@@ -122,6 +123,11 @@ def test_packed_rows_give_the_lists_csr():
                     "v": pa.array([[1.0, 2.0, 4.0]], pa.list_(pa.float32()))})
     np.testing.assert_array_equal(csr_from_binary(pa.table(dict(zip("iv", pack_rows(dup, "i", "v")))), "i", "v", 3)
                                   .toarray(), [[4.0, 3.0, 0.0]])
+    wide = pa.table({"i": pi.cast(pa.large_binary()), "v": pv.cast(pa.large_binary())})
+    assert (csr_from_binary(wide, "i", "v", 40) != M).nnz == 0
+    with pytest.raises(ValueError, match="different lengths"):
+        pack_rows(pa.table({"i": pa.array([[1, 2]], pa.list_(pa.int32())),
+                            "v": pa.array([[1.0]], pa.list_(pa.float32()))}), "i", "v")
 
 
 def _lineage(df) -> str:

@@ -86,7 +86,7 @@ def binary_values(column, dtype) -> np.ndarray:
 
 def binary_lengths(column, itemsize: int) -> np.ndarray:
     """Each value's length in items of ``itemsize`` bytes, of a binary column of
-    :func:`binary_segments` (chunk by chunk; nulls count 0)."""
+    :func:`binary_segments` (chunk by chunk; a null counts its slot's bytes, 0 as Arrow writes them)."""
     parts = []
     for col in getattr(column, "chunks", [column]):
         wide = pa.types.is_large_binary(col.type)
@@ -100,7 +100,9 @@ def pack_rows(table: pa.Table, idx_col: str, val_col: str) -> tuple:
     columns of one value per row (:func:`binary_segments`): a row's non-zeros travel through
     Spark as two byte strings, which the JVM copies whole where it converts lists number by number."""
     off, idx = list_offsets_values(table, idx_col)
-    _, val = list_offsets_values(table, val_col)
+    voff, val = list_offsets_values(table, val_col)
+    if not np.array_equal(off, voff):
+        raise ValueError(f"{idx_col} and {val_col} have different lengths in a row")
     return binary_segments(idx, off, np.int32), binary_segments(val, off, np.float32)
 
 

@@ -166,7 +166,10 @@ def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp
     ``n_samples`` (the rows of ``samples``, when known) spares the trainer a count."""
     w = node_training.run(samples, index, n_features, tp.train, n_samples=n_samples, scratch=tables.scratch,
                           label_counts=label_counts)
-    tables.write("weights", w)            # trained in the write's tasks (no cache: the frame is used once)
+    # trained in the write's own tasks (no cache: the frame is used once); a write retried after a
+    # concurrent commit (run-keyed tables, storage.write_delta) trains the grouped nodes again,
+    # while the distributed solver's weights are already checkpointed
+    tables.write("weights", w)
     return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
 
 

@@ -86,3 +86,21 @@ def test_local_subtree_bound_follows_the_task_slots():
     assert label_tree.local_size(TreeParams(local_subtree_size=4096), 20001, 2) == 10001
     assert label_tree.local_size(TreeParams(local_subtree_size=4096), 20000, 64) == 4096
     assert label_tree.local_size(TreeParams(local_subtree_size=0), 20000, 2) == 0
+
+
+def test_packed_batches_hold_the_rows_and_are_cut_by_non_zeros():
+    """The tree stage's packing of an embeddings batch: the same rows (labels, CSR), cut where the
+    running count of non-zeros passes a multiple of pack_nnz, a row never cut (rows of 2, 0, 4, 1, 2)."""
+    import pyarrow as pa
+
+    from xmc_spark.arrow_utils import csr_from_binary, csr_from_table, csr_rows_to_arrays
+    M = sp.csr_matrix(np.array([[1, 0, 2, 0], [0, 0, 0, 0], [3, 4, 5, 6], [0, 7, 0, 0], [8, 0, 0, 9]], np.float32))
+    idx, val = csr_rows_to_arrays(M)
+    b = pa.RecordBatch.from_pydict({"label_idx": pa.array([4, 0, 3, 1, 2], pa.int32()), "emb_idx": idx, "emb_val": val})
+    for pack_nnz, sizes in [(100, [5]), (3, [2, 1, 2]), (1, [2, 1, 1, 1])]:
+        out = list(label_tree._packed(iter([b]), pack_nnz=pack_nnz))
+        assert [o.num_rows for o in out] == sizes, pack_nnz
+        t = pa.Table.from_batches(out)
+        assert t.column("label_idx").to_pylist() == [4, 0, 3, 1, 2]
+        assert (csr_from_binary(t, "emb_idx", "emb_val", 4) != csr_from_table(pa.Table.from_batches([b]),
+                                                                               "emb_idx", "emb_val", 4)).nnz == 0

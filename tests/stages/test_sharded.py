@@ -104,6 +104,12 @@ def test_layer_bytes_and_top_layers(spark, models):
     assert sharded.top_layers(sm, len(layers), sizes[1]) == 2
     assert sharded.top_layers(sm, 1, sizes[-1]) == 1
     assert sharded.top_layers(sm, len(layers), sizes[-1] + 1) == len(layers)
+    # the placed weights and layer sizes are caches of these weights: a copy of the model with
+    # other weights starts without them (they are not init fields, so replace does not copy them)
+    assert sm.placed is not None and sm.layer_bytes is not None
+    empty = dataclasses.replace(sm, weights=sm.weights.limit(0))
+    assert empty.placed is None and empty.layer_bytes is None
+    np.testing.assert_array_equal(sharded.layer_nbytes(empty), np.zeros(len(layers)))
 
 
 @pytest.mark.parametrize("top", [0, "default"])          # default: every inner layer shared, no cogroup

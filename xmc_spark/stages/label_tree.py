@@ -42,7 +42,9 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
         node = int(t.column("node")[0].as_py())
         tree = int(t.column("tree")[0].as_py())
         tp = params.for_tree(tree)
-        Z = csr_from_binary(t, "emb_idx", "emb_val", n_features)[order]
+        Z = csr_from_binary(t, "emb_idx", "emb_val", n_features)
+        if (np.diff(order) < 0).any():           # rows not in label order: sort them (a copy)
+            Z = Z[order]
         f = ft = None
         if freqs is not None:
             lab = labels.to_numpy().astype(np.int64)
@@ -62,13 +64,23 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
 PACKED_SCHEMA = "label_idx int, emb_idx binary, emb_val binary"
 
 
-def _packed(batches):
-    """(label_idx, emb_idx, emb_val) batches with the two lists packed (:func:`~..arrow_utils.pack_rows`)."""
+PACK_NNZ = 1 << 26          # non-zeros of one packed batch (256 MiB of indices: below a binary array's 2 GiB)
+
+
+def _packed(batches, pack_nnz: int = PACK_NNZ):
+    """(label_idx, emb_idx, emb_val) batches with the two lists packed (:func:`~..arrow_utils.pack_rows`),
+    an input batch cut where the running count of non-zeros passes a multiple of ``pack_nnz``: a
+    packed batch holds under 2 x ``pack_nnz`` of them, or a single longer row (a row is never cut)."""
     for b in batches:
         t = pa.Table.from_batches([b])
-        idx, val = pack_rows(t, "emb_idx", "emb_val")
-        yield pa.RecordBatch.from_arrays([t.column("label_idx").combine_chunks(), idx, val],
-                                         ["label_idx", "emb_idx", "emb_val"])
+        ends = np.cumsum(pa.compute.list_value_length(t.column("emb_idx")).fill_null(0).to_numpy(zero_copy_only=False))
+        cuts = np.unique(np.concatenate([[0], np.searchsorted(ends, np.arange(pack_nnz, ends[-1] if len(ends) else 0,
+                                                                              pack_nnz), side="right"), [len(ends)]]))
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            part = t.slice(lo, hi - lo)
+            idx, val = pack_rows(part, "emb_idx", "emb_val")
+            yield pa.RecordBatch.from_arrays([part.column("label_idx").combine_chunks(), idx, val],
+                                             ["label_idx", "emb_idx", "emb_val"])
 
 
 def local_size(params: TreeParams, n_labels: int, slots: int) -> int:

@@ -95,8 +95,10 @@ class ShardedModel:
     meta: dict = field(default_factory=dict)
     label_counts: Optional[np.ndarray] = None
     nbytes: int = 0
-    layer_bytes: Optional[np.ndarray] = field(default=None, repr=False)   # per layer, on first use
-    placed: Optional[DataFrame] = field(default=None, repr=False)         # :func:`_placed`, built once
+    # caches of the weights above, built on first use; not init fields, so that
+    # ``dataclasses.replace(model, weights=...)`` starts without them
+    layer_bytes: Optional[np.ndarray] = field(default=None, repr=False, init=False)   # per layer
+    placed: Optional[DataFrame] = field(default=None, repr=False, init=False)         # :func:`_placed`
 
     @property
     def n_labels(self) -> int:
