@@ -71,13 +71,18 @@ def binary_segments(values: np.ndarray, starts: np.ndarray, dtype) -> pa.BinaryA
                                        [None, pa.py_buffer(offs.astype(np.int32)), pa.py_buffer(data)])
 
 
+def _binary_offsets(col) -> np.ndarray:
+    """The byte offsets of one binary (or large_binary) array, its slice's own."""
+    wide = pa.types.is_large_binary(col.type)
+    return np.frombuffer(col.buffers()[1], np.int64 if wide else np.int32)[col.offset:col.offset + len(col) + 1]
+
+
 def binary_values(column, dtype) -> np.ndarray:
     """The values of a binary column (:func:`binary_segments`) end to end, as one ``dtype`` array,
     read chunk by chunk (no 2 GiB concatenation)."""
     parts = []
     for col in getattr(column, "chunks", [column]):
-        wide = pa.types.is_large_binary(col.type)
-        offs = np.frombuffer(col.buffers()[1], np.int64 if wide else np.int32)[col.offset:col.offset + len(col) + 1]
+        offs = _binary_offsets(col)
         data = col.buffers()[2]
         if data is not None and len(offs) and offs[-1] > offs[0]:
             parts.append(np.frombuffer(data, np.uint8)[offs[0]:offs[-1]].view(dtype))
@@ -87,11 +92,7 @@ def binary_values(column, dtype) -> np.ndarray:
 def binary_lengths(column, itemsize: int) -> np.ndarray:
     """Each value's length in items of ``itemsize`` bytes, of a binary column of
     :func:`binary_segments` (chunk by chunk; a null counts its slot's bytes, 0 as Arrow writes them)."""
-    parts = []
-    for col in getattr(column, "chunks", [column]):
-        wide = pa.types.is_large_binary(col.type)
-        offs = np.frombuffer(col.buffers()[1], np.int64 if wide else np.int32)[col.offset:col.offset + len(col) + 1]
-        parts.append(np.diff(offs.astype(np.int64)) // itemsize)
+    parts = [np.diff(_binary_offsets(col).astype(np.int64)) // itemsize for col in getattr(column, "chunks", [column])]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 

@@ -211,6 +211,12 @@ def search_partitions(spark, rows: float, bounds: Optional[Tuple[int, Optional[i
     return max(1, k if hi is None else min(hi, k))
 
 
+def _mean_fan(child_ptr: np.ndarray) -> float:
+    """Children a parent of a layer has on average (at least 1): a layer's candidates per row
+    reaching it."""
+    return max(1.0, float(child_ptr[-1]) / max(len(child_ptr) - 1, 1))
+
+
 def _row_count(samples: DataFrame):
     """max(1, rows of ``samples``), counted once, on first use (every tree's beam salts by it)."""
     return functools.cache(lambda: max(samples.count(), 1))
@@ -399,11 +405,10 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         keys, child_ptr, through = shape.layers[t]
         last = labels and t == n_layers - 1
         m_prev = len(child_ptr) - 1
-        salt = max(1, math.ceil(n * min(beam_size, m_prev) / m_prev / group_rows))
         rows_in = n * min(beam_size, m_prev)                        # rows reaching this layer
-        fan = child_ptr[-1] / max(m_prev, 1)                       # children a parent has, on average
-        fan = min(topk, fan) if last and topk else fan
-        rows_out = rows_in * max(fan, 1.0)                          # their candidates
+        salt = max(1, math.ceil(rows_in / m_prev / group_rows))
+        fan = _mean_fan(child_ptr)
+        rows_out = rows_in * (min(topk, fan) if last and topk else fan)   # their candidates
 
         score = _scorer(model, child_ptr, through, slot_label[keys] if last else None, topk if last else None)
         # both sides' keys must have one type: a long and an int of equal value hash apart
@@ -496,8 +501,7 @@ def predict(samples: DataFrame, model, beam_size: int, topk: int, group_rows: in
         scores = s if scores is None else scores.unionByName(s)
     if len(parts) > 1:      # a mean of exactly 0 is no candidate, as in EnsembleModel's sparse sum
         # each tree's label layer (never pruned in an ensemble): rows x beam x the leaves' mean size
-        rows = sum(n() * beam_size * max(1.0, tree_layers(m.index).layers[-1][1][-1] /
-                                         max(len(tree_layers(m.index).layers[-1][1]) - 1, 1)) for _, m in parts)
+        rows = sum(n() * beam_size * _mean_fan(tree_layers(m.index).layers[-1][1]) for _, m in parts)
         scores = (scores.repartition(search_partitions(samples.sparkSession, rows), "sample_id")
                   .groupBy("sample_id", "pos").agg((F.sum("score") / len(parts)).alias("score"))
                   .where(F.col("score") != 0))
