@@ -1,4 +1,6 @@
 """The level-by-level tree stage equals the numpy tree kernel (2-means and interpolated splits)."""
+import dataclasses
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -67,13 +69,17 @@ def test_interpolated_tree_stage_equals_kernel(problem, emb, spark, lam):
         label_tree.run(emb, params, n_features=D, n_labels=L)
 
 
-def test_ensemble_trees_grow_in_the_same_jobs(problem, emb, spark):
-    """tree.ensemble_splits = 2,3: tree t is the kernel's tree with nr_splits[t] and seed + t."""
+@pytest.mark.parametrize("ensemble", [dict(ensemble_splits=[2, 3]), dict(ensemble=2, nr_splits=3)])
+def test_ensemble_trees_grow_in_the_same_jobs(problem, emb, spark, ensemble):
+    """tree.ensemble_splits = 2,3 (level by level) or tree.ensemble = 2 of one branching (chained):
+    tree t is the kernel's tree with its nr_splits and seed + t."""
     _, Xl, Yl = problem
-    params = TreeParams(max_leaf_size=3, seed=4, ensemble_splits=[2, 3], local_subtree_size=6)
+    params = TreeParams(max_leaf_size=3, seed=4, local_subtree_size=6, **ensemble)
+    assert label_tree._chainable(params) == ("ensemble" in ensemble)
     got = check_table(label_tree.run(emb, params, n_features=D, n_labels=L), "tree").toPandas()
     assert sorted(got["tree"].unique()) == [0, 1]
-    for t, B in enumerate((2, 3)):
+    for t in (0, 1):
+        B = params.for_tree(t).nr_splits
         part = got[got["tree"] == t].sort_values("label_idx")
         np.testing.assert_array_equal(part["label_idx"], np.arange(L))
         np.testing.assert_array_equal(part["node"], build_tree(pifa(Xl, Yl), 3, B, params.max_iter, 4 + t))
@@ -86,6 +92,41 @@ def test_local_subtree_bound_follows_the_task_slots():
     assert label_tree.local_size(TreeParams(local_subtree_size=4096), 20001, 2) == 10001
     assert label_tree.local_size(TreeParams(local_subtree_size=4096), 20000, 64) == 4096
     assert label_tree.local_size(TreeParams(local_subtree_size=0), 20000, 2) == 0
+
+
+def test_chained_levels_are_the_kernels_depth():
+    """A balanced tree's chained levels from the sizes alone: with no local subtrees, the depth of
+    the kernel's deepest leaf (random rows; labels, branching and leaf sizes around the edges);
+    with them, one level more than the splits down to the first depth within the local bound."""
+    from xmc_spark.kernels.tree import node_depth
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 100, 101, 2000):
+        Z = sp.random(n, 20, density=0.3, format="csr", random_state=rng, dtype=np.float32)
+        for B in (2, 3):
+            for leaf in (1, 3, 100):
+                P = TreeParams(max_leaf_size=leaf, nr_splits=B, max_iter=3)
+                depth = int(node_depth(build_tree(Z, leaf, B, 3), B).max())
+                assert label_tree.chained_levels(P, n, 0) == depth, (n, B, leaf)
+                assert not label_tree._chainable(dataclasses.replace(P, lam=0.5))
+    P = TreeParams(max_leaf_size=100, nr_splits=2)
+    assert label_tree.chained_levels(P, 20000, 10000) == 2      # the root's split, then subtrees of 10000
+    assert label_tree.chained_levels(P, 20001, 10000) == 3      # 10001 > 10000: one more split (5001, 5000)
+    assert label_tree.chained_levels(P, 20000, 50) == 8         # within the leaf size first: the same as 0
+
+
+def test_a_levels_groups_have_partitions_of_their_own():
+    """The (tree, node) groups of a level are numbered 0..n-1, and their keys send group g to
+    partition g mod min(n, cap) under Spark's hash (so up to the cap, no two share a task)."""
+    from xmc_spark.compat import spark_hash_int
+    for T, B, level, cap in [(1, 2, 0, 8), (1, 2, 1, 8), (2, 3, 2, 64), (1, 2, 4, 8), (3, 2, 3, 5)]:
+        n, first = T * B ** level, (B ** level - 1) // (B - 1)
+        tree = np.repeat(np.arange(T), B ** level)
+        node = np.tile(np.arange(first, first + B ** level), T)
+        g = label_tree._group_index(B, level, tree, node)
+        assert sorted(g.tolist()) == list(range(n))
+        parts, keys = label_tree._level_parts(T, B, level, cap)
+        assert parts == min(n, cap)
+        np.testing.assert_array_equal(spark_hash_int(keys[g % parts]).astype(np.int64) % parts, g % parts)
 
 
 def test_packed_batches_hold_the_rows_and_are_cut_by_non_zeros():

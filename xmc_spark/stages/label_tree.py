@@ -1,13 +1,20 @@
-"""Label tree on Spark, level by level: one job splits every oversized node of a level.
+"""Label tree on Spark, level by level: one Spark stage splits every oversized node of a level.
 
 A node with at most max(``tree.local_subtree_size``, labels / task slots) labels
 grows its whole subtree inside its task (same node ids and per-node seeds as level by level, so
-the tree is identical); the levels above stay one Spark job each. The second term stops the
+the tree is identical); the levels above are split one Spark stage each. The second term stops the
 levels as soon as there are about as many nodes as task slots (:func:`~..compat.task_slots`: N of
-``local[N]``, else the default parallelism): a level job costs about a second
-of Spark's scheduling and checkpointing, while a subtree grown in its task costs only its
-splits, and the task already holds no more than its share of the embeddings (the root's split
-holds them all; ``local_subtree_size`` = 0 keeps every level a Spark job). An ensemble (``tree.ensemble`` > 1 or
+``local[N]``, else the default parallelism): a level costs a shuffle of the embeddings and some
+scheduling, while a subtree grown in its task costs only its splits, and the task already holds no
+more than its share of the embeddings (the root's split holds them all; ``local_subtree_size`` = 0
+keeps every level a Spark stage).
+
+Balanced splits (lambda = 0, the default) give each node of a depth ceil(labels / B^depth) labels
+or one less, so the levels are known beforehand and run as one plan (:func:`_chained`): each
+level's tasks hand their rows, embeddings included, to the next level's groups, without a job,
+a checkpoint or a count on the driver between levels. Interpolated splits (lambda > 0), whose
+sizes depend on the data, and ensembles of different branchings run one level at a time, the
+driver counting each level's nodes. An ensemble (``tree.ensemble`` > 1 or
 ``tree.ensemble_splits``) grows all its trees in the same jobs: groups are (tree, node), tree
 t splitting with :meth:`~xmc_spark.params.TreeParams.for_tree` (its own seed and branching).
 """
@@ -22,12 +29,46 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_binary, grouped_apply, pack_rows
-from ..compat import share, task_slots
+from ..compat import partition_keys, share, shuffle_partitions, task_slots
 from ..kernels.tree import TREE_SHIFT, split_node, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
 
 log = logging.getLogger("xmc_spark.tree")
+
+
+def _splitter(params: TreeParams, freqs, n_features: int, grow):
+    """The kernel call of one (tree, node) group of (label_idx, node, tree, emb_idx, emb_val[, part])
+    rows: t -> (row order by label, labels in that order, child node id of each, tree). ``grow(n)``
+    says whether a node of n labels grows its whole subtree here (else it is split one level); a
+    node within ``max_leaf_size`` is a leaf and keeps its id."""
+    def split(t: pa.Table):
+        order = np.argsort(t.column("label_idx").to_numpy(), kind="mergesort")
+        labels = t.column("label_idx").take(pa.array(order))
+        node = int(t.column("node")[0].as_py())
+        tree = int(t.column("tree")[0].as_py())
+        tp = params.for_tree(tree)
+        if t.num_rows <= tp.max_leaf_size:
+            return order, labels, np.full(t.num_rows, node, np.int64), tree
+        Z = csr_from_binary(t, "emb_idx", "emb_val", n_features)
+        if (np.diff(order) < 0).any():           # rows not in label order: sort them (a copy)
+            Z = Z[order]
+        f = ft = None
+        if freqs is not None:
+            lab = labels.to_numpy().astype(np.int64)
+            f, ft = freqs.value[0][lab], freqs.value[1][lab]
+        if grow(t.num_rows):                      # small enough: the whole subtree here
+            child = tree_from_params(Z, tp, f, ft, root=node)
+        else:
+            child = split_node(Z, node, tp.nr_splits, tp.max_iter, tp.seed, tp.effective_lambda, f, ft, tp.gamma,
+                               tp.balanced_below_depth)
+        return order, labels, child, tree
+    return split
+
+
+def _tree_rows(labels, child, tree: int) -> dict:
+    return {"label_idx": labels, "node": pa.array(child, pa.int64()),
+            "tree": pa.array(np.full(len(child), tree, np.int32))}
 
 
 def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features: int, params: TreeParams,
@@ -37,29 +78,102 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
     ``freqs`` is a broadcast of (f, f_tilde) when the split is interpolated (lambda > 0).
     A node of at most ``local`` labels (:func:`local_size`) grows its subtree.
     """
+    kernel = _splitter(params, freqs, n_features, lambda n: n <= local)
+
     def split(t: pa.Table) -> pa.Table:
-        order = np.argsort(t.column("label_idx").to_numpy(), kind="mergesort")
-        labels = t.column("label_idx").take(pa.array(order))
-        node = int(t.column("node")[0].as_py())
-        tree = int(t.column("tree")[0].as_py())
-        tp = params.for_tree(tree)
-        Z = csr_from_binary(t, "emb_idx", "emb_val", n_features)
-        if (np.diff(order) < 0).any():           # rows not in label order: sort them (a copy)
-            Z = Z[order]
-        f = ft = None
-        if freqs is not None:
-            lab = labels.to_numpy().astype(np.int64)
-            f, ft = freqs.value[0][lab], freqs.value[1][lab]
-        if t.num_rows <= local:                   # small enough: the whole subtree here
-            child = tree_from_params(Z, tp, f, ft, root=node)
-        else:
-            child = split_node(Z, node, tp.nr_splits, tp.max_iter, tp.seed, tp.effective_lambda, f, ft, tp.gamma,
-                               tp.balanced_below_depth)
-        return pa.table({"label_idx": labels, "node": pa.array(child, pa.int64()),
-                         "tree": pa.array(np.full(t.num_rows, tree, np.int32))})
+        _, labels, child, tree = kernel(t)
+        return pa.table(_tree_rows(labels, child, tree))
 
     todo = assign.filter(_key().isin([int(k) for k in big_nodes])).join(embeddings, "label_idx")
     return grouped_apply(todo, ["tree", "node"], split, TREE_SCHEMA)
+
+
+LEVEL_SCHEMA = "label_idx int, node long, tree int, emb_idx binary, emb_val binary, part int"
+
+
+def chained_levels(params: TreeParams, n_labels: int, local: int) -> int:
+    """Levels of a balanced tree (lambda = 0) that are Spark stages, from the node sizes alone: the
+    nodes at depth i hold ceil(labels / B^i) labels or one less, so the levels split while that is
+    above ``local`` (and above ``max_leaf_size``); the first level within ``local`` grows every
+    node's subtree in its task (0: the root is a leaf)."""
+    B, size, level = params.nr_splits, int(n_labels), 0
+    while size > params.max_leaf_size:
+        if local > 0 and size <= local:
+            return level + 1
+        size, level = -(-size // B), level + 1
+    return level
+
+
+def _level_parts(n_trees: int, B: int, level: int, cap: int):
+    """(partitions, key per partition) of the groups at ``level``: the (tree, node) groups there,
+    up to ``cap``; group g (tree t, j-th node of the depth) is sent to partition g mod partitions
+    by its key (:func:`~..compat.partition_keys`), so that no two groups share a task while there
+    are tasks to spare (a hash of (tree, node) may send both children of the root to one task)."""
+    n = n_trees * B ** level
+    parts = int(min(n, max(1, cap)))
+    return parts, partition_keys(parts).astype(np.int32)
+
+
+def _group_index(B: int, level: int, tree, node) -> np.ndarray:
+    """Index of (tree, node) among the (tree, node) groups at ``level`` (a leaf from higher up:
+    any index; only its placement depends on it)."""
+    first = (B ** level - 1) // (B - 1)            # heap id of the first node at that depth
+    return np.asarray(tree, np.int64) * np.int64(B ** level) + (np.asarray(node, np.int64) - np.int64(first))
+
+
+def _chained(packed: DataFrame, params: TreeParams, n_features: int, n_labels: int, levels: int,
+             cap: int) -> DataFrame:
+    """A balanced tree's levels as one Spark plan: each level's tasks split (or, the last, grow the
+    subtrees of) its (tree, node) groups and hand their rows on, embeddings included, to the next
+    level's groups through one shuffle into the partitions of :func:`_level_parts`. No level waits
+    for the driver: the sizes are known beforehand (:func:`chained_levels`). The root's group
+    places the labels without an embedding (no training sample) with an empty one."""
+    T, B = params.n_trees(), params.for_tree(0).nr_splits
+    parts0, keys0 = _level_parts(T, B, 0, cap)
+    trees = packed.sparkSession.range(T).select(
+        F.col("id").cast("int").alias("tree"),
+        F.element_at(F.array(*[F.lit(int(k)) for k in keys0]), (F.col("id") % parts0 + 1).cast("int")).alias("part"))
+    rows = packed.crossJoin(F.broadcast(trees)).select("label_idx", F.lit(0).cast("long").alias("node"), "tree",
+                                                       "emb_idx", "emb_val", "part")
+    for level in range(levels):
+        last = level == levels - 1
+        parts, _ = _level_parts(T, B, level, cap)
+        step = _level_step(params, n_features, n_labels, B, level, None if last else _level_parts(T, B, level + 1, cap))
+        rows = grouped_apply(rows.repartition(parts, "part"), ["part", "tree", "node"], step,
+                             TREE_SCHEMA if last else LEVEL_SCHEMA)
+    return rows
+
+
+def _level_step(params: TreeParams, n_features: int, n_labels: int, B: int, level: int, nxt):
+    """One chained level's group function: split (the last level, ``nxt`` None: grow the subtrees
+    of) the group's node; hand on the rows with their embeddings and the next level's partition
+    key (``nxt``: that level's :func:`_level_parts`)."""
+    kernel = _splitter(params, None, n_features, lambda n: nxt is None)
+
+    def step(t: pa.Table) -> pa.Table:
+        if level == 0:
+            t = _with_missing_labels(t, n_labels)
+        order, labels, child, tree = kernel(t)
+        out = _tree_rows(labels, child, tree)
+        if nxt is not None:
+            keys = nxt[1][np.mod(_group_index(B, level + 1, tree, child), nxt[0])]
+            out.update(emb_idx=t.column("emb_idx").take(pa.array(order)),
+                       emb_val=t.column("emb_val").take(pa.array(order)), part=pa.array(keys, pa.int32()))
+        return pa.table(out)
+    return step
+
+
+def _with_missing_labels(t: pa.Table, n_labels: int) -> pa.Table:
+    """The root's rows and a row with an empty embedding for each label in [0, n_labels) it lacks."""
+    missing = np.setdiff1d(np.arange(n_labels, dtype=np.int64), t.column("label_idx").to_numpy())
+    if not len(missing):
+        return t
+    k = len(missing)
+    fill = pa.table({"label_idx": pa.array(missing.astype(np.int32)), "node": pa.array(np.zeros(k, np.int64)),
+                     "tree": pa.array(np.full(k, t.column("tree")[0].as_py(), np.int32)),
+                     "emb_idx": pa.array([b""] * k, pa.binary()), "emb_val": pa.array([b""] * k, pa.binary()),
+                     "part": pa.array(np.full(k, t.column("part")[0].as_py(), np.int32))})
+    return pa.concat_tables([t.select(fill.column_names).cast(fill.schema), fill])
 
 
 PACKED_SCHEMA = "label_idx int, emb_idx binary, emb_val binary"
@@ -88,6 +202,12 @@ def local_size(params: TreeParams, n_labels: int, slots: int) -> int:
     if params.local_subtree_size <= 0:
         return 0
     return max(int(params.local_subtree_size), -(-int(n_labels) // max(1, int(slots))))
+
+
+def _chainable(params: TreeParams) -> bool:
+    """Whether the node sizes are known beforehand (:func:`chained_levels`): balanced splits
+    (lambda = 0) with one branching for every tree."""
+    return params.effective_lambda == 0 and len({params.for_tree(t).nr_splits for t in range(params.n_trees())}) == 1
 
 
 def _fits(node: int, params: TreeParams) -> bool:
@@ -120,11 +240,24 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
             raise ValueError("an interpolated tree (lambda > 0) needs label frequencies f and f_tilde")
         freqs = share(spark, (np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)),
                       name="the label frequencies (f, f_tilde)")
-    all_labels = spark.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
     # the rows' non-zeros packed as bytes where the table is read (its tasks in parallel), so that
     # a split task receives them whole: Spark hands list columns to Python number by number, and
     # the root's task (every label's row; 500K set, 50K labels) took 6.0 s, its split ~1 s of it
-    emb = all_labels.join(embeddings.mapInArrow(_packed, PACKED_SCHEMA), "label_idx", "left").select(
+    packed = embeddings.mapInArrow(_packed, PACKED_SCHEMA)
+    local = local_size(params, n_labels, task_slots(spark))
+    levels = chained_levels(params.for_tree(0), n_labels, local) if _chainable(params) else 0
+    if levels:
+        B = params.for_tree(0).nr_splits
+        deepest = chained_levels(params.for_tree(0), n_labels, 0)          # the leaves' depth
+        _fits((B ** (deepest + 1) - 1) // (B - 1) - 1, params)              # the largest node id there
+        log.info("tree: %d level(s) chained in one plan (%d labels, subtrees grown from %d labels)", levels,
+                 n_labels, local)
+        return _chained(packed, params, n_features, n_labels, levels, shuffle_partitions(spark)).localCheckpoint()
+
+    # Otherwise (interpolated splits, or an ensemble of different branchings) level by level, the
+    # driver counting each level's nodes
+    all_labels = spark.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
+    emb = all_labels.join(packed, "label_idx", "left").select(
         "label_idx",
         F.coalesce("emb_idx", F.lit(b"")).alias("emb_idx"),
         F.coalesce("emb_val", F.lit(b"")).alias("emb_val")).cache()
@@ -137,7 +270,6 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     sizes = {t << TREE_SHIFT: n_labels for t in range(params.n_trees())}
     finished = []
     depth = 0
-    local = local_size(params, n_labels, task_slots(spark))
     while True:
         big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
         if not big:
