@@ -8,8 +8,9 @@ from chispa import assert_df_equality
 
 from tests.stages.conftest import D, L
 from xmc_spark.kernels import frequencies as FQ
+from xmc_spark.kernels.balanced_kmeans import balanced_split
 from xmc_spark.kernels.label_embedding import pifa
-from xmc_spark.kernels.tree import build_tree, tree_from_params
+from xmc_spark.kernels.tree import build_tree, split_seed, tree_from_params
 from xmc_spark.params import EmbeddingParams, TreeParams
 from xmc_spark.schemas import check_table, ddl
 from xmc_spark.stages import label_embedding, label_tree
@@ -39,12 +40,51 @@ def test_tree_stage_equals_kernel(problem, emb, spark, local):
                  build_tree(pifa(Xl, Yl), 2, 3, params3.max_iter, 1))
 
 
-def test_labels_without_embedding_are_placed(problem, emb, spark):
+@pytest.mark.parametrize("local", [4096, 0])
+def test_labels_without_embedding_are_placed(problem, emb, spark, local):
+    """Labels 1, 5, 9, 13 without a row, and a row of a label past n_labels (ignored): the tree of
+    their empty rows, with the subtrees grown at the root (4096) or over three chained levels (0)."""
     _, Xl, Yl = problem
-    params = TreeParams(max_leaf_size=4, seed=2)
-    Z = sp.csr_matrix(pifa(Xl, Yl).multiply((np.arange(L) % 4 != 1)[:, None]))   # labels 1, 5, 9, 13
-    _assert_tree(spark, label_tree.run(emb.filter("label_idx % 4 != 1"), params, n_features=D, n_labels=L),
-                 tree_from_params(Z, params))
+    params = TreeParams(max_leaf_size=4, seed=2, local_subtree_size=local)
+    Z = sp.csr_matrix(pifa(Xl, Yl).multiply((np.arange(L) % 4 != 1)[:, None]))
+    beyond = emb.filter("label_idx = 0").selectExpr(f"{L} AS label_idx", "emb_idx", "emb_val")
+    _assert_tree(spark, label_tree.run(emb.filter("label_idx % 4 != 1").unionByName(beyond), params, n_features=D,
+                                       n_labels=L), tree_from_params(Z, params))
+
+
+def test_no_embedding_at_all_is_the_tree_of_empty_rows(emb, spark):
+    """No label has a row: every label is placed, as the kernel places L empty rows."""
+    params = TreeParams(max_leaf_size=4, seed=2, local_subtree_size=0)
+    _assert_tree(spark, label_tree.run(emb.filter("false"), params, n_features=D, n_labels=L),
+                 tree_from_params(sp.csr_matrix((L, D), dtype=np.float32), params))
+
+
+def test_a_chained_level_hands_on_its_rows_in_batches_cut_by_non_zeros(monkeypatch):
+    """A chained level's output: rows in label order with their embeddings repacked (the same CSR),
+    batches cut at the running count of non-zeros, the split's children, and each child's
+    partition key of the next level."""
+    import pyarrow as pa
+
+    from xmc_spark.arrow_utils import csr_from_binary, pack_rows
+    rng = np.random.default_rng(1)
+    M = sp.random(9, 12, density=0.4, format="csr", random_state=rng, dtype=np.float32)
+    perm = rng.permutation(9)
+    idx, val = pack_rows(pa.table({"emb_idx": pa.array([M[i].indices.tolist() for i in perm], pa.list_(pa.int32())),
+                                   "emb_val": pa.array([M[i].data.tolist() for i in perm], pa.list_(pa.float32()))}),
+                         "emb_idx", "emb_val")
+    t = pa.table({"label_idx": pa.array(perm, pa.int32()), "node": pa.array(np.zeros(9, np.int64)),
+                  "tree": pa.array(np.zeros(9, np.int32)), "part": pa.array(np.zeros(9, np.int32)),
+                  "emb_idx": idx, "emb_val": val})
+    params = TreeParams(max_leaf_size=2, seed=3)
+    nxt = label_tree._level_parts(1, 2, 1, 8)
+    monkeypatch.setattr(label_tree, "PACK_NNZ", 5)
+    out = label_tree._level_step(params, 12, 9, 2, 0, nxt)(t)
+    assert out.column("label_idx").to_pylist() == list(range(9))
+    assert len(out.to_batches()) > 1 and all(b.num_rows for b in out.to_batches())
+    assert (csr_from_binary(out, "emb_idx", "emb_val", 12) != M).nnz == 0
+    child = out.column("node").to_numpy()           # the root's split: children 1 and 2
+    np.testing.assert_array_equal(child, 1 + balanced_split(M, 2, params.max_iter, split_seed(3, 0)))
+    np.testing.assert_array_equal(out.column("part").to_numpy(), nxt[1][child - 1])
 
 
 def test_a_root_within_the_leaf_size_holds_every_label(emb, spark):
@@ -114,10 +154,13 @@ def test_chained_levels_are_the_kernels_depth():
     assert label_tree.chained_levels(P, 20000, 50) == 8         # within the leaf size first: the same as 0
 
 
-def test_a_levels_groups_have_partitions_of_their_own():
-    """The (tree, node) groups of a level are numbered 0..n-1, and their keys send group g to
-    partition g mod min(n, cap) under Spark's hash (so up to the cap, no two share a task)."""
-    from xmc_spark.compat import spark_hash_int
+def test_a_levels_groups_have_partitions_of_their_own(spark):
+    """The (tree, node) groups of a level are numbered 0..n-1, and Spark's repartition by their
+    keys sends group g to partition g mod min(n, cap) (so up to the cap, no two share a task)."""
+    import pyarrow as pa
+    from pyspark.sql import functions as F
+
+    from xmc_spark.arrow_utils import local_frame
     for T, B, level, cap in [(1, 2, 0, 8), (1, 2, 1, 8), (2, 3, 2, 64), (1, 2, 4, 8), (3, 2, 3, 5)]:
         n, first = T * B ** level, (B ** level - 1) // (B - 1)
         tree = np.repeat(np.arange(T), B ** level)
@@ -126,7 +169,9 @@ def test_a_levels_groups_have_partitions_of_their_own():
         assert sorted(g.tolist()) == list(range(n))
         parts, keys = label_tree._level_parts(T, B, level, cap)
         assert parts == min(n, cap)
-        np.testing.assert_array_equal(spark_hash_int(keys[g % parts]).astype(np.int64) % parts, g % parts)
+        got = (local_frame(spark, {"g": pa.array(g), "part": pa.array(keys[g % parts])}).repartition(parts, "part")
+               .select("g", F.spark_partition_id().alias("p")).toPandas().sort_values("g"))
+        np.testing.assert_array_equal(got["p"], np.sort(g) % parts)
 
 
 def test_packed_batches_hold_the_rows_and_are_cut_by_non_zeros():

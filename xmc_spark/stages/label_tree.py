@@ -25,10 +25,11 @@ import logging
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_binary, grouped_apply, pack_rows
+from ..arrow_utils import binary_segments, csr_from_binary, grouped_apply, pack_rows
 from ..compat import partition_keys, share, shuffle_partitions, task_slots
 from ..kernels.tree import TREE_SHIFT, split_node, tree_from_params
 from ..params import TreeParams
@@ -39,20 +40,19 @@ log = logging.getLogger("xmc_spark.tree")
 
 def _splitter(params: TreeParams, freqs, n_features: int, grow):
     """The kernel call of one (tree, node) group of (label_idx, node, tree, emb_idx, emb_val[, part])
-    rows: t -> (row order by label, labels in that order, child node id of each, tree). ``grow(n)``
-    says whether a node of n labels grows its whole subtree here (else it is split one level); a
-    node within ``max_leaf_size`` is a leaf and keeps its id."""
+    rows: t -> (row order by label, labels in that order, child node id of each, tree, the rows'
+    CSR in that order or None if not built). ``grow(n)`` says whether a node of n labels grows its
+    whole subtree here (else it is split one level); a node within ``max_leaf_size`` keeps its id
+    (the last chained level's leaves: no CSR built)."""
     def split(t: pa.Table):
         order = np.argsort(t.column("label_idx").to_numpy(), kind="mergesort")
-        labels = t.column("label_idx").take(pa.array(order))
+        labels = t.column("label_idx").take(pa.array(order)).combine_chunks()
         node = int(t.column("node")[0].as_py())
         tree = int(t.column("tree")[0].as_py())
         tp = params.for_tree(tree)
         if t.num_rows <= tp.max_leaf_size:
-            return order, labels, np.full(t.num_rows, node, np.int64), tree
-        Z = csr_from_binary(t, "emb_idx", "emb_val", n_features)
-        if (np.diff(order) < 0).any():           # rows not in label order: sort them (a copy)
-            Z = Z[order]
+            return order, labels, np.full(t.num_rows, node, np.int64), tree, None
+        Z = _sorted_csr(t, order, n_features)
         f = ft = None
         if freqs is not None:
             lab = labels.to_numpy().astype(np.int64)
@@ -62,8 +62,14 @@ def _splitter(params: TreeParams, freqs, n_features: int, grow):
         else:
             child = split_node(Z, node, tp.nr_splits, tp.max_iter, tp.seed, tp.effective_lambda, f, ft, tp.gamma,
                                tp.balanced_below_depth)
-        return order, labels, child, tree
+        return order, labels, child, tree, Z
     return split
+
+
+def _sorted_csr(t: pa.Table, order: np.ndarray, n_features: int) -> sp.csr_matrix:
+    """The packed rows of ``t`` as a CSR matrix in ``order`` (copied only if not already in it)."""
+    Z = csr_from_binary(t, "emb_idx", "emb_val", n_features)
+    return Z[order] if (np.diff(order) < 0).any() else Z
 
 
 def _tree_rows(labels, child, tree: int) -> dict:
@@ -81,14 +87,16 @@ def split_level(embeddings: DataFrame, assign: DataFrame, big_nodes, n_features:
     kernel = _splitter(params, freqs, n_features, lambda n: n <= local)
 
     def split(t: pa.Table) -> pa.Table:
-        _, labels, child, tree = kernel(t)
+        _, labels, child, tree, _ = kernel(t)
         return pa.table(_tree_rows(labels, child, tree))
 
     todo = assign.filter(_key().isin([int(k) for k in big_nodes])).join(embeddings, "label_idx")
     return grouped_apply(todo, ["tree", "node"], split, TREE_SCHEMA)
 
 
-LEVEL_SCHEMA = "label_idx int, node long, tree int, emb_idx binary, emb_val binary, part int"
+LEVEL_SCHEMA = "label_idx int, node long, tree int, part int, emb_idx binary, emb_val binary"
+LEVEL_ARROW = pa.schema([("label_idx", pa.int32()), ("node", pa.int64()), ("tree", pa.int32()), ("part", pa.int32()),
+                         ("emb_idx", pa.binary()), ("emb_val", pa.binary())])
 
 
 def chained_levels(params: TreeParams, n_labels: int, local: int) -> int:
@@ -115,8 +123,7 @@ def _level_parts(n_trees: int, B: int, level: int, cap: int):
 
 
 def _group_index(B: int, level: int, tree, node) -> np.ndarray:
-    """Index of (tree, node) among the (tree, node) groups at ``level`` (a leaf from higher up:
-    any index; only its placement depends on it)."""
+    """Index of (tree, node) among the (tree, node) groups at ``level`` (nodes of that depth)."""
     first = (B ** level - 1) // (B - 1)            # heap id of the first node at that depth
     return np.asarray(tree, np.int64) * np.int64(B ** level) + (np.asarray(node, np.int64) - np.int64(first))
 
@@ -133,8 +140,11 @@ def _chained(packed: DataFrame, params: TreeParams, n_features: int, n_labels: i
     trees = packed.sparkSession.range(T).select(
         F.col("id").cast("int").alias("tree"),
         F.element_at(F.array(*[F.lit(int(k)) for k in keys0]), (F.col("id") % parts0 + 1).cast("int")).alias("part"))
-    rows = packed.crossJoin(F.broadcast(trees)).select("label_idx", F.lit(0).cast("long").alias("node"), "tree",
-                                                       "emb_idx", "emb_val", "part")
+    cols = ["label_idx", F.lit(0).cast("long").alias("node"), "tree", "part", "emb_idx", "emb_val"]
+    # a placeholder row (label -1) per tree: its root's group exists even when no label has an embedding
+    none = trees.select(F.lit(-1).alias("label_idx"), "tree", "part", F.lit(b"").alias("emb_idx"),
+                        F.lit(b"").alias("emb_val"))
+    rows = packed.crossJoin(F.broadcast(trees)).select(*cols).unionByName(none.select(*cols))
     for level in range(levels):
         last = level == levels - 1
         parts, _ = _level_parts(T, B, level, cap)
@@ -152,28 +162,54 @@ def _level_step(params: TreeParams, n_features: int, n_labels: int, B: int, leve
 
     def step(t: pa.Table) -> pa.Table:
         if level == 0:
-            t = _with_missing_labels(t, n_labels)
-        order, labels, child, tree = kernel(t)
+            t = _root_rows(t, n_labels)
+        order, labels, child, tree, Z = kernel(t)
         out = _tree_rows(labels, child, tree)
-        if nxt is not None:
-            keys = nxt[1][np.mod(_group_index(B, level + 1, tree, child), nxt[0])]
-            out.update(emb_idx=t.column("emb_idx").take(pa.array(order)),
-                       emb_val=t.column("emb_val").take(pa.array(order)), part=pa.array(keys, pa.int32()))
-        return pa.table(out)
+        if nxt is None:
+            return pa.table(out)
+        if Z is None:
+            Z = _sorted_csr(t, order, n_features)
+        out["part"] = pa.array(nxt[1][np.mod(_group_index(B, level + 1, tree, child), nxt[0])], pa.int32())
+        batches = []                             # the rows' embeddings packed from Z, cut by non-zeros
+        for lo, hi in _nnz_cuts(Z.indptr[1:], PACK_NNZ):
+            a, z = Z.indptr[lo], Z.indptr[hi]
+            ptr = Z.indptr[lo:hi + 1] - a
+            cols = {k: v.slice(lo, hi - lo) for k, v in out.items()}
+            cols.update(emb_idx=binary_segments(Z.indices[a:z], ptr, np.int32),
+                        emb_val=binary_segments(Z.data[a:z], ptr, np.float32))
+            batches.append(pa.RecordBatch.from_pydict(cols))
+        return pa.Table.from_batches(batches, LEVEL_ARROW) if batches else LEVEL_ARROW.empty_table()
     return step
 
 
-def _with_missing_labels(t: pa.Table, n_labels: int) -> pa.Table:
-    """The root's rows and a row with an empty embedding for each label in [0, n_labels) it lacks."""
-    missing = np.setdiff1d(np.arange(n_labels, dtype=np.int64), t.column("label_idx").to_numpy())
+def _root_rows(t: pa.Table, n_labels: int) -> pa.Table:
+    """A root group's rows: those of a label in [0, n_labels) (the placeholder row of label -1
+    that makes the group exist dropped), and a row with an empty embedding for each label of that
+    range it lacks (no training sample)."""
+    tree, part = t.column("tree")[0].as_py(), t.column("part")[0].as_py()
+    lab = t.column("label_idx").to_numpy()
+    keep = (lab >= 0) & (lab < n_labels)
+    if not keep.all():
+        t, lab = t.filter(pa.array(keep)), lab[keep]
+    missing = np.setdiff1d(np.arange(n_labels, dtype=np.int64), lab)
     if not len(missing):
         return t
     k = len(missing)
     fill = pa.table({"label_idx": pa.array(missing.astype(np.int32)), "node": pa.array(np.zeros(k, np.int64)),
-                     "tree": pa.array(np.full(k, t.column("tree")[0].as_py(), np.int32)),
+                     "tree": pa.array(np.full(k, tree, np.int32)),
                      "emb_idx": pa.array([b""] * k, pa.binary()), "emb_val": pa.array([b""] * k, pa.binary()),
-                     "part": pa.array(np.full(k, t.column("part")[0].as_py(), np.int32))})
+                     "part": pa.array(np.full(k, part, np.int32))})
     return pa.concat_tables([t.select(fill.column_names).cast(fill.schema), fill])
+
+
+def _nnz_cuts(ends: np.ndarray, pack_nnz: int):
+    """(lo, hi) row ranges cut where the running count of non-zeros (``ends``: cumulative per row)
+    passes a multiple of ``pack_nnz``: a range holds under 2 x ``pack_nnz`` of them, or a single
+    longer row (a row is never cut)."""
+    total = int(ends[-1]) if len(ends) else 0
+    cuts = np.unique(np.concatenate([[0], np.searchsorted(ends, np.arange(pack_nnz, total, pack_nnz), side="right"),
+                                     [len(ends)]]))
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
 
 
 PACKED_SCHEMA = "label_idx int, emb_idx binary, emb_val binary"
@@ -187,9 +223,7 @@ def _packed(batches, pack_nnz: int = PACK_NNZ):
     for b in batches:
         t = pa.Table.from_batches([b])
         ends = np.cumsum(pc.list_value_length(t.column("emb_idx")).fill_null(0).to_numpy(zero_copy_only=False))
-        cuts = np.unique(np.concatenate([[0], np.searchsorted(ends, np.arange(pack_nnz, ends[-1] if len(ends) else 0,
-                                                                              pack_nnz), side="right"), [len(ends)]]))
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
+        for lo, hi in _nnz_cuts(ends, pack_nnz):
             part = t.slice(lo, hi - lo)
             idx, val = pack_rows(part, "emb_idx", "emb_val")
             yield pa.RecordBatch.from_arrays([part.column("label_idx").combine_chunks(), idx, val],
@@ -234,12 +268,13 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     ``f`` and ``f_tilde`` (label frequencies, :mod:`.label_frequencies`) are required when
     the tree is interpolated (lambda > 0)."""
     spark = embeddings.sparkSession
-    freqs = None
-    if params.effective_lambda > 0:
-        if f is None or f_tilde is None:
-            raise ValueError("an interpolated tree (lambda > 0) needs label frequencies f and f_tilde")
-        freqs = share(spark, (np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)),
-                      name="the label frequencies (f, f_tilde)")
+    if params.effective_lambda > 0 and (f is None or f_tilde is None):
+        raise ValueError("an interpolated tree (lambda > 0) needs label frequencies f and f_tilde")
+    trees = spark.range(params.n_trees()).select(F.col("id").cast("int").alias("tree"))
+    all_labels = spark.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
+    if n_labels <= params.max_leaf_size:       # every root is a leaf
+        return all_labels.crossJoin(trees).select("label_idx", F.lit(0).cast("long").alias("node"),
+                                                  "tree").localCheckpoint()
     # the rows' non-zeros packed as bytes where the table is read (its tasks in parallel), so that
     # a split task receives them whole: Spark hands list columns to Python number by number, and
     # the root's task (every label's row; 500K set, 50K labels) took 6.0 s, its split ~1 s of it
@@ -249,14 +284,17 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     if levels:
         B = params.for_tree(0).nr_splits
         deepest = chained_levels(params.for_tree(0), n_labels, 0)          # the leaves' depth
-        _fits((B ** (deepest + 1) - 1) // (B - 1) - 1, params)              # the largest node id there
+        _fits((B ** (deepest + 1) - 1) // (B - 1) - 1, params)              # the last id of that depth
         log.info("tree: %d level(s) chained in one plan (%d labels, subtrees grown from %d labels)", levels,
                  n_labels, local)
         return _chained(packed, params, n_features, n_labels, levels, shuffle_partitions(spark)).localCheckpoint()
 
     # Otherwise (interpolated splits, or an ensemble of different branchings) level by level, the
     # driver counting each level's nodes
-    all_labels = spark.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
+    freqs = None
+    if params.effective_lambda > 0:
+        freqs = share(spark, (np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)),
+                      name="the label frequencies (f, f_tilde)")
     emb = all_labels.join(packed, "label_idx", "left").select(
         "label_idx",
         F.coalesce("emb_idx", F.lit(b"")).alias("emb_idx"),
@@ -264,7 +302,6 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
 
     # Each level's output is checkpointed: the plan of the next level starts from it, so plans
     # do not grow with depth (a union of every earlier level would double the plan per level).
-    trees = spark.range(params.n_trees()).select(F.col("id").cast("int").alias("tree"))
     active = all_labels.crossJoin(trees).withColumn("node", F.lit(0).cast("long")).select(
         "label_idx", "node", "tree")
     sizes = {t << TREE_SHIFT: n_labels for t in range(params.n_trees())}
@@ -285,8 +322,6 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
         depth += 1
         log.info("tree level %d: split %d nodes into %d nodes (%d labels now in leaves)", depth, len(big),
                  len(grown), sum(c for c in grown.values() if c <= params.max_leaf_size))
-    if not finished:
-        finished = [active]
     assign = finished[0]
     for part in finished[1:]:
         assign = assign.unionByName(part)
