@@ -103,7 +103,8 @@ def test_binary_segments_round_trip_by_chunks():
 def test_packed_rows_give_the_lists_csr():
     """pack_rows turns each row's (indices, values) lists into two byte strings; csr_from_binary
     reads them back as the CSR matrix csr_from_table builds from the lists, also over chunks, a
-    sliced chunk and empty rows (duplicates summed alike)."""
+    sliced chunk and empty rows (duplicates summed alike), in a given row order, and refuses a row
+    whose values and indices differ in length."""
     rng = np.random.default_rng(3)
     M = sp.random(9, 40, density=0.2, format="csr", random_state=rng, dtype=np.float32)
     M = sp.diags(np.r_[1, 1, 0, 1, 1, 0, 1, 1, 1].astype(np.float32)) @ M     # rows 2 and 5 empty
@@ -128,6 +129,15 @@ def test_packed_rows_give_the_lists_csr():
     with pytest.raises(ValueError, match="different lengths"):
         pack_rows(pa.table({"i": pa.array([[1, 2]], pa.list_(pa.int32())),
                             "v": pa.array([[1.0]], pa.list_(pa.float32()))}), "i", "v")
+    # rows in a given order: row k is the table's row order[k] (the idx column chunked otherwise than v)
+    order = rng.permutation(9)
+    uneven = pa.table({"i": pa.chunked_array([pi.slice(0, 5), pi.slice(5)]), "v": packed.column("v")})
+    assert (csr_from_binary(uneven, "i", "v", 40, order) != M[order]).nnz == 0
+    vals = [pv[k].as_py() for k in range(9)]
+    vals[7] = vals[7][:-4]                     # row 7: one value fewer than indices
+    short = pa.table({"i": pi, "v": pa.array(vals, pa.binary())})
+    with pytest.raises(ValueError, match="different lengths"):
+        csr_from_binary(short, "i", "v", 40)
 
 
 def _lineage(df) -> str:

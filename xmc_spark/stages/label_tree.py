@@ -67,9 +67,8 @@ def _splitter(params: TreeParams, freqs, n_features: int, grow):
 
 
 def _sorted_csr(t: pa.Table, order: np.ndarray, n_features: int) -> sp.csr_matrix:
-    """The packed rows of ``t`` as a CSR matrix in ``order`` (copied only if not already in it)."""
-    Z = csr_from_binary(t, "emb_idx", "emb_val", n_features)
-    return Z[order] if (np.diff(order) < 0).any() else Z
+    """The packed rows of ``t`` as a CSR matrix in ``order`` (:func:`~..arrow_utils.csr_from_binary`)."""
+    return csr_from_binary(t, "emb_idx", "emb_val", n_features, order if (np.diff(order) < 0).any() else None)
 
 
 def _tree_rows(labels, child, tree: int) -> dict:
