@@ -161,3 +161,15 @@ def test_local_frame_needs_no_python_worker(spark):
         assert "PythonRDD" not in _lineage(df)
     empty = local_frame(spark, {"sample_id": pa.array([], pa.int64())})
     assert empty.schema.simpleString() == "struct<sample_id:bigint>" and empty.count() == 0
+
+
+def test_copy_segments_moves_each_row_to_its_place():
+    """Segments of a flat buffer copied to given places (rows reversed, an empty one), against slicing."""
+    from xmc_spark.arrow_utils import _copy_segments
+    src = np.arange(10, dtype=np.float32)
+    starts, lengths = np.array([0, 3, 3, 7]), np.array([3, 0, 4, 3])
+    dest = np.array([7, 7, 3, 0])              # reversed: rows 3, 2, 1 (empty), 0
+    out = np.full(10, -1, np.float32)
+    _copy_segments(src, starts, lengths, dest, out)
+    want = np.concatenate([src[7:10], src[3:7], src[0:3]])
+    np.testing.assert_array_equal(out, want)

@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 import scipy.sparse as sp
 
-from .kernels.sparse import copy_segments, csr_from_lists
+from .kernels.jit import njit
+from .kernels.sparse import csr_from_lists
 
 
 def _list_parts(col) -> tuple:
@@ -132,6 +133,16 @@ def csr_from_binary(table: pa.Table, idx_col: str, val_col: str, n_cols: int,
     return Z
 
 
+@njit()
+def _copy_segments(src, starts, lengths, dest, out):
+    """``out[dest[k]:dest[k] + lengths[k]] = src[starts[k]:starts[k] + lengths[k]]`` for every k:
+    rows of a flat buffer moved to their places in another, one pass, no index array."""
+    for k in range(len(starts)):
+        s, d = starts[k], dest[k]
+        for j in range(lengths[k]):
+            out[d + j] = src[s + j]
+
+
 def _gather_binary(column, dtype, dest: np.ndarray, nnz: int) -> np.ndarray:
     """The values of a binary column (:func:`binary_segments`), row r's at ``dest[r]`` of one new
     ``dtype`` array of ``nnz`` values; each chunk's buffer is read in place."""
@@ -142,7 +153,7 @@ def _gather_binary(column, dtype, dest: np.ndarray, nnz: int) -> np.ndarray:
         data = col.buffers()[2]
         if data is not None and len(offs) and offs[-1] > offs[0]:
             src = np.frombuffer(data, np.uint8)[offs[0]:offs[-1]].view(dtype)
-            copy_segments(src, (offs[:-1] - offs[0]) // size, np.diff(offs) // size, dest[row:row + len(col)], out)
+            _copy_segments(src, (offs[:-1] - offs[0]) // size, np.diff(offs) // size, dest[row:row + len(col)], out)
         row += len(col)
     return out
 

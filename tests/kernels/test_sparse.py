@@ -2,7 +2,7 @@ import numpy as np
 import pyarrow as pa
 import scipy.sparse as sp
 
-from xmc_spark.kernels.sparse import copy_segments, csr_from_lists, l2_normalize_rows, normalize_lists
+from xmc_spark.kernels.sparse import csr_from_lists, l2_normalize_rows, normalize_lists
 
 
 def test_normalize_lists_by_hand():
@@ -31,14 +31,3 @@ def test_csr_from_lists_sorts_and_sums():
     m = csr_from_lists(np.array([2, 5, 6]), [3, 0, 3, 1], [1.0, 2.0, 4.0, 7.0], 4)
     assert m.indptr.tolist() == [0, 2, 3] and m.indices.tolist() == [0, 3, 1]
     assert m.data.tolist() == [2.0, 5.0, 7.0]
-
-
-def test_copy_segments_moves_each_row_to_its_place():
-    """Segments of a flat buffer copied to given places (rows reversed, an empty one), against slicing."""
-    src = np.arange(10, dtype=np.float32)
-    starts, lengths = np.array([0, 3, 3, 7]), np.array([3, 0, 4, 3])
-    dest = np.array([7, 7, 3, 0])              # reversed: rows 3, 2, 1 (empty), 0
-    out = np.full(10, -1, np.float32)
-    copy_segments(src, starts, lengths, dest, out)
-    want = np.concatenate([src[7:10], src[3:7], src[0:3]])
-    np.testing.assert_array_equal(out, want)

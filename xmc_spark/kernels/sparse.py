@@ -4,8 +4,6 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from .jit import njit
-
 
 def csr_from_lists(offsets: np.ndarray, indices: np.ndarray, values, n_cols: int) -> sp.csr_matrix:
     """CSR matrix from list offsets (as in an Arrow ListArray) and flat indices/values.
@@ -52,13 +50,3 @@ def append_bias(X: sp.csr_matrix, bias: float) -> sp.csr_matrix:
         return X.tocsr()
     col = sp.csr_matrix(np.full((X.shape[0], 1), bias, dtype=np.float32))
     return sp.hstack([X, col], format="csr", dtype=np.float32)
-
-
-@njit()
-def copy_segments(src, starts, lengths, dest, out):
-    """``out[dest[k]:dest[k] + lengths[k]] = src[starts[k]:starts[k] + lengths[k]]`` for every k:
-    rows of a flat buffer moved to their places in another, one pass, no index array."""
-    for k in range(len(starts)):
-        s, d = starts[k], dest[k]
-        for j in range(lengths[k]):
-            out[d + j] = src[s + j]
