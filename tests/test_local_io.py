@@ -38,3 +38,14 @@ def test_ingest_table_equals_local_reader(tmp_path, spark):
         Yd[i, r["label_idx"]] = 1
     np.testing.assert_allclose(Xd, Xl.toarray(), rtol=1e-6)
     np.testing.assert_array_equal(Yd, Yl.toarray())
+
+
+def test_the_reader_needs_neither_numba_nor_spark():
+    """benchmarks/compare_pecos.py reads the data with this module in PECOS's own venv (numpy < 2,
+    no numba, no pyspark): importing it must not import either."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['numba'] = None; sys.modules['pyspark'] = None\n"
+            "import xmc_spark.local_io")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
