@@ -103,8 +103,9 @@ def test_binary_segments_round_trip_by_chunks():
 def test_packed_rows_give_the_lists_csr():
     """pack_rows turns each row's (indices, values) lists into two byte strings; csr_from_binary
     reads them back as the CSR matrix csr_from_table builds from the lists, also over chunks, a
-    sliced chunk and empty rows (duplicates summed alike), in a given row order, and refuses a row
-    whose values and indices differ in length."""
+    sliced chunk and empty rows (duplicates summed alike), in a given row order; refuses a row
+    whose values and indices differ in length, an order that is not a permutation of the rows, and
+    a value that does not hold whole numbers."""
     rng = np.random.default_rng(3)
     M = sp.random(9, 40, density=0.2, format="csr", random_state=rng, dtype=np.float32)
     M = sp.diags(np.r_[1, 1, 0, 1, 1, 0, 1, 1, 1].astype(np.float32)) @ M     # rows 2 and 5 empty
@@ -138,6 +139,11 @@ def test_packed_rows_give_the_lists_csr():
     short = pa.table({"i": pi, "v": pa.array(vals, pa.binary())})
     with pytest.raises(ValueError, match="different lengths"):
         csr_from_binary(short, "i", "v", 40)
+    with pytest.raises(ValueError, match="not a permutation"):        # a row twice, one never
+        csr_from_binary(packed, "i", "v", 40, np.r_[order[:-1], order[0]])
+    vals[7] = vals[7] + b"\x00"                   # row 7: a byte past its last whole value
+    with pytest.raises(ValueError, match="whole values"):
+        csr_from_binary(pa.table({"i": pi, "v": pa.array(vals, pa.binary())}), "i", "v", 40)
 
 
 def _lineage(df) -> str:

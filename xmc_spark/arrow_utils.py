@@ -93,8 +93,12 @@ def binary_values(column, dtype) -> np.ndarray:
 def binary_lengths(column, itemsize: int) -> np.ndarray:
     """Each value's length in items of ``itemsize`` bytes, of a binary column of
     :func:`binary_segments` (chunk by chunk; a null counts its slot's bytes, 0 as Arrow writes them)."""
-    parts = [np.diff(_binary_offsets(col).astype(np.int64)) // itemsize for col in getattr(column, "chunks", [column])]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    parts = [np.diff(_binary_offsets(col).astype(np.int64)) for col in getattr(column, "chunks", [column])]
+    nbytes = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if (nbytes % itemsize).any() or (nbytes < 0).any():
+        raise ValueError(f"a binary value of {int(nbytes[(nbytes % itemsize != 0) | (nbytes < 0)][0])} bytes does "
+                         f"not hold whole values of {itemsize} bytes")
+    return nbytes // itemsize
 
 
 def pack_rows(table: pa.Table, idx_col: str, val_col: str) -> tuple:
@@ -123,6 +127,9 @@ def csr_from_binary(table: pa.Table, idx_col: str, val_col: str, n_cols: int,
         np.cumsum(lengths, out=ptr[1:])
         dest = ptr[:-1]
     else:
+        order = np.asarray(order, np.int64)
+        if len(order) != m or not np.array_equal(np.sort(order), np.arange(m)):
+            raise ValueError(f"the row order is not a permutation of the {m} rows")
         np.cumsum(lengths[order], out=ptr[1:])
         dest = np.empty(m, np.int64)
         dest[order] = ptr[:-1]

@@ -1,4 +1,5 @@
-"""The level-by-level tree stage equals the numpy tree kernel (2-means and interpolated splits)."""
+"""The tree stage (balanced levels chained in one plan, interpolated ones level by level) equals the
+numpy tree kernel (2-means and interpolated splits)."""
 import dataclasses
 
 import numpy as np
@@ -43,7 +44,7 @@ def test_tree_stage_equals_kernel(problem, emb, spark, local):
 @pytest.mark.parametrize("local", [4096, 0])
 def test_labels_without_embedding_are_placed(problem, emb, spark, local):
     """Labels 1, 5, 9, 13 without a row, and a row of a label past n_labels (ignored): the tree of
-    their empty rows, with the subtrees grown at the root (4096) or over three chained levels (0)."""
+    their empty rows, with the subtrees grown at the root (4096) or over two chained levels (0)."""
     _, Xl, Yl = problem
     params = TreeParams(max_leaf_size=4, seed=2, local_subtree_size=local)
     Z = sp.csr_matrix(pifa(Xl, Yl).multiply((np.arange(L) % 4 != 1)[:, None]))

@@ -203,8 +203,8 @@ def _root_rows(t: pa.Table, n_labels: int) -> pa.Table:
 
 def _nnz_cuts(ends: np.ndarray, pack_nnz: int):
     """(lo, hi) row ranges cut where the running count of non-zeros (``ends``: cumulative per row)
-    passes a multiple of ``pack_nnz``: a range holds under 2 x ``pack_nnz`` of them, or a single
-    longer row (a row is never cut)."""
+    passes a multiple of ``pack_nnz``: a range holds fewer than ``pack_nnz`` plus its longest row's
+    non-zeros (a row is never cut)."""
     total = int(ends[-1]) if len(ends) else 0
     cuts = np.unique(np.concatenate([[0], np.searchsorted(ends, np.arange(pack_nnz, total, pack_nnz), side="right"),
                                      [len(ends)]]))
@@ -217,8 +217,8 @@ PACK_NNZ = 1 << 26          # non-zeros of one packed batch (256 MiB of indices:
 
 def _packed(batches, pack_nnz: int = PACK_NNZ):
     """(label_idx, emb_idx, emb_val) batches with the two lists packed (:func:`~..arrow_utils.pack_rows`),
-    an input batch cut where the running count of non-zeros passes a multiple of ``pack_nnz``: a
-    packed batch holds under 2 x ``pack_nnz`` of them, or a single longer row (a row is never cut)."""
+    an input batch cut where the running count of non-zeros passes a multiple of ``pack_nnz``
+    (:func:`_nnz_cuts`: a packed batch holds fewer than ``pack_nnz`` plus its longest row's)."""
     for b in batches:
         t = pa.Table.from_batches([b])
         ends = np.cumsum(pc.list_value_length(t.column("emb_idx")).fill_null(0).to_numpy(zero_copy_only=False))
