@@ -108,3 +108,28 @@ def test_spark_hash_and_partition_keys_match_spark(spark):
         parts = spark.createDataFrame([(int(k),) for k in keys], "part int").repartition(n, "part") \
             .rdd.glom().map(lambda rows: [r["part"] for r in rows]).collect()
         assert parts == [[int(k)] for k in keys]
+
+
+def test_partitioned_checkpoint_keeps_its_partitioning_for_a_join(spark):
+    """A join on the key of a partitioned checkpoint shuffles only the other side, into the
+    checkpoint's partitions (a plain localCheckpoint under adaptive execution: both sides, into
+    spark.sql.shuffle.partitions); the rows are the same, and the session's setting is restored."""
+    from pyspark.sql import functions as F
+    before = spark.conf.get("spark.sql.adaptive.enabled")
+    rows = spark.range(200).select(F.col("id").alias("k"), (F.col("id") * 3).alias("v"))
+    other = spark.range(200).select(F.col("id").alias("k"), (F.col("id") % 7).alias("w"))
+    kept = compat.partitioned_checkpoint(rows, 3, "k")
+    assert spark.conf.get("spark.sql.adaptive.enabled") == before and kept.rdd.getNumPartitions() == 3
+
+    def exchanges(df):
+        import re
+
+        from tests.conftest import executed_plan
+        joined = other.join(compat.never_broadcast(df), "k")
+        return joined, re.findall(r"Exchange hashpartitioning\(k#\d+L, (\d+)\)", executed_plan(joined))
+
+    joined, parts = exchanges(kept)
+    assert parts == ["3"]                        # the other side only, into the checkpoint's 3 partitions
+    assert sorted(joined.select("k", "v", "w").collect()) == [(k, 3 * k, k % 7) for k in range(200)]
+    _, parts_plain = exchanges(rows.localCheckpoint())
+    assert len(parts_plain) == 2

@@ -211,6 +211,22 @@ def partition_keys(n_parts: int) -> np.ndarray:
     return keys
 
 
+def partitioned_checkpoint(df, n_parts: int, *keys: str):
+    """``df`` hash-partitioned on ``keys`` into ``n_parts`` partitions and checkpointed on the
+    executors (``localCheckpoint``), keeping that partitioning in its plan: a later join or grouping
+    on ``keys`` then shuffles only its other side, into these partitions. The checkpoint runs
+    without adaptive execution, whose plans leave a checkpoint no output partitioning (Spark 4.2:
+    both sides of such a join were shuffled to ``spark.sql.shuffle.partitions``)."""
+    spark = df.sparkSession
+    key = "spark.sql.adaptive.enabled"
+    before = spark.conf.get(key)
+    spark.conf.set(key, "false")
+    try:
+        return df.repartition(n_parts, *keys).localCheckpoint()
+    finally:
+        spark.conf.set(key, before)
+
+
 def never_broadcast(df):
     """``df`` as a join side that is shuffled (a shuffled hash join), never broadcast. For a
     table of a row per sample: the planner, taking it for small from its compressed files, would

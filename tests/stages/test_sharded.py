@@ -364,7 +364,7 @@ def test_search_partitions_follow_the_rows_not_the_shuffle_partitions(spark, pro
     parallelism and the shuffle partitions: with 64 shuffle partitions and no adaptive
     coalescing, a small input's cogroups and merges run on the default parallelism's tasks, a
     large one's (here: SEARCH_TASK_ROWS made 1) on all 64, with the same answer either way (the
-    features' rejoin, a join, is sized by Spark)."""
+    features' rejoin, a join, takes the partitions the features were checkpointed in)."""
     from xmc_spark.compat import default_parallelism, shuffle_partitions
     dp, sp_ = default_parallelism(spark), shuffle_partitions(spark)
     monkeypatch.setattr(sharded, "SEARCH_TASK_ROWS", 10)
@@ -386,9 +386,10 @@ def test_search_partitions_follow_the_rows_not_the_shuffle_partitions(spark, pro
             assert _rows(got) == want
             shuffles = re.findall(r"Exchange hashpartitioning\((.*?), (\d+)\), (\w+)", executed_plan(got))
             counts[task_rows] = {int(c) for _, c, why in shuffles if why == "REPARTITION_BY_NUM"}
-            # the only other shuffles: the rejoin of the rows' features (both sides), sized by Spark
+            # the only other shuffles: the beam's, into the partitions of the rows' features (kept
+            # partitioned by sample, sized as the search's own), for their rejoin; the features stay
             assert {(keys.split("#")[0], int(c)) for keys, c, why in shuffles
-                    if why == "ENSURE_REQUIREMENTS"} <= {("sample_id", 64)}, shuffles
+                    if why == "ENSURE_REQUIREMENTS"} <= {("sample_id", c) for c in counts[task_rows]}, shuffles
     finally:
         for key, value in old.items():
             spark.conf.set(key, value)

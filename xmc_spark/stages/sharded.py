@@ -56,7 +56,15 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import CONNECT_MAX_MB, default_parallelism, is_connect, never_broadcast, share, shuffle_partitions_set
+from ..compat import (
+    CONNECT_MAX_MB,
+    default_parallelism,
+    is_connect,
+    never_broadcast,
+    partitioned_checkpoint,
+    share,
+    shuffle_partitions_set,
+)
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
 from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys
@@ -369,11 +377,13 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     shape = tree_layers(model.index)
     layer_nbytes(model)                          # one aggregate; stops on a key the tree lacks
     W = _placed_of(model)
-    # the rows' features, read once and kept on the executors (memory and disk): every layer
-    # rejoins its beam with them, which would otherwise read the input (a Delta table) again
-    feats = samples.select("sample_id", "feature_idx", "feature_val").localCheckpoint()
     spark = samples.sparkSession
     bounds = search_bounds(spark)
+    # the rows' features, read once and kept on the executors (memory and disk): every layer
+    # rejoins its beam with them, which would otherwise read the input (a Delta table) again;
+    # partitioned by sample, so that the join shuffles only the beam, into these partitions
+    feats = partitioned_checkpoint(samples.select("sample_id", "feature_idx", "feature_val"),
+                                   search_partitions(spark, n * beam_size, bounds), "sample_id")
 
     def by(df: DataFrame, rows: float, *keys: str) -> DataFrame:    # the search's own shuffles
         return df.repartition(search_partitions(spark, rows, bounds), *keys)
@@ -381,8 +391,8 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     def rejoin(top: DataFrame) -> DataFrame:
         # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
         # small input table would otherwise be broadcast, its rows through the driver every layer.
-        # (Not ``by``: when both sides of a join are shuffled, Spark sizes the two shuffles to
-        # spark.sql.shuffle.partitions whatever they asked for.)
+        # The features stay where they are (:func:`~..compat.partitioned_checkpoint`); the beam is
+        # shuffled into their partitions.
         return (top.join(never_broadcast(feats), "sample_id")
                 .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
                 .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
