@@ -131,5 +131,29 @@ def test_partitioned_checkpoint_keeps_its_partitioning_for_a_join(spark):
     joined, parts = exchanges(kept)
     assert parts == ["3"]                        # the other side only, into the checkpoint's 3 partitions
     assert sorted(joined.select("k", "v", "w").collect()) == [(k, 3 * k, k % 7) for k in range(200)]
-    _, parts_plain = exchanges(rows.localCheckpoint())
+    _, parts_plain = exchanges(rows.repartition(3, "k").localCheckpoint())   # under adaptive execution
     assert len(parts_plain) == 2
+
+
+def test_session_settings_restore_and_survive_a_refusal(spark, monkeypatch, caplog):
+    """Settings hold inside the block and are restored (or unset) after it, also after an error;
+    a setting the server refuses keeps its value with a warning, and a partitioned checkpoint then
+    still holds the rows."""
+    key, unset_key = "spark.sql.adaptive.enabled", "spark.xmc.test.unset"
+    before = spark.conf.get(key)
+    with pytest.raises(RuntimeError):
+        with compat.session_settings(spark, {key: "false", unset_key: "1"}, "a test"):
+            assert spark.conf.get(key) == "false" and spark.conf.get(unset_key) == "1"
+            raise RuntimeError("inside")
+    assert spark.conf.get(key) == before and spark.conf.get(unset_key, None) is None
+    real_set = spark.conf.set
+
+    def refuse(k, v):
+        if k == key:
+            raise ValueError("not allowed here")
+        real_set(k, v)
+    monkeypatch.setattr(spark.conf, "set", refuse)
+    with caplog.at_level("WARNING", logger="xmc_spark.compat"):
+        kept = compat.partitioned_checkpoint(spark.range(50).withColumnRenamed("id", "k"), 3, "k")
+    assert "could not set spark.sql.adaptive.enabled=false" in caplog.text
+    assert sorted(r["k"] for r in kept.collect()) == list(range(50)) and spark.conf.get(key) == before

@@ -211,20 +211,58 @@ def partition_keys(n_parts: int) -> np.ndarray:
     return keys
 
 
+class session_settings:
+    """Context: the session's ``settings`` (key -> value) for the queries run inside it, each
+    restored (or unset) on exit, also after an error. Session settings, so they reach Spark
+    Connect too; a caller's other threads sharing the session would run under them meanwhile
+    (the pipeline's stages run their queries one after another). A setting the server refuses (a
+    managed Connect server may allow only some keys) keeps its value, with a warning naming
+    ``purpose``: callers use settings that change speed, never results."""
+
+    def __init__(self, spark, settings: dict, purpose: str):
+        self.spark, self.settings, self.purpose = spark, dict(settings), purpose
+
+    def _get(self, key: str):
+        try:
+            return self.spark.conf.get(key, None)
+        except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
+            return None
+
+    def __enter__(self):
+        self.old = {}
+        for k, v in self.settings.items():
+            old = self._get(k)
+            try:
+                self.spark.conf.set(k, v)
+            except Exception as e:  # noqa: BLE001 - refused by the server: keep its value
+                log.warning("could not set %s=%s for %s (%s); keeping %s", k, v, self.purpose, e, old)
+                continue
+            self.old[k] = old
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            try:
+                if v is None:
+                    self.spark.conf.unset(k)
+                else:
+                    self.spark.conf.set(k, v)
+            except Exception as e:  # noqa: BLE001 - never hide the error that ended the block
+                log.warning("could not restore %s=%s after %s (%s)", k, v, self.purpose, e)
+        return False
+
+
 def partitioned_checkpoint(df, n_parts: int, *keys: str):
     """``df`` hash-partitioned on ``keys`` into ``n_parts`` partitions and checkpointed on the
-    executors (``localCheckpoint``), keeping that partitioning in its plan: a later join or grouping
-    on ``keys`` then shuffles only its other side, into these partitions. The checkpoint runs
-    without adaptive execution, whose plans leave a checkpoint no output partitioning (Spark 4.2:
-    both sides of such a join were shuffled to ``spark.sql.shuffle.partitions``)."""
-    spark = df.sparkSession
-    key = "spark.sql.adaptive.enabled"
-    before = spark.conf.get(key)
-    spark.conf.set(key, "false")
-    try:
+    executors (``localCheckpoint``, eager), keeping that partitioning in its plan: a later join or
+    grouping on ``keys`` then shuffles only its other side, into these partitions. The checkpoint
+    runs without adaptive execution (:class:`session_settings`), whose plans leave a checkpoint no
+    output partitioning (Spark 4.2: both sides of such a join were shuffled to
+    ``spark.sql.shuffle.partitions``); where the server refuses the setting, the checkpoint is
+    the same rows, and such a join shuffles both sides as before."""
+    with session_settings(df.sparkSession, {"spark.sql.adaptive.enabled": "false"},
+                          "a checkpoint that keeps its partitioning"):
         return df.repartition(n_parts, *keys).localCheckpoint()
-    finally:
-        spark.conf.set(key, before)
 
 
 def never_broadcast(df):

@@ -388,8 +388,8 @@ def test_search_partitions_follow_the_rows_not_the_shuffle_partitions(spark, pro
             counts[task_rows] = {int(c) for _, c, why in shuffles if why == "REPARTITION_BY_NUM"}
             # the only other shuffles: the beam's, into the partitions of the rows' features (kept
             # partitioned by sample, sized as the search's own), for their rejoin; the features stay
-            assert {(keys.split("#")[0], int(c)) for keys, c, why in shuffles
-                    if why == "ENSURE_REQUIREMENTS"} <= {("sample_id", c) for c in counts[task_rows]}, shuffles
+            joins = {(keys.split("#")[0], int(c)) for keys, c, why in shuffles if why == "ENSURE_REQUIREMENTS"}
+            assert joins and joins <= {("sample_id", c) for c in counts[task_rows]}, shuffles
     finally:
         for key, value in old.items():
             spark.conf.set(key, value)

@@ -102,7 +102,7 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import default_parallelism, never_broadcast, partition_keys, share, shuffle_partitions
+from ..compat import default_parallelism, never_broadcast, partition_keys, session_settings, share, shuffle_partitions
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
 from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth
@@ -678,7 +678,7 @@ def big_row_partitions(spark, rows: int, bound: int) -> int:
     return max(1, default_parallelism(spark), -(-int(rows) // cap))
 
 
-class _solver_session:
+class _solver_session(session_settings):
     """Session settings for the distributed solver's queries, restored on exit (also after an
     error). Session settings, so they reach Spark Connect too; the stage's queries run one after
     another, so nothing else runs under them.
@@ -698,27 +698,7 @@ class _solver_session:
     SETTINGS = {"spark.sql.execution.arrow.maxRecordsPerBatch": "1", "spark.sql.adaptive.enabled": "false"}
 
     def __init__(self, spark):
-        self.spark = spark
-
-    def __enter__(self):
-        self.old = {}
-        for k, v in self.SETTINGS.items():
-            old = _conf(self.spark, k)
-            try:
-                self.spark.conf.set(k, v)
-            except Exception as e:  # noqa: BLE001 - refused by the server: keep its value
-                log.warning("train: could not set %s=%s for the distributed solver (%s); keeping %s", k, v, e, old)
-                continue
-            self.old[k] = old
-        return self
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                self.spark.conf.unset(k)
-            else:
-                self.spark.conf.set(k, v)
-        return False
+        super().__init__(spark, self.SETTINGS, "the distributed solver")
 
 
 def _bytes(a: np.ndarray, dtype) -> bytes:
