@@ -211,6 +211,15 @@ def partition_keys(n_parts: int) -> np.ndarray:
     return keys
 
 
+def conf_value(spark, key: str, default=None):
+    """The session's setting ``key``, or ``default`` when unset or not exposed (a Spark Connect
+    server may refuse to read some keys)."""
+    try:
+        return spark.conf.get(key, default)
+    except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
+        return default
+
+
 class session_settings:
     """Context: the session's ``settings`` (key -> value) for the queries run inside it, each
     restored (or unset) on exit, also after an error. Session settings, so they reach Spark
@@ -222,16 +231,10 @@ class session_settings:
     def __init__(self, spark, settings: dict, purpose: str):
         self.spark, self.settings, self.purpose = spark, dict(settings), purpose
 
-    def _get(self, key: str):
-        try:
-            return self.spark.conf.get(key, None)
-        except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
-            return None
-
     def __enter__(self):
         self.old = {}
         for k, v in self.settings.items():
-            old = self._get(k)
+            old = conf_value(self.spark, k)
             try:
                 self.spark.conf.set(k, v)
             except Exception as e:  # noqa: BLE001 - refused by the server: keep its value

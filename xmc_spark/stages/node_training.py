@@ -102,7 +102,15 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import default_parallelism, never_broadcast, partition_keys, session_settings, share, shuffle_partitions
+from ..compat import (
+    conf_value,
+    default_parallelism,
+    never_broadcast,
+    partition_keys,
+    session_settings,
+    share,
+    shuffle_partitions,
+)
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
 from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth
@@ -461,13 +469,6 @@ def memory_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _conf(spark, key: str, default=None):
-    try:
-        return spark.conf.get(key, default)
-    except Exception:  # noqa: BLE001 - a key a Spark Connect server does not expose
-        return default
-
-
 def physical_memory() -> str:
     """This machine's RAM as a Spark memory string: in local mode the Python workers are
     processes of their own, bounded by the machine, not by the driver's JVM heap."""
@@ -488,7 +489,7 @@ CONF_KEYS = ("spark.master", "spark.executor.cores", "spark.task.cpus", "spark.e
 
 def session_conf(spark) -> dict:
     """The settings of :data:`CONF_KEYS` in this session (None where unset)."""
-    return {k: _conf(spark, k) for k in CONF_KEYS}
+    return {k: conf_value(spark, k) for k in CONF_KEYS}
 
 
 def _executor_cores(conf: dict) -> int:
@@ -897,7 +898,7 @@ def scratch_root(spark, scratch: Optional[str]) -> Optional[str]:
     None on a cluster without one (the vectors then stay on the driver)."""
     if scratch:
         return scratch
-    if str(_conf(spark, "spark.master", "") or "").startswith("local"):
+    if str(conf_value(spark, "spark.master", "") or "").startswith("local"):
         import tempfile
         return tempfile.gettempdir()
     return None
