@@ -179,6 +179,26 @@ def test_predict_and_evaluate_need_train_for_their_own_key(env, spark):
     assert read_delta(spark, str(d / "root" / "tables" / "predictions"), KB).count() == 0
 
 
+def test_one_process_reads_the_tree_table_once(env, unkeyed, spark, monkeypatch, tmp_path):
+    """In one process the train stage takes the tree stage's index (ctx.memo) instead of reading
+    the tree table back a second time; the model and metrics are those of the run that read it."""
+    d, params, _ = env
+    reads = []
+    read = Tables.read
+
+    def counted(self, name):
+        reads.append(name)
+        return read(self, name)
+
+    monkeypatch.setattr(Tables, "read", counted)
+    m = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(tmp_path / "run"), params)
+    monkeypatch.undo()
+    assert reads.count("tree") == 1 and "train" in reads          # the tree stage's own read-back
+    assert _weights(spark, str(tmp_path / "run" / "tables" / "weights")) == \
+        _weights(spark, str(d / "run" / "tables" / "weights"))
+    assert all(m[k] == unkeyed[k] for k in ("p@1", "p@3", "p@5", "tree_depth"))
+
+
 def test_a_rerun_upstream_invalidates_the_stages_after_it(env, spark, monkeypatch):
     d, params, _ = env
     key = "2026-01-03"
