@@ -392,7 +392,8 @@ def tree_stage(ctx: StageContext) -> StageResult:
                      "eagle.refine_keep_tree is off now): growing one")
         index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)
     ctx.memo["label_counts"] = counts
-    ctx.memo["tree_index"] = index      # what the tree table now holds: the train stage of this process takes it
+    # the index of the tree table's version just read back: the train stage of this process takes it
+    ctx.memo["tree_index"] = (ctx.tables.reads.get("tree"), index)
     return StageResult({"tree_depth": int(index.depth), "n_leaves": int(len(index.leaves)), **facts})
 
 
@@ -438,8 +439,10 @@ def train_stage(ctx: StageContext) -> StageResult:
     ``mlflow.log_model`` (a non-local root keeps the folder only for MLflow)."""
     ing, tables, params = ctx.dataset, ctx.tables, ctx.params
     samples = tables.read("train")
-    index = ctx.memo.pop("tree_index", None)     # the tree stage's, in the same process (the same table)
-    if index is None:
+    version, index = ctx.memo.pop("tree_index", (None, None))   # the tree stage's, in this process
+    if index is not None and version is not None and version == tables.pins.get("tree"):
+        tables.note_read("tree")                  # the version it pins, recorded as read (MLflow tags)
+    else:
         index = tree_index(tables.read("tree").toPandas(), ing.n_labels, params)
     counts = ctx.memo.get("label_counts")
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
