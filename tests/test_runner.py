@@ -211,6 +211,43 @@ def test_one_process_reads_the_tree_table_once(env, spark, monkeypatch, tmp_path
         _weights(spark, str(d / "root" / "tables" / "weights"), key)
 
 
+def test_the_train_stage_reads_the_tree_table_when_the_memo_is_of_another_version(env, spark, monkeypatch,
+                                                                                     tmp_path):
+    """The tree stage's index in ``ctx.memo`` is used only for the tree table's version the train
+    stage pins: an index recorded for another version is left, and the table is read."""
+    d, params, _ = env
+    key = "2026-01-06"
+    for s in ("ingest", "eagle", "tree", "train"):          # a Runner each (as the test above)
+        run_stage(spark, s, key, params, str(d / "train.txt") if s == "ingest" else None,
+                  str(d / "test.txt") if s == "ingest" else None)
+
+    class Stale:
+        """An index that must not be used."""
+        def __getattr__(self, name):
+            raise AssertionError(f"the train stage used a memo index of another tree version (.{name})")
+
+    reads = []
+    read, tree_stage = Tables.read, pipeline.tree_stage
+
+    def counted(self, name):
+        reads.append(name)
+        return read(self, name)
+
+    def stale_memo(ctx):
+        result = tree_stage(ctx)
+        version, _ = ctx.memo["tree_index"]
+        ctx.memo["tree_index"] = (version + 1, Stale())
+        return result
+
+    monkeypatch.setattr(Tables, "read", counted)
+    monkeypatch.setattr(pipeline, "tree_stage", stale_memo)
+    pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(tmp_path / "run"), params)
+    monkeypatch.undo()
+    assert reads.count("tree") == 2                          # the tree stage's read-back and the train stage's
+    assert _weights(spark, str(tmp_path / "run" / "tables" / "weights")) == \
+        _weights(spark, str(d / "root" / "tables" / "weights"), key)
+
+
 def test_a_rerun_upstream_invalidates_the_stages_after_it(env, spark, monkeypatch):
     d, params, _ = env
     key = "2026-01-03"
