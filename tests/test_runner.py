@@ -42,6 +42,38 @@ def _weights(spark, path, key=None):
                   for r in read_delta(spark, path, key).collect())
 
 
+def _run_stages(spark, d, params, key, stages):
+    """``stages`` in order for run key ``key``, a Runner each (no memo between them); ingest
+    reads d/train.txt and d/test.txt."""
+    for s in stages:
+        run_stage(spark, s, key, params, str(d / "train.txt") if s == "ingest" else None,
+                  str(d / "test.txt") if s == "ingest" else None)
+
+
+def _counting_reads(monkeypatch) -> list:
+    """The names of the tables read (``Tables.read``) from now until ``monkeypatch.undo()``."""
+    reads, read = [], Tables.read
+
+    def counted(self, name):
+        reads.append(name)
+        return read(self, name)
+
+    monkeypatch.setattr(Tables, "read", counted)
+    return reads
+
+
+SEPARATE = "2026-01-05"
+
+
+@pytest.fixture(scope="module")
+def separate(env, spark):
+    """Ingest to train for run key :data:`SEPARATE`, a Runner each: a train stage that reads the
+    tree table (the weights the one-process runs below are compared with)."""
+    d, params, _ = env
+    _run_stages(spark, d, params, SEPARATE, ("ingest", "eagle", "tree", "train"))
+    return SEPARATE
+
+
 @pytest.fixture(scope="module")
 def unkeyed(env, spark):
     """`xmc-spark run` on the same data: OUT = d/run."""
@@ -180,58 +212,40 @@ def test_predict_and_evaluate_need_train_for_their_own_key(env, spark):
     assert read_delta(spark, str(d / "root" / "tables" / "predictions"), KB).count() == 0
 
 
-def test_one_process_reads_the_tree_table_once(env, spark, monkeypatch, tmp_path):
+def test_one_process_reads_the_tree_table_once(env, separate, spark, monkeypatch, tmp_path):
     """In one process the train stage takes the tree stage's index (ctx.memo) instead of reading
     the tree table back a second time, still recording the tree's version as read (the MLflow tag
     table_version.train.tree); its weights equal those of stages run in a Runner each, whose train
     stage reads the table."""
     d, params, _ = env
-    key = "2026-01-05"
-    for s in ("ingest", "eagle", "tree", "train"):          # a Runner each: no memo between them
-        run_stage(spark, s, key, params, str(d / "train.txt") if s == "ingest" else None,
-                  str(d / "test.txt") if s == "ingest" else None)
-    reads, logged = [], {}
-    read, log_result = Tables.read, runner_module.log_result
-
-    def counted(self, name):
-        reads.append(name)
-        return read(self, name)
+    logged, log_result = {}, runner_module.log_result
 
     def kept(tracker, name, result, stage_reads):
         logged[name] = dict(stage_reads)
         return log_result(tracker, name, result, stage_reads)
 
-    monkeypatch.setattr(Tables, "read", counted)
+    reads = _counting_reads(monkeypatch)
     monkeypatch.setattr(runner_module, "log_result", kept)
     pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(tmp_path / "run"), params)
     monkeypatch.undo()
     assert reads.count("tree") == 1                          # the tree stage's own read-back
     assert logged["train"]["tree"] == logged["tree"]["tree"] == 0
     assert _weights(spark, str(tmp_path / "run" / "tables" / "weights")) == \
-        _weights(spark, str(d / "root" / "tables" / "weights"), key)
+        _weights(spark, str(d / "root" / "tables" / "weights"), separate)
 
 
-def test_the_train_stage_reads_the_tree_table_when_the_memo_is_of_another_version(env, spark, monkeypatch,
-                                                                                     tmp_path):
+def test_the_train_stage_reads_the_tree_table_when_the_memo_is_of_another_version(env, separate, spark,
+                                                                                     monkeypatch, tmp_path):
     """The tree stage's index in ``ctx.memo`` is used only for the tree table's version the train
     stage pins: an index recorded for another version is left, and the table is read."""
     d, params, _ = env
-    key = "2026-01-06"
-    for s in ("ingest", "eagle", "tree", "train"):          # a Runner each (as the test above)
-        run_stage(spark, s, key, params, str(d / "train.txt") if s == "ingest" else None,
-                  str(d / "test.txt") if s == "ingest" else None)
 
     class Stale:
         """An index that must not be used."""
         def __getattr__(self, name):
             raise AssertionError(f"the train stage used a memo index of another tree version (.{name})")
 
-    reads = []
-    read, tree_stage = Tables.read, pipeline.tree_stage
-
-    def counted(self, name):
-        reads.append(name)
-        return read(self, name)
+    tree_stage = pipeline.tree_stage
 
     def stale_memo(ctx):
         result = tree_stage(ctx)
@@ -239,21 +253,19 @@ def test_the_train_stage_reads_the_tree_table_when_the_memo_is_of_another_versio
         ctx.memo["tree_index"] = (version + 1, Stale())
         return result
 
-    monkeypatch.setattr(Tables, "read", counted)
+    reads = _counting_reads(monkeypatch)
     monkeypatch.setattr(pipeline, "tree_stage", stale_memo)
     pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(tmp_path / "run"), params)
     monkeypatch.undo()
     assert reads.count("tree") == 2                          # the tree stage's read-back and the train stage's
     assert _weights(spark, str(tmp_path / "run" / "tables" / "weights")) == \
-        _weights(spark, str(d / "root" / "tables" / "weights"), key)
+        _weights(spark, str(d / "root" / "tables" / "weights"), separate)
 
 
 def test_a_rerun_upstream_invalidates_the_stages_after_it(env, spark, monkeypatch):
     d, params, _ = env
     key = "2026-01-03"
-    for s in ("ingest", "eagle", "tree", "train", "prime", "knn", "predict"):
-        run_stage(spark, s, key, params, str(d / "train.txt") if s == "ingest" else None,
-                  str(d / "test.txt") if s == "ingest" else None)
+    _run_stages(spark, d, params, key, ("ingest", "eagle", "tree", "train", "prime", "knn", "predict"))
     run_stage(spark, "tree", key, params)
     with pytest.raises(StageOrderError, match="stage 'predict' needs the output of stage 'train'"):
         run_stage(spark, "predict", key, params)
@@ -268,9 +280,7 @@ def test_a_rerun_upstream_invalidates_the_stages_after_it(env, spark, monkeypatc
         return write(self, name, df, where)
 
     key2 = "2026-01-04"
-    for s in ("ingest", "eagle", "tree"):
-        run_stage(spark, s, key2, params, str(d / "train.txt") if s == "ingest" else None,
-                  str(d / "test.txt") if s == "ingest" else None)
+    _run_stages(spark, d, params, key2, ("ingest", "eagle", "tree"))
     monkeypatch.setattr(Tables, "write", killed)
     with pytest.raises(KeyboardInterrupt):
         run_stage(spark, "train", key2, params)

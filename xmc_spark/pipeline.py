@@ -440,7 +440,7 @@ def train_stage(ctx: StageContext) -> StageResult:
     ing, tables, params = ctx.dataset, ctx.tables, ctx.params
     samples = tables.read("train")
     version, index = ctx.memo.pop("tree_index", (None, None))   # the tree stage's, in this process
-    if index is not None and version is not None and version == tables.pins.get("tree"):
+    if version is not None and version == tables.pins.get("tree"):
         tables.note_read("tree")                  # the version it pins, recorded as read (MLflow tags)
     else:
         index = tree_index(tables.read("tree").toPandas(), ing.n_labels, params)
