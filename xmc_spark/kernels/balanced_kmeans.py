@@ -28,8 +28,8 @@ def _cluster_sums(ptr, idx, val, assign, k, d):
     C = np.zeros((k, d), np.float32)
     for i in range(len(ptr) - 1):
         c = assign[i]
-        for p in range(ptr[i], ptr[i + 1]):
-            C[c, idx[p]] += val[p]
+        for p in range(np.uint64(ptr[i]), np.uint64(ptr[i + 1])):
+            C[c, np.uint64(idx[p])] += val[p]
     return C
 
 
@@ -41,9 +41,9 @@ def _similarities(ptr, idx, val, C):
     Ct = np.ascontiguousarray(C.T)          # d x k: a feature's k centroid values side by side
     S = np.zeros((m, k))
     for i in range(m):
-        for p in range(ptr[i], ptr[i + 1]):
+        for p in range(np.uint64(ptr[i]), np.uint64(ptr[i + 1])):
             a = np.float64(val[p])
-            j = idx[p]
+            j = np.uint64(idx[p])
             for c in range(k):
                 S[i, c] += a * Ct[j, c]
     return S
@@ -60,8 +60,8 @@ def _projection(ptr, idx, val, v):
     s = np.zeros(m)
     for i in range(m):
         a = 0.0
-        for p in range(ptr[i], ptr[i + 1]):
-            a += np.float64(val[p]) * v[idx[p]]
+        for p in range(np.uint64(ptr[i]), np.uint64(ptr[i + 1])):
+            a += np.float64(val[p]) * v[np.uint64(idx[p])]
         s[i] = a
     return s
 
