@@ -212,11 +212,12 @@ def test_predict_and_evaluate_need_train_for_their_own_key(env, spark):
     assert read_delta(spark, str(d / "root" / "tables" / "predictions"), KB).count() == 0
 
 
-def test_one_process_reads_the_tree_table_once(env, separate, spark, monkeypatch, tmp_path):
-    """In one process the train stage takes the tree stage's index (ctx.memo) instead of reading
-    the tree table back a second time, still recording the tree's version as read (the MLflow tag
-    table_version.train.tree); its weights equal those of stages run in a Runner each, whose train
-    stage reads the table."""
+def test_one_process_never_reads_the_tree_table_back(env, separate, spark, monkeypatch, tmp_path):
+    """In one process the tree stage collects its index from the rows it committed (its
+    checkpoint) and the train stage takes that index (ctx.memo): neither reads the tree table, and
+    both record the tree's version as read (the MLflow tags table_version.tree.tree and
+    table_version.train.tree); the weights equal those of stages run in a Runner each, whose
+    train stage reads the table."""
     d, params, _ = env
     logged, log_result = {}, runner_module.log_result
 
@@ -228,7 +229,7 @@ def test_one_process_reads_the_tree_table_once(env, separate, spark, monkeypatch
     monkeypatch.setattr(runner_module, "log_result", kept)
     pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(tmp_path / "run"), params)
     monkeypatch.undo()
-    assert reads.count("tree") == 1                          # the tree stage's own read-back
+    assert reads.count("tree") == 0
     assert logged["train"]["tree"] == logged["tree"]["tree"] == 0
     assert _weights(spark, str(tmp_path / "run" / "tables" / "weights")) == \
         _weights(spark, str(d / "root" / "tables" / "weights"), separate)
@@ -257,7 +258,7 @@ def test_the_train_stage_reads_the_tree_table_when_the_memo_is_of_another_versio
     monkeypatch.setattr(pipeline, "tree_stage", stale_memo)
     pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(tmp_path / "run"), params)
     monkeypatch.undo()
-    assert reads.count("tree") == 2                          # the tree stage's read-back and the train stage's
+    assert reads.count("tree") == 1                          # the train stage's
     assert _weights(spark, str(tmp_path / "run" / "tables" / "weights")) == \
         _weights(spark, str(d / "root" / "tables" / "weights"), separate)
 
