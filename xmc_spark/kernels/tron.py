@@ -135,8 +135,9 @@ def _pass_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot_
         z[:] = 0.0
         zh[:] = 0.0
         u[:] = 0.0
-        for jj in range(x_ptr[i], x_ptr[i + 1]):
-            f, v = x_idx[jj], x_val[jj]
+        lo, hi = np.uint64(x_ptr[i]), np.uint64(x_ptr[i + 1])     # unsigned positions: no negative-index
+        for jj in range(lo, hi):                                  # fix-ups in the loops (same sums)
+            f, v = np.uint64(x_idx[jj]), x_val[jj]
             for q in range(kf):
                 z[q] += v * W[f, q]
             for q in range(kh):
@@ -157,8 +158,8 @@ def _pass_rows(rows, x_ptr, x_idx, x_val, cost, pos_ptr, pos_idx, pos_val, slot_
             _row_labels(i, pos_ptr, pos_idx, pos_val, slot_h, cost[i], yh, cmh)
             for q in range(kh):
                 u[q] = 2.0 * cmh[q] * u[q] if yh[q] * zh[q] < 1.0 else 0.0
-        for jj in range(x_ptr[i], x_ptr[i + 1]):
-            f, v = x_idx[jj], x_val[jj]
+        for jj in range(lo, hi):
+            f, v = np.uint64(x_idx[jj]), x_val[jj]
             for q in range(kf):
                 G[f, q] += v * z[q]
             if diag:
