@@ -1,0 +1,24 @@
+"""benchmarks/kernels_ab.py on bibtex against this checkout's own commit: every kernel row is
+printed, and a commit's kernels agree with themselves on every input (what the script reports as
+0 inputs differing); a model folder adds the beam search's row."""
+import sys
+from pathlib import Path
+
+from xmc_spark.local_io import read_xc
+from xmc_spark.model import XMCModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import kernels_ab as B  # noqa: E402
+
+
+def test_head_against_itself_differs_nowhere(bibtex, tmp_path, capsys):
+    X, Y = read_xc(str(bibtex / "train.txt"))
+    XMCModel.train_local(X, Y).save(str(tmp_path / "model"))
+    assert B.main(["--before", "HEAD", "--data", str(bibtex), "--model", str(tmp_path / "model"), "--groups", "3",
+                   "--pass-rows", "2000"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| solver (`train_node`)", "| 2-means split (`balanced_split`)", "| beam search (`beam_search`)",
+        *["| distributed pass (`partial_pass`)"] * 3]
+    assert all(r.rstrip(" |").endswith("| 0") for r in rows)
