@@ -11,9 +11,11 @@ alternating from input to input (this VM's speed drifts by tens of percent withi
 the two sides must share every stretch of it). Inputs, from the XC set ``--data``:
 
 - solver: ``--groups`` random training groups of the set's own PIFA tree (teacher-forced rows of
-  each node, as ``XMCModel.train_local`` trains them), ``squared_hinge.train_node``;
+  each node, as ``XMCModel.train_local`` trains them), ``squared_hinge.train_node`` (the whole
+  call: what changed outside the compiled solver counts too);
 - 2-means: the set's PIFA embeddings, the root and ten random subsets of 600-10,000 labels,
-  ``balanced_kmeans.balanced_split``;
+  ``balanced_kmeans.balanced_split`` into two (its cluster sums and projection; the similarities
+  of more than two children are not timed);
 - beam search: a model folder (``--model``, e.g. ``xmc-spark run``'s OUT/model; skipped without
   it) over the set's test rows in batches of 2,000, ``beam_search.beam_search``;
 - distributed solver's pass: a random block (``--pass-rows`` rows x 20,000 features, one node of 2,
@@ -40,10 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def old_kernel(rev: str, name: str, folder: Path):
-    """xmc_spark/kernels/<name>.py at ``rev``, imported as module ``<name>_before`` (its relative
-    imports made absolute: the helpers it imports are this checkout's)."""
+    """xmc_spark/kernels/<name>.py at ``rev``, imported as module ``<name>_before`` from ``folder``
+    (its relative imports made absolute: the helpers it imports are this checkout's; its kernels
+    compiled with numba's own ``njit``, without a disk cache)."""
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:xmc_spark/kernels/{name}.py"],
                          capture_output=True, text=True, check=True).stdout
+    src = re.sub(r"^from \.jit import njit$", "from numba import njit", src, flags=re.M)   # no disk cache
     src = re.sub(r"^from \.(\w*) import", r"from xmc_spark.kernels.\1 import", src, flags=re.M)
     path = folder / f"{name}_before.py"
     path.write_text(src)
@@ -168,7 +172,7 @@ def main(argv=None) -> int:
     print(f"| kernel | inputs | after s | before ({args.before}) s | after / before | inputs differing |")
     print("|---|---|---|---|---|---|")
     for name, inputs, t_new, t_old, differ in rows:
-        print(f"| {name} | {inputs} | {t_new:.2f} | {t_old:.2f} | {t_new / t_old:.2f} | {differ} |")
+        print(f"| {name} | {inputs} | {t_new:.3f} | {t_old:.3f} | {t_new / t_old:.2f} | {differ} |")
     return 0
 
 

@@ -12,6 +12,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kernels_ab as B  # noqa: E402
 
 
+def test_the_before_side_is_the_revisions_own_code(tmp_path):
+    """The kernels of an older commit come from that commit (73d94ab: before the unsigned
+    indices), not from this checkout's modules."""
+    old = B.old_kernel("73d94ab", "squared_hinge", tmp_path)
+    assert Path(old.__file__).parent == tmp_path and old.__name__ == "squared_hinge_before"
+    assert "_ONE" not in Path(old.__file__).read_text() and hasattr(old, "train_node")
+
+
 def test_head_against_itself_differs_nowhere(bibtex, tmp_path, capsys):
     X, Y = read_xc(str(bibtex / "train.txt"))
     XMCModel.train_local(X, Y).save(str(tmp_path / "model"))

@@ -6,8 +6,8 @@ L2R_L2LOSS_SVC_DUAL, the solver PECOS uses), compiled with numba. A weight of 1 
 sample gives the unweighted problem exactly.
 
 A node's labels are solved in one compiled call (:func:`_train_labels`): the rows' squared
-norms are computed once for all of them, the solver reads float32 values and int32 column
-ids as they come (every product in float64, so the solution is that of the float64 copy), and
+norms are computed once for all of them, the solver reads float32 values as they come (every
+product in float64, so the solution is that of the float64 copy) with node-local column ids, and
 no Python runs between classifiers. On leaves of the 200K synthetic set this is ~15% faster
 than a solver call per label over float64 copies.
 
@@ -24,6 +24,7 @@ import scipy.sparse as sp
 from .jit import njit
 
 _ONE = np.uint64(1)        # i + _ONE stays uint64 (i + 1 would make a float64 of a uint64)
+
 
 @njit()
 def _shuffle(index, active, state):
