@@ -271,3 +271,22 @@ def test_layer_blocks_are_rebuilt_for_another_child_ptr():
     assert a is not b
     np.testing.assert_array_equal(b[0], bs.layer_blocks(W, np.array([0, 4, 6]))[0])
     assert bs.layer_blocks(W, np.array([0, 4, 6])) is bs.layer_blocks(W, np.array([0, 4, 6]))
+
+
+def test_tied_scores_go_to_the_smaller_label():
+    """Weights and inputs on a coarse grid: many labels tie (an l3-hinge margin of 1 or more scores
+    exactly 1). A full beam gives the exhaustive top k, ties in label order, with and without labels
+    in two leaves (averaged)."""
+    for seed, overlap in ((3, False), (4, True)):
+        m, X = _random_model(seed, L=40, d=12, leaf_size=4, overlap=overlap)
+        for cols in (m.node_w, m.slot_w):
+            cols.W.data = np.round(cols.W.data * 2) / 2
+        X.data = np.round(X.data * 2) / 2
+        layers, order = m.layers()
+        Xb = sp.hstack([X, np.ones((X.shape[0], 1))], format="csr")
+        E = exhaustive_scores(Xb, layers, m.index.slot_label[order], m.n_labels)
+        assert (np.sort(E, axis=1)[:, -5:] == np.sort(E, axis=1)[:, -6:-1]).any()      # ties in the top 5
+        labels, scores = m.predict(X, beam_size=1000, topk=5)
+        top = np.argsort(-E, axis=1, kind="stable")[:, :5]
+        np.testing.assert_array_equal(labels, top)
+        np.testing.assert_allclose(scores, np.take_along_axis(E, top, axis=1), rtol=1e-12)

@@ -146,7 +146,12 @@ def _children_margins(xptr, xidx, xval, i, lo, hi, cfeat, cptr, cchild, cval, ac
 
 @njit()
 def _beam_layer(xptr, xidx, xval, prev_nodes, prev_scores, child_ptr, node_fptr, cfeat, cptr, cchild, cval,
-                passthrough, out_k, slot_label, post):
+                passthrough, out_k, slot_label, post, unique):
+    """One layer of the search for every row: the children of the row's beam, scored; the best
+    ``out_k`` of them (nodes, or after the label layer (``slot_label`` given) labels, the mean
+    score of a label reached through several leaves unless ``unique``: every label in one slot).
+    Ties go to the smaller label (label layer) or the earlier candidate (beam order, then child
+    order): what a stable sort of -score gives, here by a selection into ``out_k`` places."""
     n = prev_nodes.shape[0]
     b = prev_nodes.shape[1]
     out_nodes = -np.ones((n, out_k), dtype=np.int64)
@@ -166,7 +171,12 @@ def _beam_layer(xptr, xidx, xval, prev_nodes, prev_scores, child_ptr, node_fptr,
             max_cand = c
     cand = np.empty(max_cand, dtype=np.int64)
     cscore = np.empty(max_cand, dtype=np.float64)
+    sel_s = np.empty(out_k, dtype=np.float64)
+    sel_k = np.empty(out_k, dtype=np.int64)
+    sel_t = np.empty(out_k, dtype=np.int64)
     final = slot_label.shape[0] > 0
+    if out_k == 0:
+        return out_nodes, out_scores
     for i in range(n):
         c = 0
         for j in range(b):
@@ -187,7 +197,7 @@ def _beam_layer(xptr, xidx, xval, prev_nodes, prev_scores, child_ptr, node_fptr,
                 c += 1
         if c == 0:
             continue
-        if final:  # average the scores of a label reached through several leaves
+        if final and not unique:  # average the scores of a label reached through several leaves
             order = np.argsort(cand[:c], kind="mergesort")
             ulab = np.empty(c, dtype=np.int64)
             usc = np.empty(c, dtype=np.float64)
@@ -208,15 +218,28 @@ def _beam_layer(xptr, xidx, xval, prev_nodes, prev_scores, child_ptr, node_fptr,
             c = u + 1
             cand[:c] = ulab[:c]
             cscore[:c] = usc[:c]
-        # stable top-k by score, ties broken by smaller id
-        keys = np.empty(c, dtype=np.float64)
+        # the best out_k, by score, then the smaller label (the label layer; after the merge
+        # above the candidates are in label order) or the earlier candidate
+        m = 0
         for t in range(c):
-            keys[t] = -cscore[t]
-        order = np.argsort(keys, kind="mergesort")
-        m = min(out_k, c)
+            s = cscore[t]
+            k2 = cand[t] if final else t
+            if m == out_k and not (s > sel_s[m - 1] or (s == sel_s[m - 1] and k2 < sel_k[m - 1])):
+                continue
+            j = m if m < out_k else out_k - 1
+            while j > 0 and (s > sel_s[j - 1] or (s == sel_s[j - 1] and k2 < sel_k[j - 1])):
+                sel_s[j] = sel_s[j - 1]
+                sel_k[j] = sel_k[j - 1]
+                sel_t[j] = sel_t[j - 1]
+                j -= 1
+            sel_s[j] = s
+            sel_k[j] = k2
+            sel_t[j] = t
+            if m < out_k:
+                m += 1
         for t in range(m):
-            out_nodes[i, t] = cand[order[t]]
-            out_scores[i, t] = cscore[order[t]]
+            out_nodes[i, t] = cand[sel_t[t]]
+            out_scores[i, t] = cscore[sel_t[t]]
     return out_nodes, out_scores
 
 
@@ -285,11 +308,17 @@ def _beams(X: sp.csr_matrix, layers, slot_label, beam_size: int, topk: int, post
     for t, (child_ptr, W, passthrough) in enumerate(layers):
         last = t == len(layers) - 1 and slot_label is not None
         child_ptr = np.asarray(child_ptr, dtype=np.int64)
+        labels = np.asarray(slot_label, dtype=np.int64) if last else empty
         nodes, scores = _beam_layer(
             xptr, xidx, xval, nodes, scores, child_ptr, *layer_blocks(W, child_ptr),
-            np.asarray(passthrough, dtype=np.bool_), topk if last else beam_size,
-            np.asarray(slot_label, dtype=np.int64) if last else empty, post)
+            np.asarray(passthrough, dtype=np.bool_), topk if last else beam_size, labels, post,
+            _one_slot_each(labels))
         yield nodes, scores
+
+
+def _one_slot_each(labels: np.ndarray) -> bool:
+    """Does every label of ``labels`` (slot -> label) hold one slot only (no overlapping clusters)?"""
+    return not len(labels) or (labels.min() >= 0 and int(np.bincount(labels).max()) <= 1)
 
 
 def beam_search(X: sp.csr_matrix, layers, slot_label: np.ndarray, beam_size: int = 10, topk: int = 5,
