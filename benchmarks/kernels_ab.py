@@ -47,7 +47,8 @@ def old_kernel(rev: str, name: str, folder: Path):
     compiled with numba's own ``njit``, without a disk cache)."""
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:xmc_spark/kernels/{name}.py"],
                          capture_output=True, text=True, check=True).stdout
-    src = re.sub(r"^from \.jit import njit$", "from numba import njit", src, flags=re.M)   # no disk cache
+    src = re.sub(r"^from \.jit import (.*)$", r"from xmc_spark.kernels.jit import \1\nfrom numba import njit",
+                 src, flags=re.M)                                    # numba's own njit: no disk cache
     src = re.sub(r"^from \.(\w*) import", r"from xmc_spark.kernels.\1 import", src, flags=re.M)
     path = folder / f"{name}_before.py"
     path.write_text(src)

@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 import scipy.sparse as sp
 
-from .jit import njit
+from .jit import UONE, njit
 
 POST_PROCESSORS = {"l3-hinge": 0, "l2-hinge": 1, "sigmoid": 2}
 
@@ -103,16 +103,13 @@ def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
     return v
 
 
-_ONE = np.uint64(1)        # u + _ONE stays uint64 (u + 1 would make a float64 of a uint64)
-
-
 @njit()
 def _lower_bound_u(sorted_ids, lo, hi, f):
     """:func:`_lower_bound` over uint64 positions ``lo``, ``hi``."""
     while lo < hi:
-        mid = (lo + hi) >> _ONE
+        mid = (lo + hi) >> UONE
         if sorted_ids[mid] < f:
-            lo = mid + _ONE
+            lo = mid + UONE
         else:
             hi = mid
     return lo
@@ -136,9 +133,9 @@ def _children_margins(xptr, xidx, xval, i, lo, hi, cfeat, cptr, cchild, cval, ac
         a = _lower_bound_u(cfeat, lo_u, hi_u, f)
         if a < hi_u and cfeat[a] == f:
             v = np.float64(xval[q])
-            for e in range(np.uint64(cptr[a]), np.uint64(cptr[a + _ONE])):
+            for e in range(np.uint64(cptr[a]), np.uint64(cptr[a + UONE])):
                 acc[np.uint64(cchild[e])] += np.float64(cval[e]) * v
-            a += _ONE
+            a += UONE
         lo_u = a                        # x's features are sorted: the next one lies beyond
         if lo_u >= hi_u:
             break

@@ -18,9 +18,14 @@ import inspect
 import os
 import sys
 
+import numpy as np
 from numba import njit as _njit
 
 CACHE = os.path.isfile(__file__)
+# numba wraps a signed index that may be negative (a compare, an add and a select per access);
+# kernels index their hot loops with unsigned integers, and u + UONE keeps a uint64 a uint64
+# (u + 1 would make it a float64)
+UONE = np.uint64(1)
 _PACKAGE = __name__.split(".")[0] + "."
 
 

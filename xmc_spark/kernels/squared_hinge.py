@@ -21,9 +21,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from .jit import njit
-
-_ONE = np.uint64(1)        # i + _ONE stays uint64 (i + 1 would make a float64 of a uint64)
+from .jit import UONE, njit
 
 
 @njit()
@@ -77,7 +75,7 @@ def _dcd(indptr, indices, data, xx, y, Ci, w, eps, max_iter, seed):
             i = index[s]
             yi = y[i]
             g = 0.0
-            for p in range(indptr[i], indptr[i + _ONE]):
+            for p in range(indptr[i], indptr[i + UONE]):
                 g += w[indices[p]] * np.float64(data[p])
             g = g * yi - 1.0 + alpha[i] * diag[i]
             pg = 0.0
@@ -103,7 +101,7 @@ def _dcd(indptr, indices, data, xx, y, Ci, w, eps, max_iter, seed):
                     a_new = 0.0
                 alpha[i] = a_new
                 d = (a_new - a_old) * yi
-                for p in range(indptr[i], indptr[i + _ONE]):
+                for p in range(indptr[i], indptr[i + UONE]):
                     w[indices[p]] += d * np.float64(data[p])
             s += 1
         if pg_max_new - pg_min_new <= eps:
