@@ -79,12 +79,12 @@ def interleaved(calls_new, calls_old, same) -> tuple:
     return t_new, t_old, differ
 
 
-def _same_csc(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in ((a.indptr, b.indptr), (a.indices, b.indices), (a.data, b.data)))
-
-
 def _same_arrays(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def _same_csc(a, b) -> bool:
+    return _same_arrays((a.indptr, a.indices, a.data), (b.indptr, b.indices, b.data))
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """benchmarks/kernels_ab.py on bibtex against this checkout's own commit: every kernel row is
 printed, and a commit's kernels agree with themselves on every input (what the script reports as
 0 inputs differing); a model folder adds the beam search's row."""
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,11 +14,17 @@ import kernels_ab as B  # noqa: E402
 
 
 def test_the_before_side_is_the_revisions_own_code(tmp_path):
-    """The kernels of an older commit come from that commit (73d94ab: before the unsigned
-    indices), not from this checkout's modules."""
-    old = B.old_kernel("73d94ab", "squared_hinge", tmp_path)
+    """The kernels of ``--before`` are the revision's file (``git show``; HEAD here, which any
+    clone has, shallow or not), imported from the given folder, not this checkout's module."""
+    from xmc_spark.kernels import squared_hinge
+    old = B.old_kernel("HEAD", "squared_hinge", tmp_path)
     assert Path(old.__file__).parent == tmp_path and old.__name__ == "squared_hinge_before"
-    assert "_ONE" not in Path(old.__file__).read_text() and hasattr(old, "train_node")
+    assert old is not squared_hinge and old.train_node is not squared_hinge.train_node
+    committed = subprocess.run(["git", "-C", str(B.ROOT), "show", "HEAD:xmc_spark/kernels/squared_hinge.py"],
+                               capture_output=True, text=True, check=True).stdout
+    assert "from numba import njit" in Path(old.__file__).read_text()
+    assert [ln for ln in Path(old.__file__).read_text().splitlines() if "import" not in ln] == \
+        [ln for ln in committed.splitlines() if "import" not in ln]
 
 
 def test_head_against_itself_differs_nowhere(bibtex, tmp_path, capsys):

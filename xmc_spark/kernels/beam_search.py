@@ -74,11 +74,12 @@ def score_children(X: sp.csr_matrix, parent_scores: np.ndarray, W: sp.csc_matrix
 
 @njit()
 def _lower_bound(sorted_ids, lo, hi, f):
-    """The first position in sorted_ids[lo:hi] holding an id >= f (hi if none)."""
+    """The first position in sorted_ids[lo:hi] holding an id >= f (hi if none); ``lo`` and
+    ``hi`` uint64."""
     while lo < hi:
-        mid = (lo + hi) >> 1
+        mid = (lo + hi) >> UONE
         if sorted_ids[mid] < f:
-            lo = mid + 1
+            lo = mid + UONE
         else:
             hi = mid
     return lo
@@ -88,11 +89,10 @@ def _lower_bound(sorted_ids, lo, hi, f):
 def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
     """w_node . x_i: scan w against the dense copy of x, or, when w has many more non-zeros
     than x (upper tree levels), binary-search each of x's features in w's sorted indices."""
-    lo = wptr[node]
-    hi = wptr[node + 1]
-    nx = xptr[i + 1] - xptr[i]
+    lo = np.uint64(wptr[node])              # unsigned positions, as in _children_margins
+    hi = np.uint64(wptr[node + 1])
     v = 0.0
-    if hi - lo > 16 * nx:
+    if wptr[node + 1] - wptr[node] > 16 * (xptr[i + 1] - xptr[i]):
         for p in range(xptr[i], xptr[i + 1]):
             a = _lower_bound(widx, lo, hi, xidx[p])
             if a < hi and widx[a] == xidx[p]:
@@ -101,18 +101,6 @@ def _dot(xptr, xidx, xval, i, dense, wptr, widx, wval, node):
         for q in range(lo, hi):
             v += np.float64(wval[q]) * dense[widx[q]]
     return v
-
-
-@njit()
-def _lower_bound_u(sorted_ids, lo, hi, f):
-    """:func:`_lower_bound` over uint64 positions ``lo``, ``hi``."""
-    while lo < hi:
-        mid = (lo + hi) >> UONE
-        if sorted_ids[mid] < f:
-            lo = mid + UONE
-        else:
-            hi = mid
-    return lo
 
 
 @njit()
@@ -130,7 +118,7 @@ def _children_margins(xptr, xidx, xval, i, lo, hi, cfeat, cptr, cchild, cval, ac
     hi_u = np.uint64(hi)
     for q in range(np.uint64(xptr[i]), np.uint64(xptr[i + 1])):
         f = xidx[q]
-        a = _lower_bound_u(cfeat, lo_u, hi_u, f)
+        a = _lower_bound(cfeat, lo_u, hi_u, f)
         if a < hi_u and cfeat[a] == f:
             v = np.float64(xval[q])
             for e in range(np.uint64(cptr[a]), np.uint64(cptr[a + UONE])):
