@@ -19,8 +19,7 @@ from pyspark.sql import DataFrame
 
 from ..arrow_utils import binary_segments, binary_values, csr_from_table, csr_rows_to_arrays, grouped_apply
 from ..compat import partition_keys
-from ..kernels.label_embedding import pifa_partial
-from ..kernels.sparse import csr_from_lists, l2_normalize_rows
+from ..kernels.label_embedding import label_sums, pifa_partial
 from ..params import EmbeddingParams
 from ..schemas import EMBEDDING_SCHEMA
 
@@ -40,11 +39,11 @@ def _sparse_rows_table(row_ids: np.ndarray, M: sp.csr_matrix, extra: dict | None
 def _pack(bucket: int, rows: np.ndarray, acc: sp.csr_matrix, pack_nnz: int):
     """Record batches of :data:`PARTIAL_SCHEMA`: the rows ``rows`` of the partial ``acc``, cut
     into records of at most ``pack_nnz`` non-zeros (a row is never cut; one row may exceed it),
-    one record per batch."""
+    one record per batch. A row's columns keep the partial's order (the combine sorts each label's
+    sum once, :func:`~..kernels.label_embedding.label_sums`)."""
     if not len(rows):
         return
     sub = acc[rows]
-    sub.sort_indices()
     cum = sub.indptr[1:]
     cuts, lo = [0], 0
     while lo < len(rows):                    # each record: rows up to pack_nnz non-zeros past its start
@@ -108,15 +107,11 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
             yield from _pack(int(keys[b]), rows[order[ends[b]:ends[b + 1]]], acc, pack_nnz)
 
     def combine(t: pa.Table) -> pa.Table:
-        labels = binary_values(t.column("labels"), np.int32)
         ptr = np.concatenate([[0], np.cumsum(binary_values(t.column("row_len"), np.int32), dtype=np.int64)])
-        M = csr_from_lists(ptr, binary_values(t.column("emb_idx"), np.int32),
-                           binary_values(t.column("emb_val"), np.float32), n_features)
-        uniq, inv = np.unique(labels, return_inverse=True)
-        S = sp.csr_matrix((np.ones(len(labels), np.float32), (inv, np.arange(len(labels)))),
-                          shape=(len(uniq), len(labels)))
-        Z = l2_normalize_rows((S @ M).tocsr())
-        return _sparse_rows_table(uniq, Z)
+        uniq, zptr, zidx, zval = label_sums(binary_values(t.column("labels"), np.int32), ptr,
+                                            binary_values(t.column("emb_idx"), np.int32),
+                                            binary_values(t.column("emb_val"), np.float32), n_features)
+        return _sparse_rows_table(uniq, sp.csr_matrix((zval, zidx, zptr), shape=(len(uniq), n_features)))
 
     parts = samples.select("feature_idx", "feature_val", "label_idx").mapInArrow(partial, PARTIAL_SCHEMA)
     return grouped_apply(parts, ["bucket"], combine, EMBEDDING_SCHEMA)
