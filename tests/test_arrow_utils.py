@@ -9,6 +9,7 @@ from xmc_spark.arrow_utils import (
     binary_lengths,
     binary_segments,
     binary_values,
+    csr_batches,
     csr_from_binary,
     csr_from_table,
     csr_rows_to_arrays,
@@ -18,6 +19,7 @@ from xmc_spark.arrow_utils import (
     local_frame,
     pack_rows,
     to_arrow,
+    unpack_rows,
 )
 
 
@@ -148,6 +150,34 @@ def test_packed_rows_give_the_lists_csr():
 
 def _lineage(df) -> str:
     return df._jdf.queryExecution().toRdd().toDebugString()
+
+
+def test_unpacked_rows_are_the_packed_lists():
+    """unpack_rows gives back the lists pack_rows packed (empty rows, two chunks, a sliced chunk),
+    and refuses rows whose indices and values differ in length."""
+    idx = pa.array([[3, 1], [], [7], [0, 2, 5]], pa.list_(pa.int32()))
+    val = pa.array([[0.5, -1.0], [], [2.0], [1.0, 3.0, 4.0]], pa.list_(pa.float32()))
+    pi, pv = pack_rows(pa.table({"i": idx, "v": val}), "i", "v")
+    chunked = pa.table({"i": pa.chunked_array([pi.slice(0, 1), pi.slice(1)]),
+                        "v": pa.chunked_array([pv.slice(0, 3), pv.slice(3)])})
+    for packed in (pa.table({"i": pi, "v": pv}), chunked):
+        ui, uv = unpack_rows(packed, "i", "v")
+        assert ui.equals(idx) and uv.equals(val)
+    with pytest.raises(ValueError, match="different lengths"):
+        unpack_rows(pa.table({"i": pi, "v": pv.take([1, 0, 2, 3])}), "i", "v")
+
+
+def test_csr_batches_cut_rows_by_non_zeros():
+    """csr_batches packs a CSR matrix's rows beside per-row columns, a batch ending where the
+    running non-zeros pass a multiple of pack_nnz (rows of 2, 0, 4, 1, 2 non-zeros), no row cut."""
+    M = sp.csr_matrix(np.array([[1, 0, 2, 0], [0, 0, 0, 0], [3, 4, 5, 6], [0, 7, 0, 0], [8, 0, 0, 9]], np.float32))
+    for pack_nnz, sizes in [(100, [5]), (3, [2, 1, 2]), (1, [2, 1, 1, 1])]:
+        out = csr_batches({"k": pa.array([4, 0, 3, 1, 2], pa.int32())}, M, pack_nnz)
+        assert [b.num_rows for b in out] == sizes, pack_nnz
+        t = pa.Table.from_batches(out)
+        assert t.column("k").to_pylist() == [4, 0, 3, 1, 2]
+        assert (csr_from_binary(t, "emb_idx", "emb_val", 4) != M).nnz == 0
+    assert csr_batches({}, sp.csr_matrix((0, 4), dtype=np.float32), 3) == []
 
 
 def test_local_frame_needs_no_python_worker(spark):

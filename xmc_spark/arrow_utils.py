@@ -112,6 +112,42 @@ def pack_rows(table: pa.Table, idx_col: str, val_col: str) -> tuple:
     return binary_segments(idx, off, np.int32), binary_segments(val, off, np.float32)
 
 
+def unpack_rows(table: pa.Table, idx_col: str, val_col: str) -> tuple:
+    """The inverse of :func:`pack_rows`: the binary columns ``idx_col`` and ``val_col`` as list
+    columns (int32, float32) of the same rows."""
+    n = binary_lengths(table.column(idx_col), 4)
+    if not np.array_equal(n, binary_lengths(table.column(val_col), 4)):
+        raise ValueError(f"{idx_col} and {val_col} have different lengths in a row")
+    off = np.concatenate([[0], np.cumsum(n)])
+    return (list_array(off, binary_values(table.column(idx_col), np.int32), pa.int32()),
+            list_array(off, binary_values(table.column(val_col), np.float32), pa.float32()))
+
+
+def nnz_cuts(ends: np.ndarray, pack_nnz: int):
+    """(lo, hi) row ranges cut where the running count of non-zeros (``ends``: cumulative per row)
+    passes a multiple of ``pack_nnz``: a range holds fewer than ``pack_nnz`` plus its longest row's
+    non-zeros (a row is never cut)."""
+    total = int(ends[-1]) if len(ends) else 0
+    cuts = np.unique(np.concatenate([[0], np.searchsorted(ends, np.arange(pack_nnz, total, pack_nnz), side="right"),
+                                     [len(ends)]]))
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+
+
+def csr_batches(cols: dict, M: sp.csr_matrix, pack_nnz: int, idx_col: str = "emb_idx",
+                val_col: str = "emb_val") -> list:
+    """Record batches of the rows of ``M`` packed (:func:`pack_rows`: ``idx_col``, ``val_col``)
+    beside the per-row Arrow arrays ``cols``, cut by :func:`nnz_cuts` (no binary array near 2 GiB)."""
+    batches = []
+    for lo, hi in nnz_cuts(M.indptr[1:] - M.indptr[0], pack_nnz):
+        a, z = M.indptr[lo], M.indptr[hi]
+        ptr = M.indptr[lo:hi + 1] - a
+        part = {k: v.slice(lo, hi - lo) for k, v in cols.items()}
+        part.update({idx_col: binary_segments(M.indices[a:z], ptr, np.int32),
+                     val_col: binary_segments(M.data[a:z], ptr, np.float32)})
+        batches.append(pa.RecordBatch.from_pydict(part))
+    return batches
+
+
 def csr_from_binary(table: pa.Table, idx_col: str, val_col: str, n_cols: int,
                     order: Optional[np.ndarray] = None) -> sp.csr_matrix:
     """:func:`csr_from_table` of the rows :func:`pack_rows` packed, in ``order`` (row k of the

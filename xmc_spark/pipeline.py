@@ -70,20 +70,26 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
     writes ``label_embeddings`` and ``tree``; returns (TreeIndex, frequency facts).
     ``label_counts`` (training label frequencies), when given, spare the frequency stage a pass."""
     spark = samples.sparkSession
-    with timer.stage("embedding"):
-        emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
-                                  n_buckets=shuffle_partitions(spark))
-        tables.write("label_embeddings", emb)
-    f = ft = None
-    facts: Dict = {}
-    if params.tree.effective_lambda > 0:
-        with timer.stage("frequencies"):
-            f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree, label_counts)
-            facts = {f"frequencies.{k}": v for k, v in finfo.items()}
-    with timer.stage("tree"):
-        tree = label_tree.run(tables.read("label_embeddings"), params.tree, n_features=n_features,
-                              n_labels=n_labels, f=f, f_tilde=ft)
-        index = commit_tree(tables, tree, n_labels, params)
+    # packed and kept (the write's job fills the cache): the tree grows from the rows just written,
+    # without reading the table back (a Delta snapshot, a file filter and a pass that packs its
+    # lists again); the table's lists are unpacked from the bytes in the write's tasks
+    emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
+                              n_buckets=shuffle_partitions(spark), packed=True).persist()
+    try:
+        with timer.stage("embedding"):
+            tables.write("label_embeddings", label_embedding.unpacked(emb))
+            tables.note_read("label_embeddings")
+        f = ft = None
+        facts: Dict = {}
+        if params.tree.effective_lambda > 0:
+            with timer.stage("frequencies"):
+                f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree, label_counts)
+                facts = {f"frequencies.{k}": v for k, v in finfo.items()}
+        with timer.stage("tree"):
+            tree = label_tree.run(emb, params.tree, n_features=n_features, n_labels=n_labels, f=f, f_tilde=ft)
+            index = commit_tree(tables, tree, n_labels, params)
+    finally:
+        emb.unpersist()
     return index, facts
 
 
@@ -298,7 +304,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
             # the last round model's PIFA and tree: the tree stage keeps them for the final model
             # (the tree O(labels) rows; the embeddings were checkpointed when the model was trained)
             emb_r, tree_r = fit.last
-            tables.write("label_embeddings", emb_r)
+            tables.write("label_embeddings", label_embedding.unpacked(emb_r))
             tables.write("eagle_tree", local_frame(spark, pa.Table.from_pandas(tree_r, preserve_index=False),
                                                    TREE_SCHEMA))
             facts[KEPT_TREE] = tree_config(ctx.params)
@@ -344,7 +350,7 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         # bound and whether any node is big (an undercount could skip the distributed solver)
         spark = train_df.sparkSession
         emb = label_embedding.run(train_df, params.embedding, n_features=info.n_features, n_labels=info.n_labels,
-                                  n_buckets=shuffle_partitions(spark)).localCheckpoint()
+                                  n_buckets=shuffle_partitions(spark), packed=True).localCheckpoint()
         f = ft = None
         if params.tree.effective_lambda > 0:
             f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree, label_counts)
@@ -353,7 +359,7 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         index = tree_index(tree, info.n_labels, params)
         w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch,
                               n_samples=n_samples, label_counts=label_counts).localCheckpoint()
-        fit.last = (emb, tree)          # the latest model's PIFA and tree (eagle.refine_keep_tree)
+        fit.last = (emb, tree)          # the latest model's PIFA (packed) and tree (eagle.refine_keep_tree)
         return model_from_weights(w, index, info.n_features, tp, params.predict)
     fit.last = None
     return fit

@@ -109,3 +109,21 @@ def test_each_bucket_gets_a_partition_of_its_own(problem, spark):
     assert len(set.union(*where.values())) == 4
     Z = to_csr(rows, "emb_idx", "emb_val", D, id_col="label_idx")
     np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_embeddings_are_the_rows_of_the_table(problem, spark):
+    """packed=True gives the same rows with their lists as bytes: unpacked, bit for bit the rows
+    of the list output; the label tree grown from them is the tree grown from the lists."""
+    from xmc_spark.params import TreeParams
+    from xmc_spark.stages import label_tree
+    samples, _, _ = problem
+    kw = dict(n_features=D, n_labels=L, n_buckets=3)
+    lists = label_embedding.run(samples, EmbeddingParams(), **kw)
+    packed = label_embedding.run(samples, EmbeddingParams(), packed=True, **kw)
+    assert dict(packed.dtypes)["emb_idx"] == "binary" and label_tree.is_packed(packed)
+    assert not label_tree.is_packed(lists)
+    rows = sorted(check_table(label_embedding.unpacked(packed), "label_embeddings").collect())
+    assert rows == sorted(lists.collect()) and len(rows) > 0
+    params = TreeParams(max_leaf_size=3, seed=4)
+    grown = [sorted(label_tree.run(e, params, n_features=D, n_labels=L).collect()) for e in (lists, packed)]
+    assert grown[0] == grown[1]

@@ -17,7 +17,15 @@ import pyarrow as pa
 import scipy.sparse as sp
 from pyspark.sql import DataFrame
 
-from ..arrow_utils import binary_segments, binary_values, csr_from_table, csr_rows_to_arrays, grouped_apply
+from ..arrow_utils import (
+    binary_segments,
+    binary_values,
+    csr_batches,
+    csr_from_table,
+    csr_rows_to_arrays,
+    grouped_apply,
+    unpack_rows,
+)
 from ..compat import partition_keys
 from ..kernels.label_embedding import label_sums, pifa_partial
 from ..params import EmbeddingParams
@@ -27,6 +35,11 @@ log = logging.getLogger("xmc_spark.embedding")
 BLOCK_BYTES = 32 << 20
 PARTIAL_SCHEMA = "bucket int, labels binary, row_len binary, emb_idx binary, emb_val binary"
 PACK_NNZ = 4 << 20          # non-zeros of a packed partial record (32 MB of indices and values)
+# The embeddings with each row's non-zeros packed as bytes (arrow_utils.pack_rows), what the label
+# tree's tasks read: Spark hands list columns to Python number by number, bytes whole
+PACKED_SCHEMA = "label_idx int, emb_idx binary, emb_val binary"
+PACKED_BATCH_NNZ = 1 << 26  # non-zeros of one packed batch (256 MiB of indices: below a binary array's 2 GiB)
+PACKED_ARROW = pa.schema([("label_idx", pa.int32()), ("emb_idx", pa.binary()), ("emb_val", pa.binary())])
 
 
 def _sparse_rows_table(row_ids: np.ndarray, M: sp.csr_matrix, extra: dict | None = None) -> pa.Table:
@@ -63,8 +76,11 @@ def _pack(bucket: int, rows: np.ndarray, acc: sp.csr_matrix, pack_nnz: int):
 
 
 def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_labels: int,
-        n_buckets: int = 8, block_bytes: int = BLOCK_BYTES, pack_nnz: int = PACK_NNZ) -> DataFrame:
-    """(label_idx, emb_idx, emb_val): L2-normalized Y^T X rows, labels with no sample omitted.
+        n_buckets: int = 8, block_bytes: int = BLOCK_BYTES, pack_nnz: int = PACK_NNZ,
+        packed: bool = False) -> DataFrame:
+    """(label_idx, emb_idx, emb_val): L2-normalized Y^T X rows, labels with no sample omitted;
+    with ``packed``, each row's two lists packed as bytes (:data:`PACKED_SCHEMA`, what the label
+    tree reads; :func:`unpacked` gives the table's rows).
 
     Each task multiplies blocks of its Arrow batches (``block_bytes`` of Arrow buffers, about
     ``block_bytes / 8`` feature non-zeros, then the next block) and sums the blocks' products.
@@ -111,7 +127,23 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
         uniq, zptr, zidx, zval = label_sums(binary_values(t.column("labels"), np.int32), ptr,
                                             binary_values(t.column("emb_idx"), np.int32),
                                             binary_values(t.column("emb_val"), np.float32), n_features)
-        return _sparse_rows_table(uniq, sp.csr_matrix((zval, zidx, zptr), shape=(len(uniq), n_features)))
+        Z = sp.csr_matrix((zval, zidx, zptr), shape=(len(uniq), n_features))
+        if not packed:
+            return _sparse_rows_table(uniq, Z)
+        batches = csr_batches({"label_idx": pa.array(uniq.astype(np.int32))}, Z, PACKED_BATCH_NNZ)
+        return pa.Table.from_batches(batches, PACKED_ARROW) if batches else PACKED_ARROW.empty_table()
 
     parts = samples.select("feature_idx", "feature_val", "label_idx").mapInArrow(partial, PARTIAL_SCHEMA)
-    return grouped_apply(parts, ["bucket"], combine, EMBEDDING_SCHEMA)
+    return grouped_apply(parts, ["bucket"], combine, PACKED_SCHEMA if packed else EMBEDDING_SCHEMA)
+
+
+def _unpack(batches):
+    for b in batches:
+        idx, val = unpack_rows(pa.Table.from_batches([b]), "emb_idx", "emb_val")
+        yield pa.RecordBatch.from_arrays([b.column("label_idx"), idx, val], ["label_idx", "emb_idx", "emb_val"])
+
+
+def unpacked(packed: DataFrame) -> DataFrame:
+    """The ``label_embeddings`` rows of packed embeddings (:func:`run` with ``packed``): each row's
+    bytes as lists again, in the task (the tree reads the packed rows; the table keeps its lists)."""
+    return packed.mapInArrow(_unpack, EMBEDDING_SCHEMA)

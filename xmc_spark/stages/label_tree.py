@@ -29,11 +29,12 @@ import scipy.sparse as sp
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import binary_segments, csr_from_binary, grouped_apply, pack_rows
+from ..arrow_utils import csr_batches, csr_from_binary, grouped_apply, nnz_cuts, pack_rows
 from ..compat import partition_keys, share, shuffle_partitions, task_slots
 from ..kernels.tree import TREE_SHIFT, split_node, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
+from .label_embedding import PACKED_BATCH_NNZ, PACKED_SCHEMA
 
 log = logging.getLogger("xmc_spark.tree")
 
@@ -169,14 +170,7 @@ def _level_step(params: TreeParams, n_features: int, n_labels: int, B: int, leve
         if Z is None:
             Z = _sorted_csr(t, order, n_features)
         out["part"] = pa.array(nxt[1][np.mod(_group_index(B, level + 1, tree, child), nxt[0])], pa.int32())
-        batches = []                             # the rows' embeddings packed from Z, cut by non-zeros
-        for lo, hi in _nnz_cuts(Z.indptr[1:], PACK_NNZ):
-            a, z = Z.indptr[lo], Z.indptr[hi]
-            ptr = Z.indptr[lo:hi + 1] - a
-            cols = {k: v.slice(lo, hi - lo) for k, v in out.items()}
-            cols.update(emb_idx=binary_segments(Z.indices[a:z], ptr, np.int32),
-                        emb_val=binary_segments(Z.data[a:z], ptr, np.float32))
-            batches.append(pa.RecordBatch.from_pydict(cols))
+        batches = csr_batches(out, Z, PACK_NNZ)     # the rows' embeddings packed from Z, cut by non-zeros
         return pa.Table.from_batches(batches, LEVEL_ARROW) if batches else LEVEL_ARROW.empty_table()
     return step
 
@@ -201,28 +195,17 @@ def _root_rows(t: pa.Table, n_labels: int) -> pa.Table:
     return pa.concat_tables([t.select(fill.column_names).cast(fill.schema), fill])
 
 
-def _nnz_cuts(ends: np.ndarray, pack_nnz: int):
-    """(lo, hi) row ranges cut where the running count of non-zeros (``ends``: cumulative per row)
-    passes a multiple of ``pack_nnz``: a range holds fewer than ``pack_nnz`` plus its longest row's
-    non-zeros (a row is never cut)."""
-    total = int(ends[-1]) if len(ends) else 0
-    cuts = np.unique(np.concatenate([[0], np.searchsorted(ends, np.arange(pack_nnz, total, pack_nnz), side="right"),
-                                     [len(ends)]]))
-    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
-
-
-PACKED_SCHEMA = "label_idx int, emb_idx binary, emb_val binary"
-PACK_NNZ = 1 << 26          # non-zeros of one packed batch (256 MiB of indices: below a binary array's 2 GiB)
+PACK_NNZ = PACKED_BATCH_NNZ    # non-zeros of one packed batch of a level's rows
 
 
 def _packed(batches, pack_nnz: int = PACK_NNZ):
     """(label_idx, emb_idx, emb_val) batches with the two lists packed (:func:`~..arrow_utils.pack_rows`),
     an input batch cut where the running count of non-zeros passes a multiple of ``pack_nnz``
-    (:func:`_nnz_cuts`: a packed batch holds fewer than ``pack_nnz`` plus its longest row's)."""
+    (:func:`~..arrow_utils.nnz_cuts`: a packed batch holds fewer than ``pack_nnz`` plus its longest row's)."""
     for b in batches:
         t = pa.Table.from_batches([b])
         ends = np.cumsum(pc.list_value_length(t.column("emb_idx")).fill_null(0).to_numpy(zero_copy_only=False))
-        for lo, hi in _nnz_cuts(ends, pack_nnz):
+        for lo, hi in nnz_cuts(ends, pack_nnz):
             part = t.slice(lo, hi - lo)
             idx, val = pack_rows(part, "emb_idx", "emb_val")
             yield pa.RecordBatch.from_arrays([part.column("label_idx").combine_chunks(), idx, val],
@@ -258,11 +241,18 @@ def _key():
     return F.shiftleft(F.col("tree").cast("long"), TREE_SHIFT).bitwiseOR(F.col("node"))
 
 
+def is_packed(embeddings: DataFrame) -> bool:
+    """Whether ``embeddings`` carry their rows packed (binary ``emb_idx``), not as lists."""
+    return dict(embeddings.dtypes).get("emb_idx") == "binary"
+
+
 def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels: int, f=None,
         f_tilde=None) -> DataFrame:
     """(label_idx, node, tree): the leaf of each label in each tree (tree = 0 for one tree).
     Labels without an embedding (no training sample) are still placed: they join the tree
-    with an empty embedding.
+    with an empty embedding. ``embeddings`` are rows of the ``label_embeddings`` table, or those
+    rows packed (:data:`~.label_embedding.PACKED_SCHEMA`, :func:`~.label_embedding.run` with
+    ``packed``).
 
     ``f`` and ``f_tilde`` (label frequencies, :mod:`.label_frequencies`) are required when
     the tree is interpolated (lambda > 0)."""
@@ -277,7 +267,7 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     # the rows' non-zeros packed as bytes where the table is read (its tasks in parallel), so that
     # a split task receives them whole: Spark hands list columns to Python number by number, and
     # the root's task (every label's row; 500K set, 50K labels) took 6.0 s, its split ~1 s of it
-    packed = embeddings.mapInArrow(_packed, PACKED_SCHEMA)
+    packed = embeddings if is_packed(embeddings) else embeddings.mapInArrow(_packed, PACKED_SCHEMA)
     local = local_size(params, n_labels, task_slots(spark))
     levels = chained_levels(params.for_tree(0), n_labels, local) if _chainable(params) else 0
     if levels:
