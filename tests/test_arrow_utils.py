@@ -46,6 +46,8 @@ def test_list_array_round_trip():
     assert arr.type == pa.list_(pa.float32())
     assert arr.to_pylist() == [[0.5, 1.0], [], [2.0, 3.0, 4.0]]
     assert _parts(arr) == ([0, 2, 2, 5], [0.5, 1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(ValueError, match="do not fit one list array"):       # int32 offsets would wrap
+        list_array(np.array([0, 1 << 31]), np.zeros(1, np.float32), pa.float32())
 
 
 @pytest.mark.parametrize("seed", range(3))

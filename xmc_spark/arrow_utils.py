@@ -51,7 +51,11 @@ def padded(table: pa.Table, column: str, k: int, fill, dtype) -> np.ndarray:
 
 
 def list_array(offsets: np.ndarray, values: np.ndarray, typ: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(np.asarray(offsets, dtype=np.int32)), pa.array(values, type=typ))
+    """A ListArray of int32 offsets: refuses offsets past 2^31 - 1 (a batch that large must be cut)."""
+    offsets = np.asarray(offsets)
+    if len(offsets) and offsets[-1] >= 1 << 31:
+        raise ValueError(f"{int(offsets[-1])} list values do not fit one list array (< 2^31): cut the rows smaller")
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=typ))
 
 
 def csr_rows_to_arrays(M: sp.csr_matrix):

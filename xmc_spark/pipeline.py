@@ -72,7 +72,9 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
     spark = samples.sparkSession
     # packed and kept (the write's job fills the cache): the tree grows from the rows just written,
     # without reading the table back (a Delta snapshot, a file filter and a pass that packs its
-    # lists again); the table's lists are unpacked from the bytes in the write's tasks
+    # lists again); the table's lists are unpacked from the bytes in the write's tasks. A block
+    # lost from the cache is recomputed: its sums may then differ in the last bits (the shuffle's
+    # order of a label's partials), as a rerun of the stage's embedding would
     emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
                               n_buckets=shuffle_partitions(spark), packed=True).persist()
     try:

@@ -112,18 +112,23 @@ def test_each_bucket_gets_a_partition_of_its_own(problem, spark):
 
 
 def test_packed_embeddings_are_the_rows_of_the_table(problem, spark):
-    """packed=True gives the same rows with their lists as bytes: unpacked, bit for bit the rows
-    of the list output; the label tree grown from them is the tree grown from the lists."""
+    """packed=True gives the same rows with their lists as bytes, in batches cut by non-zeros:
+    unpacked, the rows of the list output (up to the order of the shuffle's partials: float32
+    sums); the label tree grown from the packed rows is the one grown from their unpacked lists."""
     from xmc_spark.params import TreeParams
     from xmc_spark.stages import label_tree
     samples, _, _ = problem
     kw = dict(n_features=D, n_labels=L, n_buckets=3)
     lists = label_embedding.run(samples, EmbeddingParams(), **kw)
-    packed = label_embedding.run(samples, EmbeddingParams(), packed=True, **kw)
-    assert dict(packed.dtypes)["emb_idx"] == "binary" and label_tree.is_packed(packed)
-    assert not label_tree.is_packed(lists)
-    rows = sorted(check_table(label_embedding.unpacked(packed), "label_embeddings").collect())
-    assert rows == sorted(lists.collect()) and len(rows) > 0
-    params = TreeParams(max_leaf_size=3, seed=4)
-    grown = [sorted(label_tree.run(e, params, n_features=D, n_labels=L).collect()) for e in (lists, packed)]
-    assert grown[0] == grown[1]
+    Z = to_csr(lists.collect(), "emb_idx", "emb_val", D, id_col="label_idx")
+    for batch_nnz in (label_embedding.PACKED_BATCH_NNZ, 1, 7):     # one batch a task, a row a batch, a few
+        packed = label_embedding.run(samples, EmbeddingParams(), packed=True, batch_nnz=batch_nnz,
+                                     **kw).localCheckpoint()
+        assert dict(packed.dtypes)["emb_idx"] == "binary" and label_tree.is_packed(packed)
+        table = check_table(label_embedding.unpacked(packed), "label_embeddings")
+        assert not label_tree.is_packed(table)
+        np.testing.assert_allclose(to_csr(table.collect(), "emb_idx", "emb_val", D, id_col="label_idx").toarray(),
+                                   Z.toarray(), rtol=1e-6, atol=1e-7)
+        params = TreeParams(max_leaf_size=3, seed=4)
+        grown = [sorted(label_tree.run(e, params, n_features=D, n_labels=L).collect()) for e in (table, packed)]
+        assert grown[0] == grown[1]

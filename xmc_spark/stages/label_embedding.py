@@ -7,7 +7,10 @@ rather than a list row per label (at 500K samples x 50K labels, ~4.7M non-zeros 
 of ~128K rows, each converted between Arrow and Spark rows on both sides of the shuffle). The
 values are the float32 the lists carried, so the sums are those of the list path (up to the
 order in which the shuffle delivers a label's partials, as before). Measured at 500K (2 cores,
-event log): the partial and combine jobs 2.7 + 3.6 s against 2.8-3.2 + 3.9-4.0 s with lists."""
+event log): the partial and combine jobs 2.7 + 3.6 s against 2.8-3.2 + 3.9-4.0 s with lists.
+
+The combine's output is the table's rows, or (``packed``) the same rows with their lists as bytes,
+what the label tree reads (:func:`unpacked` turns them into the table's rows)."""
 from __future__ import annotations
 
 import logging
@@ -53,7 +56,8 @@ def _pack(bucket: int, rows: np.ndarray, acc: sp.csr_matrix, pack_nnz: int):
     """Record batches of :data:`PARTIAL_SCHEMA`: the rows ``rows`` of the partial ``acc``, cut
     into records of at most ``pack_nnz`` non-zeros (a row is never cut; one row may exceed it),
     one record per batch. A row's columns keep the partial's order (the combine sorts each label's
-    sum once, :func:`~..kernels.label_embedding.label_sums`)."""
+    sum once, :func:`~..kernels.label_embedding.label_sums`, which needs no column twice in a row:
+    ``acc`` is a scipy product or sum of products, whose rows never repeat a column)."""
     if not len(rows):
         return
     sub = acc[rows]
@@ -77,10 +81,10 @@ def _pack(bucket: int, rows: np.ndarray, acc: sp.csr_matrix, pack_nnz: int):
 
 def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_labels: int,
         n_buckets: int = 8, block_bytes: int = BLOCK_BYTES, pack_nnz: int = PACK_NNZ,
-        packed: bool = False) -> DataFrame:
+        packed: bool = False, batch_nnz: int = PACKED_BATCH_NNZ) -> DataFrame:
     """(label_idx, emb_idx, emb_val): L2-normalized Y^T X rows, labels with no sample omitted;
     with ``packed``, each row's two lists packed as bytes (:data:`PACKED_SCHEMA`, what the label
-    tree reads; :func:`unpacked` gives the table's rows).
+    tree reads; :func:`unpacked` gives the table's rows), in batches cut at ``batch_nnz`` non-zeros.
 
     Each task multiplies blocks of its Arrow batches (``block_bytes`` of Arrow buffers, about
     ``block_bytes / 8`` feature non-zeros, then the next block) and sums the blocks' products.
@@ -130,7 +134,7 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
         Z = sp.csr_matrix((zval, zidx, zptr), shape=(len(uniq), n_features))
         if not packed:
             return _sparse_rows_table(uniq, Z)
-        batches = csr_batches({"label_idx": pa.array(uniq.astype(np.int32))}, Z, PACKED_BATCH_NNZ)
+        batches = csr_batches({"label_idx": pa.array(uniq.astype(np.int32))}, Z, batch_nnz)
         return pa.Table.from_batches(batches, PACKED_ARROW) if batches else PACKED_ARROW.empty_table()
 
     parts = samples.select("feature_idx", "feature_val", "label_idx").mapInArrow(partial, PARTIAL_SCHEMA)

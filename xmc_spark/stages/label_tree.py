@@ -264,9 +264,9 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     if n_labels <= params.max_leaf_size:       # every root is a leaf
         return all_labels.crossJoin(trees).select("label_idx", F.lit(0).cast("long").alias("node"),
                                                   "tree").localCheckpoint()
-    # the rows' non-zeros packed as bytes where the table is read (its tasks in parallel), so that
-    # a split task receives them whole: Spark hands list columns to Python number by number, and
-    # the root's task (every label's row; 500K set, 50K labels) took 6.0 s, its split ~1 s of it
+    # the rows' non-zeros packed as bytes (list rows: packed where they are read, in parallel), so
+    # that a split task receives them whole: Spark hands list columns to Python number by number,
+    # and the root's task (every label's row; 500K set, 50K labels) took 6.0 s, its split ~1 s of it
     packed = embeddings if is_packed(embeddings) else embeddings.mapInArrow(_packed, PACKED_SCHEMA)
     local = local_size(params, n_labels, task_slots(spark))
     levels = chained_levels(params.for_tree(0), n_labels, local) if _chainable(params) else 0
