@@ -217,7 +217,7 @@ def test_one_process_never_reads_the_tree_table_back(env, separate, spark, monke
     checkpoint) and the train stage takes that index (ctx.memo): neither reads the tree table, and
     both record the tree's version as read (the MLflow tags table_version.tree.tree and
     table_version.train.tree); the weights equal those of stages run in a Runner each, whose
-    train stage reads the table."""
+    train stage reads the table. Nor is the label_embeddings table read back (its version recorded)."""
     d, params, _ = env
     logged, log_result = {}, runner_module.log_result
 
@@ -231,6 +231,8 @@ def test_one_process_never_reads_the_tree_table_back(env, separate, spark, monke
     monkeypatch.undo()
     assert reads.count("tree") == 0
     assert logged["train"]["tree"] == logged["tree"]["tree"] == 0
+    # the tree grows from the PIFA rows the stage kept, not from the table it wrote (version recorded)
+    assert reads.count("label_embeddings") == 0 and logged["tree"]["label_embeddings"] == 0
     assert _weights(spark, str(tmp_path / "run" / "tables" / "weights")) == \
         _weights(spark, str(d / "root" / "tables" / "weights"), separate)
 
