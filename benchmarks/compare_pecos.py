@@ -5,6 +5,12 @@ Run on demand (needs the bench extra: ``pip install -e .[local,bench]``):
     python benchmarks/compare_pecos.py --data ../shared/data/bibtex
     python benchmarks/compare_pecos.py --data ../shared/data/delicious
     python benchmarks/compare_pecos.py --synth 200000,20000,50000 --work /tmp/xmc-bench
+    python benchmarks/compare_pecos.py --synth 500000,50000,100000 --repeat 3
+
+With ``--repeat N`` the two run N times each, alternating (PECOS first in odd pairs, xmc-spark
+first in even ones), so that a machine whose speed drifts from hour to hour (a shared VM) slows
+both sides alike: the table is each pair's, and the summary the median and range of the pairs'
+process ratios.
 
 xmc-spark runs through its real CLI in a subprocess, so its total includes JVM and Spark
 start-up; PECOS runs in a subprocess too, with the same number of threads. Both read the
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -87,27 +94,19 @@ def make_synth(spec: str, work: Path, cores: int, python: str = sys.executable) 
     return str(data / "train.txt"), str(data / "test.txt"), data.name
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", help="folder with train.txt and test.txt (XC format)")
-    ap.add_argument("--synth", help="n_train,n_labels,n_features: generate XC files with `xmc-spark synth`")
-    ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--work", default="/tmp/xmc-bench")
-    ap.add_argument("--set", action="append", default=[], help="extra xmc-spark --set overrides")
-    ap.add_argument("--xmc-python", default=sys.executable,
-                    help="the Python that runs xmc-spark (default: this one); e.g. the project's .venv/bin/python "
-                         "when this one is a PECOS venv (numpy < 2), so that xmc-spark runs as installed, with its "
-                         "numba cache")
-    args = ap.parse_args(argv)
-    work = Path(args.work)
-    if args.synth:
-        train, test, name = make_synth(args.synth, work, args.cores, args.xmc_python)
-    else:
-        train, test, name = str(Path(args.data) / "train.txt"), str(Path(args.data) / "test.txt"), Path(args.data).name
-    extra = [x for s in args.set for x in ("--set", s)]
-    pe = run_pecos(train, test, args.cores)
-    xm = run_xmc(train, test, work / name, args.cores, extra, args.xmc_python)
-    print(f"data: {name}  cores: {args.cores}  n_train={xm['n_train']} n_test={xm['n_test']} labels={xm['n_labels']}")
+def pair_ratios(pairs) -> dict:
+    """Per pair (xmc-spark, PECOS) of result dicts: the process seconds' ratio; with their median
+    and range, and the median seconds of each side."""
+    xs = [x["seconds"]["process"] for x, _ in pairs]
+    ps = [p["seconds"]["total"] for _, p in pairs]
+    ratios = [x / max(p, 1e-9) for x, p in zip(xs, ps)]
+    return {"ratios": [round(r, 3) for r in ratios], "median_ratio": round(statistics.median(ratios), 3),
+            "min_ratio": round(min(ratios), 3), "max_ratio": round(max(ratios), 3),
+            "median_xmc_s": round(statistics.median(xs), 1), "median_pecos_s": round(statistics.median(ps), 1)}
+
+
+def print_pair(name: str, xm: dict, pe: dict) -> None:
+    print(f"data: {name}  n_train={xm['n_train']} n_test={xm['n_test']} labels={xm['n_labels']}")
     print(f"{'':>14} {'xmc-spark':>10} {'PECOS':>10} {'diff/ratio':>10}")
     for k in ["p@1", "p@3", "p@5"]:
         print(f"{k:>14} {xm[k]:>10.2f} {pe[k]:>10.2f} {xm[k] - pe[k]:>+10.2f}")
@@ -117,7 +116,48 @@ def main(argv=None) -> int:
         if a is None or b is None:
             continue
         print(f"{'sec ' + s:>14} {a:>10.2f} {b:>10.2f} {a / max(b, 1e-9):>9.1f}x")
-    print(json.dumps({"data": name, "xmc_spark": {k: xm[k] for k in ["p@1", "p@3", "p@5", "seconds"]}, "pecos": pe}))
+    print(json.dumps({"data": name, "xmc_spark": {k: xm[k] for k in ["p@1", "p@3", "p@5", "seconds"]}, "pecos": pe}),
+          flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", help="folder with train.txt and test.txt (XC format)")
+    ap.add_argument("--synth", help="n_train,n_labels,n_features: generate XC files with `xmc-spark synth`")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--work", default="/tmp/xmc-bench")
+    ap.add_argument("--set", action="append", default=[], help="extra xmc-spark --set overrides")
+    ap.add_argument("--repeat", type=int, default=1, help="pairs of runs, alternating which side goes first")
+    ap.add_argument("--xmc-python", default=sys.executable,
+                    help="the Python that runs xmc-spark (default: this one); e.g. the project's .venv/bin/python "
+                         "when this one is a PECOS venv (numpy < 2), so that xmc-spark runs as installed, with its "
+                         "numba cache")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    work = Path(args.work)
+    if args.synth:
+        train, test, name = make_synth(args.synth, work, args.cores, args.xmc_python)
+    else:
+        train, test, name = str(Path(args.data) / "train.txt"), str(Path(args.data) / "test.txt"), Path(args.data).name
+    extra = [x for s in args.set for x in ("--set", s)]
+    print(f"cores: {args.cores}", flush=True)
+    pairs = []
+    for i in range(args.repeat):
+        if i % 2 == 0:
+            pe = run_pecos(train, test, args.cores)
+            xm = run_xmc(train, test, work / name, args.cores, extra, args.xmc_python)
+        else:
+            xm = run_xmc(train, test, work / name, args.cores, extra, args.xmc_python)
+            pe = run_pecos(train, test, args.cores)
+        pairs.append((xm, pe))
+        print_pair(f"{name} (pair {i + 1} of {args.repeat})" if args.repeat > 1 else name, xm, pe)
+    if args.repeat > 1:
+        summary = pair_ratios(pairs)
+        print(f"process ratio xmc-spark / PECOS over {args.repeat} pairs: median {summary['median_ratio']:.2f}x "
+              f"(range {summary['min_ratio']:.2f}-{summary['max_ratio']:.2f}x; median seconds "
+              f"{summary['median_xmc_s']} / {summary['median_pecos_s']})")
+        print(json.dumps({"data": name, "summary": summary}))
     return 0
 
 
