@@ -125,6 +125,40 @@ def test_the_quick_screen_passes_only_lines_the_full_checks_accept(spark, tmp_pa
     assert sum(err is not None for _, err in rows.values()) >= len(bad) - 1    # "" is a line of its own
 
 
+def test_the_table_screen_passes_only_rows_the_full_checks_accept(spark, tmp_path):
+    """Input tables get the same split as text: ``_table_ok`` (compiled array functions) screens
+    every row and only the rejected rows go through the lambda-based checks. A row the screen
+    passes must be one the full checks find nothing in, and ordinary good rows must pass it."""
+    inf, nan = float("inf"), float("nan")
+    rows = [  # (feature_idx, feature_val, label_idx, weight, good; None: the screen is NULL, the full checks pass)
+        ([0, 3], [0.5, 1.0], [1], 1.0, True), ([], [], [], 0.0, True), ([4], [-3.4e38], [0, 4], 2.5, True),
+        ([1], [1e-45], [2], 1e30, True), (None, None, [1], 1.0, None),
+        ([0, 1], [1.0], [1], 1.0, False), ([0, None], [1.0, 2.0], [1], 1.0, False),
+        ([0], [None], [1], 1.0, False), ([0], [1.0], [None], 1.0, False), ([-1], [1.0], [1], 1.0, False),
+        ([5], [1.0], [1], 1.0, False), ([0], [1.0], [-2], 1.0, False), ([0], [1.0], [5], 1.0, False),
+        ([0], [nan], [1], 1.0, False), ([0], [inf], [1], 1.0, False), ([0], [-inf], [1], 1.0, False),
+        ([0], [1e39], [1], 1.0, False), ([0], [-1e39], [1], 1.0, False), ([0], [1.0], [1], nan, False),
+        ([0], [1.0], [1], -1.0, False), ([0], [1.0], [1], inf, False), ([0], [1.0], [1], None, False),
+    ]
+    p = tmp_path / "screen.parquet"
+    pq.write_table(pa.table({
+        "sample_id": pa.array(range(len(rows)), pa.int64()),
+        "feature_idx": pa.array([r[0] for r in rows], pa.list_(pa.int64())),
+        "feature_val": pa.array([r[1] for r in rows], pa.list_(pa.float64())),
+        "label_idx": pa.array([r[2] for r in rows], pa.list_(pa.int64())),
+        "weight": pa.array([r[3] for r in rows], pa.float64())}), p)
+    raw = spark.read.parquet(str(p))
+    d, L = 5, 5
+    err = ingest._error_sql(d, L, first=ingest._table_errors(raw.columns))
+    got = {r["sample_id"]: (r["ok"], r["err"]) for r in raw.selectExpr(
+        "sample_id", f"{ingest._table_ok(raw.columns, d, L)} AS ok", f"{err} AS err").collect()}
+    for i, (*_, good) in enumerate(rows):
+        ok, e = got[i]
+        assert not (ok and e is not None), (rows[i], e)
+        expected = {True: (True, None), None: (None, None)}
+        assert (ok, e) == expected[good] if good in expected else e is not None, (rows[i], ok, e)
+
+
 @pytest.mark.parametrize("fmt", ["xc", "svmlight"])
 def test_the_numba_path_gives_the_rows_of_the_sql_path(spark, tmp_path, monkeypatch, fmt):
     """A file in the plain forms goes through the numba parser (check and parse); the same file

@@ -565,6 +565,16 @@ def _table_errors(columns) -> str:
     return "CASE " + " ".join(f"WHEN {c} THEN {m}" for c, m in checks) + " END"
 
 
+def _table_ok(columns, d: Optional[int], L: Optional[int]) -> str:
+    """SQL: a sufficient condition for an input table's row to have no problem at all
+    (:func:`_table_errors` and :func:`_error_sql` both NULL), without lambdas (see :func:`_quick_ok`)."""
+    conds = ["coalesce(size(feature_idx), 0) = coalesce(size(feature_val), 0)",
+             *[_no_nulls(c) for c in ("feature_idx", "feature_val", "label_idx")]]
+    if "weight" in columns:
+        conds.append("weight IS NOT NULL AND NOT isnan(weight) AND weight >= 0 AND abs(weight) != double('inf')")
+    return " AND ".join(conds + [_quick_ok(d, L)])
+
+
 def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
                expect_features: Optional[int] = None, expect_labels: Optional[int] = None,
                features_only: bool = False):
@@ -578,8 +588,11 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     df = check_samples_columns(raw, path)       # the schema (no job); its casts run after validation
     d = params.num_features or expect_features
     L = params.num_labels or expect_labels
-    checked = raw.selectExpr("*", f"{_table_errors(raw.columns)} AS _rowerr",
-                             f"{_error_sql(d, L, first='_rowerr')} AS _err")
+    # the full checks (lambdas, interpreted element by element) run only on the rows the compiled
+    # screen rejects, as for text inputs
+    err = _error_sql(d, L, first=_table_errors(raw.columns))
+    ok = _table_ok(raw.columns, d, L)
+    checked = raw.selectExpr("*", f"CASE WHEN NOT coalesce({ok}, false) THEN {err} END AS _err")
     if one_split(spark, path):
         checked = checked.coalesce(1)          # a small file: one task, no shuffle
     with _read_errors(path):
