@@ -13,6 +13,10 @@ Text goes one of two ways, each a check job then a write job, never Python per l
   (:func:`_text_ok`) passes the good ones, and the lambda-based checks name the first problem
   of the others; a file whose unusual forms are all valid (``+1``, ``1f``, hex floats, ...) is
   parsed by the same SQL.
+
+Parquet and Delta tables are checked in one job the same way (:func:`read_table`): a compiled
+screen (:func:`_table_ok`) passes the good rows, and the lambda-based checks name the first problem
+of the others.
 """
 from __future__ import annotations
 
