@@ -8,9 +8,9 @@ Run on demand (needs the bench extra: ``pip install -e .[local,bench]``):
     python benchmarks/compare_pecos.py --synth 500000,50000,100000 --repeat 3
 
 With ``--repeat N`` the two run N times each, alternating (PECOS first in odd pairs, xmc-spark
-first in even ones), so that a machine whose speed drifts from hour to hour (a shared VM) slows
-both sides alike: the table is each pair's, and the summary the median and range of the pairs'
-process ratios.
+first in even ones), so that the drift of a machine whose speed changes from hour to hour (a
+shared VM) is spread over both sides rather than falling on one (it does not cancel): the table is
+each pair's, and the summary the median and range of the pairs' process ratios.
 
 xmc-spark runs through its real CLI in a subprocess, so its total includes JVM and Spark
 start-up; PECOS runs in a subprocess too, with the same number of threads. Both read the

@@ -125,20 +125,44 @@ def test_the_quick_screen_passes_only_lines_the_full_checks_accept(spark, tmp_pa
     assert sum(err is not None for _, err in rows.values()) >= len(bad) - 1    # "" is a line of its own
 
 
+def _screened(spark, path, d, L):
+    """{sample_id: (the screen, the full checks)} of an input table."""
+    raw = spark.read.parquet(str(path))
+    err = ingest._error_sql(d, L, first=ingest._table_errors(raw.columns))
+    return {r["sample_id"]: (r["ok"], r["err"]) for r in raw.selectExpr(
+        "sample_id", f"{ingest._table_ok(raw.columns, d, L)} AS ok", f"{err} AS err").collect()}
+
+
+def _check_screen(rows, got):
+    """rows: (..., good) with good True (screen TRUE, no error), None (no error, the screen NULL
+    or TRUE: whole NULL arrays, whose size() is NULL or -1 by the ANSI setting) or False (an
+    error); a row the screen passes must have no error."""
+    for i, (*_, good) in enumerate(rows):
+        ok, e = got[i]
+        assert not (ok and e is not None), (rows[i], e)
+        if good is None:
+            assert ok in (None, True) and e is None, (rows[i], ok, e)
+        else:
+            assert (ok, e) == (True, None) if good else e is not None, (rows[i], ok, e)
+
+
 def test_the_table_screen_passes_only_rows_the_full_checks_accept(spark, tmp_path):
-    """Input tables get the same split as text: ``_table_ok`` (compiled array functions) screens
-    every row and only the rejected rows go through the lambda-based checks. A row the screen
-    passes must be one the full checks find nothing in, and ordinary good rows must pass it."""
-    inf, nan = float("inf"), float("nan")
-    rows = [  # (feature_idx, feature_val, label_idx, weight, good; None: the screen is NULL, the full checks pass)
+    """Input tables get the same split as text: ``_table_ok`` screens every row with compiled
+    array functions (and one lambda pass per array, ``array_compact``) and only the rows it does
+    not pass go through the lambda-based checks. A row the screen passes must be one the full
+    checks find nothing in, and ordinary good rows must pass it; on the column types the input
+    schema allows (integer values and weights, float32 values, int32 ids)."""
+    inf, nan, f32max = float("inf"), float("nan"), float(np.finfo(np.float32).max)
+    rows = [  # (feature_idx, feature_val, label_idx, weight, good)
         ([0, 3], [0.5, 1.0], [1], 1.0, True), ([], [], [], 0.0, True), ([4], [-3.4e38], [0, 4], 2.5, True),
         ([1], [1e-45], [2], 1e30, True), (None, None, [1], 1.0, None),
         ([0, 1], [1.0], [1], 1.0, False), ([0, None], [1.0, 2.0], [1], 1.0, False),
         ([0], [None], [1], 1.0, False), ([0], [1.0], [None], 1.0, False), ([-1], [1.0], [1], 1.0, False),
         ([5], [1.0], [1], 1.0, False), ([0], [1.0], [-2], 1.0, False), ([0], [1.0], [5], 1.0, False),
-        ([0], [nan], [1], 1.0, False), ([0], [inf], [1], 1.0, False), ([0], [-inf], [1], 1.0, False),
-        ([0], [1e39], [1], 1.0, False), ([0], [-1e39], [1], 1.0, False), ([0], [1.0], [1], nan, False),
-        ([0], [1.0], [1], -1.0, False), ([0], [1.0], [1], inf, False), ([0], [1.0], [1], None, False),
+        ([0], [nan], [1], 1.0, False), ([0, 1], [1.0, nan], [1], 1.0, False), ([0], [inf], [1], 1.0, False),
+        ([0], [-inf], [1], 1.0, False), ([0], [1e39], [1], 1.0, False), ([0], [-1e39], [1], 1.0, False),
+        ([0], [1.0], [1], nan, False), ([0], [1.0], [1], -1.0, False), ([0], [1.0], [1], inf, False),
+        ([0], [1.0], [1], None, False),
     ]
     p = tmp_path / "screen.parquet"
     pq.write_table(pa.table({
@@ -147,16 +171,31 @@ def test_the_table_screen_passes_only_rows_the_full_checks_accept(spark, tmp_pat
         "feature_val": pa.array([r[1] for r in rows], pa.list_(pa.float64())),
         "label_idx": pa.array([r[2] for r in rows], pa.list_(pa.int64())),
         "weight": pa.array([r[3] for r in rows], pa.float64())}), p)
-    raw = spark.read.parquet(str(p))
-    d, L = 5, 5
-    err = ingest._error_sql(d, L, first=ingest._table_errors(raw.columns))
-    got = {r["sample_id"]: (r["ok"], r["err"]) for r in raw.selectExpr(
-        "sample_id", f"{ingest._table_ok(raw.columns, d, L)} AS ok", f"{err} AS err").collect()}
-    for i, (*_, good) in enumerate(rows):
-        ok, e = got[i]
-        assert not (ok and e is not None), (rows[i], e)
-        expected = {True: (True, None), None: (None, None)}
-        assert (ok, e) == expected[good] if good in expected else e is not None, (rows[i], ok, e)
+    _check_screen(rows, _screened(spark, p, 5, 5))
+
+    lo, hi = np.iinfo(np.int64).min, np.iinfo(np.int64).max      # integer values: no overflow in abs
+    ints = [([0], [lo], [1], 1, True), ([1], [hi], [2], 0, True), ([0], [lo], [None], 1, False),
+            ([0], [1], [1], lo, False), ([0, 1], [lo, 1], [1], 2, True)]
+    p = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({
+        "sample_id": pa.array(range(len(ints)), pa.int64()),
+        "feature_idx": pa.array([r[0] for r in ints], pa.list_(pa.int32())),
+        "feature_val": pa.array([r[1] for r in ints], pa.list_(pa.int64())),
+        "label_idx": pa.array([r[2] for r in ints], pa.list_(pa.int32())),
+        "weight": pa.array([r[3] for r in ints], pa.int64())}), p)
+    got = _screened(spark, p, None, None)
+    _check_screen(ints, got)
+    assert got[2][1] == "label_idx holds a null" and got[3][1] == f"weight is {lo} (must be >= 0 and finite)"
+
+    f32 = [([0], [f32max], [1], True), ([0], [-f32max], [1], True), ([0], [inf], [1], False),
+           ([0, 1], [1.0, nan], [1], False)]
+    p = tmp_path / "f32.parquet"
+    pq.write_table(pa.table({
+        "sample_id": pa.array(range(len(f32)), pa.int64()),
+        "feature_idx": pa.array([r[0] for r in f32], pa.list_(pa.int32())),
+        "feature_val": pa.array([r[1] for r in f32], pa.list_(pa.float32())),
+        "label_idx": pa.array([r[2] for r in f32], pa.list_(pa.int32()))}), p)
+    _check_screen(f32, _screened(spark, p, 5, 5))
 
 
 @pytest.mark.parametrize("fmt", ["xc", "svmlight"])

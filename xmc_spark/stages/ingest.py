@@ -14,7 +14,7 @@ Text goes one of two ways, each a check job then a write job, never Python per l
   of the others; a file whose unusual forms are all valid (``+1``, ``1f``, hex floats, ...) is
   parsed by the same SQL.
 
-Parquet and Delta tables are checked in one job the same way (:func:`read_table`): a compiled
+Parquet and Delta tables are checked in one job the same way (:func:`read_table`): a cheap
 screen (:func:`_table_ok`) passes the good rows, and the lambda-based checks name the first problem
 of the others.
 """
@@ -293,9 +293,11 @@ def _error_sql(d: Optional[int], L: Optional[int], first: Optional[str] = None) 
         checks += [(f"exists({col}, x -> x < 0)", f"concat('negative {what} ', {first_of(col, 'x < 0')})"),
                    (f"exists({col}, x -> x >= {end})",
                     f"concat('{what} ', {first_of(col, f'x >= {end}')}, ' out of range [0, {end})')")]
-    checks += [("exists(feature_val, x -> isnan(x) OR abs(x) = double('inf'))", "'feature value is NaN or infinite'"),
-               (f"exists(feature_val, x -> abs(x) > {_FLOAT_MAX!r})",
-                f"concat('feature value ', {first_of('feature_val', f'abs(x) > {_FLOAT_MAX!r}')}, "
+    # abs of a double: an integer feature_val (allowed) at its type's minimum would overflow (ANSI)
+    checks += [("exists(feature_val, x -> isnan(x) OR abs(CAST(x AS DOUBLE)) = double('inf'))",
+                "'feature value is NaN or infinite'"),
+               (f"exists(feature_val, x -> abs(CAST(x AS DOUBLE)) > {_FLOAT_MAX!r})",
+                f"concat('feature value ', {first_of('feature_val', f'abs(CAST(x AS DOUBLE)) > {_FLOAT_MAX!r}')}, "
                 "' does not fit a float')")]
     return "CASE " + " ".join(f"WHEN {c} THEN {m}" for c, m in checks) + " END"
 
@@ -328,7 +330,8 @@ def _quick_ok(d: Optional[int], L: Optional[int]) -> str:
 
 def _text_ok(d: Optional[int], L: Optional[int]) -> str:
     """SQL: a sufficient condition for a parsed text line to have no problem at all
-    (:func:`_token_error_sql` and :func:`_error_sql` both NULL), without lambdas (see :func:`_quick_ok`)."""
+    (:func:`_token_error_sql` and :func:`_error_sql` both NULL), with one lambda pass per array
+    (``array_compact``) instead of the full checks' (see :func:`_quick_ok`)."""
     return " AND ".join([f"value RLIKE '{_WELL_FORMED}'", "size(_toks) > 0", _no_nulls("label_idx"),
                          _no_nulls("feature_idx"), _no_nulls("feature_val"), _quick_ok(d, L)])
 
@@ -564,18 +567,21 @@ def _table_errors(columns) -> str:
     checks += [(f"exists({c}, x -> x IS NULL)", f"'{c} holds a null'") for c in ("feature_idx", "feature_val",
                                                                                   "label_idx")]
     if "weight" in columns:
-        checks.append(("weight IS NULL OR isnan(weight) OR weight < 0 OR abs(weight) = double('inf')",
+        checks.append(("weight IS NULL OR isnan(weight) OR weight < 0 OR abs(CAST(weight AS DOUBLE)) = double('inf')",
                        "concat('weight is ', coalesce(CAST(weight AS STRING), 'null'), ' (must be >= 0 and finite)')"))
     return "CASE " + " ".join(f"WHEN {c} THEN {m}" for c, m in checks) + " END"
 
 
 def _table_ok(columns, d: Optional[int], L: Optional[int]) -> str:
     """SQL: a sufficient condition for an input table's row to have no problem at all
-    (:func:`_table_errors` and :func:`_error_sql` both NULL), without lambdas (see :func:`_quick_ok`)."""
+    (:func:`_table_errors` and :func:`_error_sql` both NULL), from compiled array functions and
+    one lambda pass per array (``array_compact``, which Spark rewrites to a filter) instead of
+    the full checks' up to seven (see :func:`_quick_ok`)."""
     conds = ["coalesce(size(feature_idx), 0) = coalesce(size(feature_val), 0)",
              *[_no_nulls(c) for c in ("feature_idx", "feature_val", "label_idx")]]
     if "weight" in columns:
-        conds.append("weight IS NOT NULL AND NOT isnan(weight) AND weight >= 0 AND abs(weight) != double('inf')")
+        conds.append("weight IS NOT NULL AND NOT isnan(weight) AND weight >= 0 "
+                     "AND abs(CAST(weight AS DOUBLE)) != double('inf')")
     return " AND ".join(conds + [_quick_ok(d, L)])
 
 
@@ -592,8 +598,8 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     df = check_samples_columns(raw, path)       # the schema (no job); its casts run after validation
     d = params.num_features or expect_features
     L = params.num_labels or expect_labels
-    # the full checks (lambdas, interpreted element by element) run only on the rows the compiled
-    # screen rejects, as for text inputs
+    # the full checks (lambdas, interpreted element by element) run only on the rows the screen
+    # does not pass, as for text inputs
     err = _error_sql(d, L, first=_table_errors(raw.columns))
     ok = _table_ok(raw.columns, d, L)
     checked = raw.selectExpr("*", f"CASE WHEN NOT coalesce({ok}, false) THEN {err} END AS _err")
