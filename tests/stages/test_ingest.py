@@ -125,8 +125,16 @@ def test_the_quick_screen_passes_only_lines_the_full_checks_accept(spark, tmp_pa
     assert sum(err is not None for _, err in rows.values()) >= len(bad) - 1    # "" is a line of its own
 
 
-def _screened(spark, path, d, L):
-    """{sample_id: (the screen, the full checks)} of an input table."""
+def _screened(spark, tmp_path, rows, types, d, L):
+    """Rows (feature_idx, feature_val, label_idx[, weight], ...) written as an input table with
+    the given list/value ``types`` (None: no such column); {sample_id: (the screen, the full
+    checks)} of it."""
+    data = {"sample_id": pa.array(range(len(rows)), pa.int64())}
+    for k, (name, t) in enumerate(zip(("feature_idx", "feature_val", "label_idx", "weight"), types)):
+        if t is not None:
+            data[name] = pa.array([r[k] for r in rows], t)
+    path = tmp_path / f"screen{len(list(tmp_path.iterdir()))}.parquet"
+    pq.write_table(pa.table(data), path)
     raw = spark.read.parquet(str(path))
     err = ingest._error_sql(d, L, first=ingest._table_errors(raw.columns))
     return {r["sample_id"]: (r["ok"], r["err"]) for r in raw.selectExpr(
@@ -164,38 +172,19 @@ def test_the_table_screen_passes_only_rows_the_full_checks_accept(spark, tmp_pat
         ([0], [1.0], [1], nan, False), ([0], [1.0], [1], -1.0, False), ([0], [1.0], [1], inf, False),
         ([0], [1.0], [1], None, False),
     ]
-    p = tmp_path / "screen.parquet"
-    pq.write_table(pa.table({
-        "sample_id": pa.array(range(len(rows)), pa.int64()),
-        "feature_idx": pa.array([r[0] for r in rows], pa.list_(pa.int64())),
-        "feature_val": pa.array([r[1] for r in rows], pa.list_(pa.float64())),
-        "label_idx": pa.array([r[2] for r in rows], pa.list_(pa.int64())),
-        "weight": pa.array([r[3] for r in rows], pa.float64())}), p)
-    _check_screen(rows, _screened(spark, p, 5, 5))
+    i64, f64, i32 = pa.list_(pa.int64()), pa.list_(pa.float64()), pa.list_(pa.int32())
+    _check_screen(rows, _screened(spark, tmp_path, rows, (i64, f64, i64, pa.float64()), 5, 5))
 
     lo, hi = np.iinfo(np.int64).min, np.iinfo(np.int64).max      # integer values: no overflow in abs
     ints = [([0], [lo], [1], 1, True), ([1], [hi], [2], 0, True), ([0], [lo], [None], 1, False),
             ([0], [1], [1], lo, False), ([0, 1], [lo, 1], [1], 2, True)]
-    p = tmp_path / "ints.parquet"
-    pq.write_table(pa.table({
-        "sample_id": pa.array(range(len(ints)), pa.int64()),
-        "feature_idx": pa.array([r[0] for r in ints], pa.list_(pa.int32())),
-        "feature_val": pa.array([r[1] for r in ints], pa.list_(pa.int64())),
-        "label_idx": pa.array([r[2] for r in ints], pa.list_(pa.int32())),
-        "weight": pa.array([r[3] for r in ints], pa.int64())}), p)
-    got = _screened(spark, p, None, None)
+    got = _screened(spark, tmp_path, ints, (i32, i64, i32, pa.int64()), None, None)
     _check_screen(ints, got)
     assert got[2][1] == "label_idx holds a null" and got[3][1] == f"weight is {lo} (must be >= 0 and finite)"
 
     f32 = [([0], [f32max], [1], True), ([0], [-f32max], [1], True), ([0], [inf], [1], False),
            ([0, 1], [1.0, nan], [1], False)]
-    p = tmp_path / "f32.parquet"
-    pq.write_table(pa.table({
-        "sample_id": pa.array(range(len(f32)), pa.int64()),
-        "feature_idx": pa.array([r[0] for r in f32], pa.list_(pa.int32())),
-        "feature_val": pa.array([r[1] for r in f32], pa.list_(pa.float32())),
-        "label_idx": pa.array([r[2] for r in f32], pa.list_(pa.int32()))}), p)
-    _check_screen(f32, _screened(spark, p, 5, 5))
+    _check_screen(f32, _screened(spark, tmp_path, f32, (i32, pa.list_(pa.float32()), i32, None), 5, 5))
 
 
 @pytest.mark.parametrize("fmt", ["xc", "svmlight"])
