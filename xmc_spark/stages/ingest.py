@@ -559,15 +559,19 @@ def _fast_finish(data: DataFrame, path: str, one_based: bool, normalize: bool) -
     return data.mapInArrow(parse, SAMPLES_SCHEMA)
 
 
+# never NULL: the screen (:func:`_table_ok`) takes their negations, the full checks name them
+_BAD_LENGTHS = "coalesce(size(feature_idx), 0) != coalesce(size(feature_val), 0)"
+_BAD_WEIGHT = "weight IS NULL OR isnan(weight) OR weight < 0 OR abs(CAST(weight AS DOUBLE)) = double('inf')"
+
+
 def _table_errors(columns) -> str:
     """SQL: the first row-level problem of an input table (before the range and value checks),
     on its own column types (the casts to the samples schema come after validation)."""
-    checks = [("coalesce(size(feature_idx), 0) != coalesce(size(feature_val), 0)",
-               "'feature_idx and feature_val have different lengths'")]
+    checks = [(_BAD_LENGTHS, "'feature_idx and feature_val have different lengths'")]
     checks += [(f"exists({c}, x -> x IS NULL)", f"'{c} holds a null'") for c in ("feature_idx", "feature_val",
                                                                                   "label_idx")]
     if "weight" in columns:
-        checks.append(("weight IS NULL OR isnan(weight) OR weight < 0 OR abs(CAST(weight AS DOUBLE)) = double('inf')",
+        checks.append((_BAD_WEIGHT,
                        "concat('weight is ', coalesce(CAST(weight AS STRING), 'null'), ' (must be >= 0 and finite)')"))
     return "CASE " + " ".join(f"WHEN {c} THEN {m}" for c, m in checks) + " END"
 
@@ -577,11 +581,9 @@ def _table_ok(columns, d: Optional[int], L: Optional[int]) -> str:
     (:func:`_table_errors` and :func:`_error_sql` both NULL), from compiled array functions and
     one lambda pass per array (``array_compact``, which Spark rewrites to a filter) instead of
     the full checks' up to seven (see :func:`_quick_ok`)."""
-    conds = ["coalesce(size(feature_idx), 0) = coalesce(size(feature_val), 0)",
-             *[_no_nulls(c) for c in ("feature_idx", "feature_val", "label_idx")]]
+    conds = [f"NOT ({_BAD_LENGTHS})", *[_no_nulls(c) for c in ("feature_idx", "feature_val", "label_idx")]]
     if "weight" in columns:
-        conds.append("weight IS NOT NULL AND NOT isnan(weight) AND weight >= 0 "
-                     "AND abs(CAST(weight AS DOUBLE)) != double('inf')")
+        conds.append(f"NOT ({_BAD_WEIGHT})")
     return " AND ".join(conds + [_quick_ok(d, L)])
 
 
