@@ -16,12 +16,15 @@ def _rows(df):
 
 
 @pytest.mark.connect
-def test_repeated_feature_indices_are_sorted_and_summed(spark, tmp_path, caplog):
+@pytest.mark.parametrize("count_labels", [False, True])     # the check job's two forms of result
+def test_repeated_feature_indices_are_sorted_and_summed(spark, tmp_path, caplog, count_labels):
     f = tmp_path / "dup.txt"
     f.write_text("3 5 4\n1,0 4:3\n0 3:1 1:2 3:2\n1 2:1 2:-1 0:1\n")
     with caplog.at_level(logging.WARNING, logger="xmc_spark.ingest"):
-        df, info = ingest.read_samples(spark, str(f), IngestParams())
+        df, info = ingest.read_samples(spark, str(f), IngestParams(), count_labels=count_labels)
         rows = _rows(df)
+    if count_labels:
+        np.testing.assert_array_equal(info.label_counts, [2, 2, 0, 0])
     assert info.n_rows_merged_features == 2
     assert [r[:2] for r in rows] == [(0, [4]), (1, [1, 3]), (2, [0, 2])]
     np.testing.assert_allclose(rows[1][2], np.array([2, 3]) / np.sqrt(13), rtol=1e-6)   # 3:1 + 3:2 = 3:3

@@ -48,13 +48,13 @@ def unseen_labels(train_counts: np.ndarray, test: DataFrame) -> Dict[str, int]:
             yield pa.RecordBatch.from_pydict({"label": pa.array(np.concatenate([u, [-1]]), pa.int64()),
                                               "n": pa.array(np.concatenate([c, [rows]]), pa.int64())})
 
-    per = test.select("label_idx").mapInArrow(unseen, "label long, n long").groupBy("label").agg(
-        F.sum("n").alias("n")).collect()
+    per = to_arrow(test.select("label_idx").mapInArrow(unseen, "label long, n long").groupBy("label").agg(
+        F.sum("n").alias("n")))
     seen.unpersist()
-    found = {int(r["label"]): int(r["n"]) for r in per}
-    rows = found.pop(-1, 0)
-    return {"test_unseen_labels": len(found), "test_unseen_positives": sum(found.values()),
-            "test_rows_with_unseen": rows}
+    label, n = (per.column(c).to_numpy().astype(np.int64) for c in ("label", "n"))
+    labels = label >= 0                          # the label -1 counts the rows having an unseen label
+    return {"test_unseen_labels": int(np.count_nonzero(labels)), "test_unseen_positives": int(n[labels].sum()),
+            "test_rows_with_unseen": int(n[~labels].sum())}
 
 
 def unseen_from_counts(train_counts: np.ndarray, test_counts: np.ndarray, rows_with_unseen: int) -> Dict[str, int]:

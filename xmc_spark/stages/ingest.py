@@ -20,6 +20,7 @@ of the others.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from contextlib import contextmanager
@@ -28,12 +29,13 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from py4j.protocol import Py4JJavaError
 from pyspark.errors import PySparkException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from ..arrow_utils import list_array, list_offsets_values
+from ..arrow_utils import list_array, list_offsets_values, to_arrow
 from ..kernels.sparse import csr_from_lists, normalize_lists
 from ..params import IngestParams
 from ..progress import worker_progress
@@ -180,7 +182,8 @@ class Lines:
                  **aggs: str):
         exprs = [f"{count} AS _n", "min(_mid) AS _m0", *[f"{c} AS {k}" for k, c in aggs.items()]]
         parts = None
-        self.labels: list = []        # with by_label: (label, count) of the rows whose _label is set
+        # with by_label: the labels of the rows whose _label is set, and their counts
+        self._label_ids = self._label_n = np.zeros(0, np.int64)
         if one_split and not by_label:
             r = df.coalesce(1).agg(*[F.expr(e) for e in ("min(_pid) AS _pid", "max(_pid) AS _last_pid",
                                                          *exprs)]).collect()[0]
@@ -188,10 +191,17 @@ class Lines:
                 parts = [r] if r["_n"] else []
         if parts is None and by_label:
             # one job: rows with _label null give the partitions' aggregates, rows with _pid null
-            # the labels' counts (O(partitions + labels) rows)
-            rows = df.groupBy("_pid", "_label").agg(*[F.expr(e) for e in exprs]).collect()
-            parts = [r for r in rows if r["_label"] is None]
-            self.labels = [(r["_label"], r["_n"]) for r in rows if r["_label"] is not None]
+            # the labels' counts (O(partitions + labels) rows), collected as one Arrow table: as
+            # Python Rows they cost ~25 us a label (1.3 s for 50K labels), as columns a copy
+            agg = df.groupBy("_pid", "_label").agg(*[F.expr(e) for e in exprs])
+            names = [c for c in agg.columns if c != "_label"]
+            # narrow rows: a label's id and count, a partition's aggregates as one JSON string
+            rows = to_arrow(agg.select(F.col("_label").cast("int"), "_n", F.when(
+                F.col("_label").isNull(), F.to_json(F.struct(*names), {"ignoreNullFields": "false"})).alias("_part")))
+            is_part = pc.is_null(rows.column("_label")).to_numpy(zero_copy_only=False)
+            parts = [json.loads(p) for p in rows.column("_part").drop_null().to_pylist()]
+            self._label_ids = rows.column("_label").to_numpy(zero_copy_only=False)[~is_part].astype(np.int64)
+            self._label_n = rows.column("_n").to_numpy(zero_copy_only=False)[~is_part].astype(np.int64)
         elif parts is None:
             parts = df.groupBy("_pid").agg(*[F.expr(e) for e in exprs]).collect()
         self.parts = sorted(parts, key=lambda r: r["_pid"])
@@ -205,9 +215,7 @@ class Lines:
         """The ``by_label`` counts as a vector of ``n_labels`` (every counted label is below it: the
         range check passed)."""
         counts = np.zeros(n_labels, np.int64)
-        if self.labels:
-            lab, n = (np.array(v, np.int64) for v in zip(*self.labels))
-            counts[lab] = n
+        counts[self._label_ids] = self._label_n
         return counts
 
     def values(self, name: str) -> list:

@@ -14,7 +14,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import list_offsets_values
+from ..arrow_utils import list_offsets_values, to_arrow
 from ..compat import share
 from ..kernels import frequencies as K
 from ..params import TreeParams
@@ -35,10 +35,9 @@ def _sum_vector(labels: DataFrame, n_labels: int, fn) -> np.ndarray:
         nz = np.flatnonzero(acc)
         yield pa.RecordBatch.from_pydict({"label_idx": pa.array(nz, pa.int64()), "mass": pa.array(acc[nz])})
 
-    rows = labels.mapInArrow(part, _VEC_SCHEMA).groupBy("label_idx").agg(F.sum("mass").alias("mass")).collect()
+    t = to_arrow(labels.mapInArrow(part, _VEC_SCHEMA).groupBy("label_idx").agg(F.sum("mass").alias("mass")))
     out = np.zeros(n_labels)
-    if rows:
-        out[np.array([r["label_idx"] for r in rows])] = np.array([r["mass"] for r in rows])
+    out[t.column("label_idx").to_numpy().astype(np.int64)] = t.column("mass").to_numpy()
     return out
 
 
