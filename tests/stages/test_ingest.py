@@ -240,6 +240,7 @@ def test_the_check_job_counts_labels_as_the_written_table_has_them(spark, tmp_pa
         assert (_partitions(ingest.text_lines(spark, str(f))) > 1) == (splits == "many")
         p = IngestParams(num_labels=12) if fmt == "svmlight" else IngestParams()
         df, info = ingest.read_samples(spark, str(f), p, count_labels=True)
+        assert _rows(df) == _rows(ingest.read_samples(spark, str(f), p)[0])   # the same sample ids
         want = evaluation.label_counts(df, 12)
         assert want.sum() > 0 and info.rows_with_unseen is None
         np.testing.assert_array_equal(info.label_counts, want)
@@ -265,3 +266,10 @@ def test_counting_labels_keeps_the_range_check(spark, tmp_path, label):
     for kw in ({"count_labels": True}, {"seen_labels": np.ones(4, np.bool_)}):
         with pytest.raises(IngestError, match=rf":3: label id {label} out of range \[0, 4\)"):
             ingest.read_samples(spark, str(f), IngestParams(), **kw)
+
+
+def test_counting_labels_of_a_file_without_samples(spark, tmp_path):
+    f = tmp_path / "none.txt"
+    f.write_text("0 5 4\n")
+    with pytest.raises(IngestError, match="no samples"):
+        ingest.read_samples(spark, str(f), IngestParams(), count_labels=True)

@@ -176,7 +176,10 @@ class Lines:
     """Line numbers of a :func:`text_lines` frame, from one Spark job that counts the rows of
     each input partition and computes the SQL aggregates ``aggs`` per partition. With
     ``one_split`` (see :func:`one_split`) that job is one task with no shuffle (a global
-    aggregate over ``coalesce(1)``), checked to have seen one partition, else redone by partition."""
+    aggregate over ``coalesce(1)``), checked to have seen one partition, else redone by partition.
+    With ``by_label`` the job also counts the rows of each label, and ``parts`` are dicts decoded
+    from JSON (what longs, booleans, strings and structs of them survive unchanged: the aggregates
+    used here), else Rows."""
 
     def __init__(self, df: DataFrame, one_split: bool = False, count: str = "count(1)", by_label: bool = False,
                  **aggs: str):
@@ -196,12 +199,12 @@ class Lines:
             agg = df.groupBy("_pid", "_label").agg(*[F.expr(e) for e in exprs])
             names = [c for c in agg.columns if c != "_label"]
             # narrow rows: a label's id and count, a partition's aggregates as one JSON string
-            rows = to_arrow(agg.select(F.col("_label").cast("int"), "_n", F.when(
+            rows = to_arrow(agg.select(F.col("_label").cast("int").alias("_label"), "_n", F.when(
                 F.col("_label").isNull(), F.to_json(F.struct(*names), {"ignoreNullFields": "false"})).alias("_part")))
-            is_part = pc.is_null(rows.column("_label")).to_numpy(zero_copy_only=False)
             parts = [json.loads(p) for p in rows.column("_part").drop_null().to_pylist()]
-            self._label_ids = rows.column("_label").to_numpy(zero_copy_only=False)[~is_part].astype(np.int64)
-            self._label_n = rows.column("_n").to_numpy(zero_copy_only=False)[~is_part].astype(np.int64)
+            is_label = pc.is_valid(rows.column("_label"))
+            self._label_ids = pc.filter(rows.column("_label"), is_label).to_numpy().astype(np.int64)
+            self._label_n = pc.filter(rows.column("_n"), is_label).to_numpy().astype(np.int64)
         elif parts is None:
             parts = df.groupBy("_pid").agg(*[F.expr(e) for e in exprs]).collect()
         self.parts = sorted(parts, key=lambda r: r["_pid"])
