@@ -23,6 +23,46 @@ def test_heap_numbering():
     assert list(ancestor_at([7, 13], [2, 2], 1, 3)) == [2, 4]
 
 
+def _ancestors(node: int, B: int) -> list:
+    """``node`` and every node above it, by the heap numbering's parent (node - 1) // B."""
+    out = [node]
+    while node > 0:
+        node = (node - 1) // B
+        out.append(node)
+    return out
+
+
+def test_the_sweep_up_equals_each_slots_ancestors():
+    """Nodes, internal nodes, per-node sums of slot values and each sample's groups, swept up a
+    depth at a time, against walking every slot's (or sample's) path to the root: random trees
+    with leaves at any depth (also above other leaves), labels in several leaves, B = 2..5."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        B, L = int(rng.integers(2, 6)), int(rng.integers(1, 40))
+        slot_label = rng.integers(0, L, size=int(rng.integers(1, 80)))
+        slot_leaf = rng.choice(rng.integers(0, 300, size=int(rng.integers(1, 15))), size=len(slot_label))
+        ix = TreeIndex(slot_label, slot_leaf, L, B)
+        w = rng.integers(0, 9, size=len(ix.slot_label)).astype(np.float64)
+        sums = {}
+        for leaf, v in zip(ix.slot_leaf.tolist(), w):
+            for a in _ancestors(leaf, B):
+                sums[a] = sums.get(a, 0.0) + v
+        nodes, got = ix.node_sums(w)
+        assert nodes.tolist() == sorted(sums) and got.tolist() == [sums[a] for a in sorted(sums)]
+        assert ix.nodes.tolist() == sorted(sums)
+        assert ix.internal.tolist() == sorted({a for leaf in ix.leaves.tolist() for a in _ancestors(leaf, B)[1:]})
+        cnt = rng.integers(0, 4, size=12)
+        offsets = np.concatenate([[0], np.cumsum(cnt)])
+        labels = rng.integers(0, L, size=int(offsets[-1]))
+        want = {(i, 0) for i in range(12)}
+        for i in range(12):
+            for lab in labels[offsets[i]:offsets[i + 1]].tolist():
+                for leaf in ix.slot_leaf[ix.slot_label == lab].tolist():
+                    want |= {(i, a) for a in _ancestors(leaf, B)}
+        rows, groups = ix.groups_of_samples(offsets, labels)
+        assert list(zip(rows.tolist(), groups.tolist())) == sorted(want)
+
+
 def test_groups_of_samples_brute_force():
     # leaves: label 0,1 -> node 3; label 2 -> node 4; label 3 -> node 2 (shallow leaf)
     ix = TreeIndex([0, 1, 2, 3], [3, 3, 4, 2], 4, 2)

@@ -223,10 +223,7 @@ def node_costs(index, label_counts=None, n_samples: Optional[int] = None):
     for t, ix in enumerate(trees):
         w = np.ones(len(ix.slot_label)) if label_counts is None else \
             np.asarray(label_counts, np.float64)[ix.slot_label]
-        anc = [ancestor_at(ix.slot_leaf, ix.slot_depth, d, ix.B) for d in range(ix.depth + 1)]
-        reach = [ix.slot_depth >= d for d in range(ix.depth + 1)]
-        nodes, inv = np.unique(np.concatenate([a[m] for a, m in zip(anc, reach)]), return_inverse=True)
-        rows = np.bincount(inv, weights=np.concatenate([w[m] for m in reach]), minlength=len(nodes))
+        nodes, rows = ix.node_sums(w)
         if n_samples:
             rows = np.minimum(rows, float(n_samples))
         rows = np.maximum(rows, 1.0)            # a node of unseen labels still trains: not free
