@@ -61,6 +61,15 @@ def test_the_sweep_up_equals_each_slots_ancestors():
                     want |= {(i, a) for a in _ancestors(leaf, B)}
         rows, groups = ix.groups_of_samples(offsets, labels)
         assert list(zip(rows.tolist(), groups.tolist())) == sorted(want)
+    empty = TreeIndex([], [], 0, 2)                              # depth 0: no slot, or the root alone
+    assert empty.nodes.tolist() == empty.internal.tolist() == [] and empty.node_sums(np.zeros(0))[0].size == 0
+    root = TreeIndex([0, 1], [0, 0], 2, 3)
+    assert root.nodes.tolist() == [0] and root.internal.tolist() == []
+    assert [a.tolist() for a in root.node_sums(np.array([2.0, 3.0]))] == [[0], [5.0]]
+    rows, groups = root.groups_of_samples(np.array([0, 2, 2]), np.array([0, 1]))
+    assert rows.tolist() == [0, 1] and groups.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="3 values for 2 slots"):
+        root.node_sums(np.ones(3))
 
 
 def test_groups_of_samples_brute_force():

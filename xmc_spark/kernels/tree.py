@@ -129,6 +129,8 @@ class TreeIndex:
         node, the proper ancestors of the leaves sorted), from the leaves up a depth at a time:
         O(leaves x depth), where taking each slot's ancestor at every depth is O(slots x depth^2)
         (11 s of driver time for a tree of 1M labels). Sums of integer values are exact."""
+        if len(w) != len(self.slot_leaf):
+            raise ValueError(f"{len(w)} values for {len(self.slot_leaf)} slots")
         lw = np.add.reduceat(np.asarray(w, np.float64), self.leaf_start) if len(self.leaf_start) else np.zeros(0)
         ldep = self.slot_depth[self.leaf_start]
         ids, sums, internal = [], [], []
