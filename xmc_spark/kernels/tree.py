@@ -181,10 +181,9 @@ class TreeIndex:
         rows = np.repeat(np.arange(n), np.diff(offsets))
         src, slots = self.slots_of_labels(np.asarray(labels, dtype=np.int64))
         rows = rows[src]
-        leaf, dep = self.slot_leaf[slots], self.slot_depth[slots]
+        anc, dep = self.slot_leaf[slots], self.slot_depth[slots]      # fresh arrays: lifted in place
         pr = [np.arange(n)]
         pg = [np.zeros(n, dtype=np.int64)]
-        anc = leaf.copy()
         for t in range(self.depth, 0, -1):          # up from the deepest leaves, a depth at a time
             m = dep >= t
             pr.append(rows[m])
