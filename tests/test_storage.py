@@ -1,5 +1,6 @@
 """Delta tables: run-keyed partitions, pinned reads, links, schema checks on read, conflicts."""
 import pytest
+from pyspark.sql import functions as F
 
 from xmc_spark.schemas import SchemaError
 from xmc_spark.storage import (
@@ -94,3 +95,24 @@ def test_path_probing_through_hadoop(spark, tmp_path):
     assert path_kind(spark, str(tmp_path / "nope")) is None
     assert list_names(spark, str(tmp_path / "d")) == ["a", "b.txt"]
     assert list_names(spark, str(tmp_path / "d" / "b.txt")) == []
+
+
+def test_tables_are_zstd_parquet_without_dictionaries(spark, tmp_path):
+    """The session's defaults (params.SparkParams.conf, set by session.hadoop_settings): a table's
+    files are zstd-compressed, and a list column of few distinct ids, which Parquet would
+    otherwise dictionary-encode, is written plain."""
+    import pyarrow.parquet as pq
+
+    assert spark.conf.get("parquet.enable.dictionary") == "false"
+    ids = F.array((F.col("id") % 7).cast("int"), (F.col("id") % 5).cast("int"))
+    df = spark.range(5000).select("id", ids.alias("ids"))
+    write_delta(df, str(tmp_path / "t"))
+    files = list((tmp_path / "t").glob("*.parquet"))
+    assert files
+    for f in files:
+        md = pq.ParquetFile(f).metadata
+        for g in range(md.num_row_groups):
+            for c in range(md.num_columns):
+                col = md.row_group(g).column(c)
+                assert col.compression == "ZSTD", (f.name, col.path_in_schema)
+                assert not any("DICTIONARY" in e for e in col.encodings), (f.name, col.path_in_schema, col.encodings)
