@@ -97,22 +97,39 @@ def test_path_probing_through_hadoop(spark, tmp_path):
     assert list_names(spark, str(tmp_path / "d" / "b.txt")) == []
 
 
-def test_tables_are_zstd_parquet_without_dictionaries(spark, tmp_path):
-    """The session's defaults (params.SparkParams.conf, set by session.hadoop_settings): a table's
-    files are zstd-compressed, and a list column of few distinct ids, which Parquet would
-    otherwise dictionary-encode, is written plain."""
+def _encodings(path):
+    """{(file, column): (compression, encodings)} of every column chunk of a table's data files."""
     import pyarrow.parquet as pq
-
-    assert spark.conf.get("parquet.enable.dictionary") == "false"
-    ids = F.array((F.col("id") % 7).cast("int"), (F.col("id") % 5).cast("int"))
-    df = spark.range(5000).select("id", ids.alias("ids"))
-    write_delta(df, str(tmp_path / "t"))
-    files = list((tmp_path / "t").glob("*.parquet"))
-    assert files
-    for f in files:
+    out = {}
+    for f in path.glob("*.parquet"):
         md = pq.ParquetFile(f).metadata
         for g in range(md.num_row_groups):
             for c in range(md.num_columns):
                 col = md.row_group(g).column(c)
-                assert col.compression == "ZSTD", (f.name, col.path_in_schema)
-                assert not any("DICTIONARY" in e for e in col.encodings), (f.name, col.path_in_schema, col.encodings)
+                out[f.name, col.path_in_schema] = (col.compression, col.encodings)
+    assert out
+    return out
+
+
+@pytest.mark.connect
+def test_tables_are_zstd_parquet_without_dictionaries(spark, tmp_path):
+    """spark.conf's default codec is zstd, and write_delta writes without Parquet dictionaries (a
+    list column of 7 distinct ids, which Parquet would dictionary-encode) unless the session
+    chose; the session's setting is as before after the write."""
+    from xmc_spark.compat import conf_value
+    ids = F.array((F.col("id") % 7).cast("int"), (F.col("id") % 5).cast("int"))
+    df = spark.range(5000).select("id", ids.alias("ids"))
+    assert conf_value(spark, "parquet.enable.dictionary") is None
+    write_delta(df, str(tmp_path / "t"))
+    assert conf_value(spark, "parquet.enable.dictionary") is None
+    for key, (codec, enc) in _encodings(tmp_path / "t").items():
+        assert codec == "ZSTD", key
+        assert not any("DICTIONARY" in e for e in enc), (key, enc)
+    spark.conf.set("parquet.enable.dictionary", "true")         # the session's choice wins
+    try:
+        write_delta(df, str(tmp_path / "u"), run_key="r1")
+        assert spark.conf.get("parquet.enable.dictionary") == "true"
+    finally:
+        spark.conf.unset("parquet.enable.dictionary")
+    enc = _encodings(tmp_path / "u" / "run_key=r1")
+    assert any("DICTIONARY" in e for key, (_, es) in enc.items() if key[1] == "ids.list.element" for e in es)

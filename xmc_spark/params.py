@@ -231,12 +231,10 @@ class SparkParams(BaseParams):
         # small local tables: Delta's log replay need not fan out to 50 tasks
         "spark.databricks.delta.snapshotPartitions": "2",
         "spark.sql.sources.parallelPartitionDiscovery.parallelism": "2",
-        # the tables' Parquet files: zstd without dictionaries. Their list columns of feature and
-        # label ids fit a dictionary, whose per-value lookups took about half of a table's write
-        # (500K set, the weights in one session: 2.5-3.3 -> 1.3-1.7 s, 82.6 -> 76.7 MB). Keys
-        # without the "spark." prefix are Hadoop settings, set on the session once it runs (session.py)
+        # the tables' Parquet files in zstd (storage.write_delta also writes them without
+        # dictionaries): 500K set, in one session, the weights table written in 2.5-4.0 s
+        # -> 1.3-1.7 s, 82.6 -> 76.7 MB, read in 1.0-1.7 -> 0.7-0.8 s (README)
         "spark.sql.parquet.compression.codec": "zstd",
-        "parquet.enable.dictionary": "false",
     })
 
 

@@ -195,10 +195,8 @@ def get_spark(params: SparkParams | None = None):
     # under spark-submit its --conf may already choose the pool: only the warning below then
     capped = {} if under_spark_submit() else capped_python_conf(params.conf)
     local = local_conf(params.master)
-    conf = {**DELTA_CONF, **local, **capped, **params.conf}
-    for k, v in conf.items():
-        if k.startswith("spark."):
-            builder = builder.config(k, str(v))
+    for k, v in {**DELTA_CONF, **local, **capped, **params.conf}.items():
+        builder = builder.config(k, str(v))
     record = None
     if params.delta_from_maven:
         builder, record = _delta_jars(builder, params)
@@ -232,7 +230,6 @@ def get_spark(params: SparkParams | None = None):
         else:
             if cds.writes:
                 finish_at_exit(cds)
-    hadoop_settings(spark, conf)
     if is_connect(spark):       # the platform's session is Spark Connect (Databricks serverless)
         log.info("Spark %s: the platform's session is Spark Connect", spark.version)
         return spark
@@ -288,24 +285,6 @@ def _without(builder, key: str):
     return builder
 
 
-def hadoop_settings(spark, conf: dict) -> None:
-    """Set the keys of ``conf`` without the ``spark.`` prefix (Hadoop settings such as Parquet's
-    ``parquet.enable.dictionary``) on the running session: Spark copies a session's settings into
-    the Hadoop configuration of each query's file writers, on classic Spark and Spark Connect
-    alike, while spark-submit drops such keys from its ``--conf`` (with a warning) and a running
-    context's Hadoop configuration is fixed. A key the session refuses (a managed Connect server
-    may allow only some) keeps the platform's value, with a warning: these settings change speed
-    and file sizes, never results."""
-    for k, v in conf.items():
-        if k.startswith("spark."):
-            continue
-        try:
-            spark.conf.set(k, str(v))
-        except Exception as e:  # noqa: BLE001 - refused by a managed server
-            log.warning("spark.conf %s=%s was refused by the session (%s): its own value applies", k, v,
-                        _first_line(e))
-
-
 def connect_session(params: SparkParams):
     """A Spark Connect session for ``spark.remote``.
 
@@ -316,9 +295,8 @@ def connect_session(params: SparkParams):
       makes this fail (``SESSION_OR_CONTEXT_EXISTS``).
     - ``sc://host:port[/;token=...]``: an existing server (``sbin/start-connect-server.sh``,
       Databricks Connect). Its static settings (Delta's extension and jars, memory) are the
-      server's: only ``spark.sql.*`` runtime keys of ``spark.conf`` are applied, with the Hadoop
-      settings (keys without ``spark.``: :func:`hadoop_settings`); the others are listed in the log
-      and skipped.
+      server's: only ``spark.sql.*`` runtime keys of ``spark.conf`` are applied, the others are
+      listed in the log and skipped.
 
     Needs the Connect client libraries (``pip install "pyspark[connect]"``: grpcio,
     grpcio-status, googleapis-common-protos, zstandard).
@@ -344,16 +322,14 @@ def connect_session(params: SparkParams):
     if local:
         _local_python()
         for k, v in conf.items():
-            if k.startswith("spark."):
-                builder = builder.config(k, str(v))
+            builder = builder.config(k, str(v))
         if params.delta_from_maven:
             from delta import configure_spark_with_delta_pip
             builder = configure_spark_with_delta_pip(builder)
     else:
-        skipped = sorted(k for k in conf if k.startswith("spark.") and (not k.startswith("spark.sql.")
-                                                                        or k in DELTA_STATIC))
+        skipped = sorted(k for k in conf if not k.startswith("spark.sql.") or k in DELTA_STATIC)
         for k, v in conf.items():
-            if k not in skipped and k.startswith("spark."):
+            if k not in skipped:
                 builder = builder.config(k, str(v))
         if skipped:
             log.info("Spark Connect server %s: static settings are the server's, not set here: %s",
@@ -372,7 +348,6 @@ def connect_session(params: SparkParams):
             pass
         raise SparkStartError(f"cannot reach the Spark Connect server {redact_remote(remote)}: "
                               f"{_first_line(e)}") from None
-    hadoop_settings(spark, conf)
     if local:
         # the local server's JVM lives in this process: its log level is ours to set
         from pyspark import SparkContext

@@ -11,14 +11,16 @@ from __future__ import annotations
 import logging
 import random
 import re
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from .compat import is_connect
+from .compat import conf_value, is_connect, session_settings
 from .errors import XmcError
 from .schemas import SchemaError, check_table
 
@@ -38,6 +40,15 @@ _CONFLICTS = ("ProtocolChangedException", "MetadataChangedException", "Concurren
               "ConcurrentTransactionException", "DELTA_PROTOCOL_CHANGED", "DELTA_METADATA_CHANGED",
               "DELTA_CONCURRENT_", "FileAlreadyExistsException")
 WRITE_ATTEMPTS = 6
+# Parquet's per-value dictionary lookups took about a third of a table's write: the tables' list
+# columns of feature and label ids fit a dictionary (at most ~100K distinct ids), so parquet-mr kept
+# one. Written plain (and in zstd, spark.conf's default codec) the 500K set's weights table took
+# 1.3-1.7 s against 2.5-4.0 s, 76.7 MB against 82.6 MB (README). A Hadoop setting: Delta's writer
+# ignores it as a write option, so it is the session's for the write (:func:`_plain_parquet`)
+PLAIN_PARQUET = {"parquet.enable.dictionary": "false"}
+_REFUSED: set = set()           # keys a session refused once (a managed Connect server): not asked again
+_PLAIN_LOCK = threading.Lock()
+_PLAIN_OPEN: Dict[int, list] = {}   # id(session) -> [table writes running, their session_settings]
 
 
 class RunKeyError(XmcError, ValueError):
@@ -156,12 +167,44 @@ def is_delta(spark: SparkSession, path: str) -> bool:
         return False
 
 
+@contextmanager
+def _plain_parquet(spark):
+    """Context: the session's settings for table writes, :data:`PLAIN_PARQUET`'s keys the session
+    has no value for (one the configuration or the caller set is kept), restored when the last of
+    the writes running at once in the session ends (threads writing tables together share them).
+    A key the session refuses is logged once (:class:`~.compat.session_settings`) and skipped
+    from then on."""
+    with _PLAIN_LOCK:
+        entry = _PLAIN_OPEN.get(id(spark))
+        if entry is None:
+            todo = {k: v for k, v in PLAIN_PARQUET.items() if k not in _REFUSED and conf_value(spark, k) is None}
+            ctx = session_settings(spark, todo, "the tables' Parquet encoding").__enter__()
+            _REFUSED.update(k for k in todo if k not in ctx.old)
+            entry = _PLAIN_OPEN[id(spark)] = [0, ctx]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _PLAIN_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _PLAIN_OPEN[id(spark)]
+                entry[1].__exit__(None, None, None)
+
+
 def write_delta(df: DataFrame, path: str, run_key: Optional[str] = None, where: Optional[str] = None) -> None:
     """Overwrite a Delta table in one commit: a failed write leaves the previous version intact.
 
     With ``run_key`` the table is partitioned by ``run_key`` and only that key's rows are
     replaced (further narrowed by the SQL predicate ``where``, e.g. ``stage = 'tree'``).
+    The files are written without Parquet dictionaries unless the session chose
+    (:data:`PLAIN_PARQUET`).
     """
+    with _plain_parquet(df.sparkSession):
+        _write_delta(df, path, run_key, where)
+
+
+def _write_delta(df: DataFrame, path: str, run_key: Optional[str], where: Optional[str]) -> None:
     if run_key is None:
         df.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
         return
