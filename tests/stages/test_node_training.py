@@ -44,17 +44,42 @@ def index(problem):
     return TreeIndex(np.arange(L), build_tree(pifa(Xl, Yl), 4, 2, 20, 0), L, 2)
 
 
-def test_training_stage_equals_kernel(problem, index):
+def _force_top(monkeypatch, top):
+    """Force node_training.merged_top's answer; returns the list of units the fan-out's tasks
+    would see for the nodes (recorded on the driver through unit_placement)."""
+    seen = []
+    real = node_training.unit_placement
+
+    def placement(index, cuts, big, n_parts, label_counts=None, n_samples=None, top=False):
+        out = real(index, cuts, big, n_parts, label_counts, n_samples, top)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(node_training, "merged_top", lambda *a, **k: top)
+    monkeypatch.setattr(node_training, "unit_placement", placement)
+    return seen
+
+
+@pytest.mark.parametrize("top", [False, True])
+def test_training_stage_equals_kernel(problem, index, monkeypatch, top):
+    """Also with the nodes above the cut in one unit (merged_top): the same classifiers."""
     samples, Xl, Yl = problem
     tp = TrainParams()
+    seen = _force_top(monkeypatch, top)
     ref_nodes, ref_slots = train_all_groups(index, append_bias(Xl, tp.bias), Yl, tp)
     _assert_weights(node_training.run(samples, index, D, tp), ref_nodes, ref_slots)
+    above = index.nodes[node_training._above_cut(index, index.nodes, node_training.unit_cuts(index, 2, []))]
+    assert len(above) > 1
+    assert (len(np.intersect1d(seen[0], above)) == 1) == top      # the root's unit alone, or each its own
 
 
-def test_forest_with_routed_negatives_equals_kernel(problem, index, spark):
+@pytest.mark.parametrize("top", [False, True])
+def test_forest_with_routed_negatives_equals_kernel(problem, index, spark, monkeypatch, top):
     """An ensemble's trees train in the same job (keys tree << 52 | id), and a ``man`` column
-    (train.negatives = tfn+man) adds exactly its (sample, node) pairs to the groups."""
+    (train.negatives = tfn+man) adds exactly its (sample, node) pairs to the groups; also with
+    each tree's top nodes in one unit."""
     from xmc_spark.kernels.tree import Forest, encode_keys
+    _force_top(monkeypatch, top)
     samples, Xl, Yl = problem
     forest = Forest([index, TreeIndex(np.arange(L), build_tree(pifa(Xl, Yl), 3, 3, 20, 1), L, 3)])
     rng = np.random.default_rng(3)
@@ -171,6 +196,31 @@ def test_training_units_cut_below_the_big_nodes():
     assert node_training.unit_cuts(ix, 2, np.array([0, 1, 2, 3])) == 3
     units = node_training.training_units(ix, np.array([0, 2, 6, 7, 15, 16, 30]), 3)
     np.testing.assert_array_equal(units, [0, 2, 6, 7, 7, 7, 14])
+
+
+def test_top_nodes_merge_into_one_unit_within_a_slots_share():
+    """merged_top: the nodes above the cut become the root's unit when no node is big and their
+    work (x TOP_WEIGHT) is at most a slot's share of all the work; a forest's trees each get
+    their own root's unit."""
+    from xmc_spark.kernels.tree import Forest, encode_keys
+    ix = TreeIndex(np.arange(16), np.arange(15, 31), 16, 2)      # a full binary tree of depth 4
+    units = node_training.training_units(ix, np.array([0, 2, 6, 7, 15, 16, 30]), 3, top=True)
+    np.testing.assert_array_equal(units, [0, 0, 0, 7, 7, 7, 14])
+    counts = np.full(16, 10)
+    # rows x classifiers: depth d < 3 holds 2^d nodes of 160 / 2^d rows, 2 classifiers: 3 x 320 = 960,
+    # x 3 = 2,880; the rest: depth 3 (8 x 20 x 2 = 320) and the leaves (16 x 10 x 1 = 160)
+    # (total 3,360): one slot's share holds them, two slots' (1,680) does not
+    assert node_training.merged_top(ix, 3, np.zeros(0), 1, counts, 160)
+    assert not node_training.merged_top(ix, 3, np.zeros(0), 2, counts, 160)
+    assert not node_training.merged_top(ix, 3, np.array([0]), 1, counts, 160)        # a big node
+    assert not node_training.merged_top(ix, 0, np.zeros(0), 1, counts, 160)          # nothing above the cut
+    forest = Forest([ix, ix])
+    keys = encode_keys(1, np.array([0, 2, 6, 7, 15]))
+    np.testing.assert_array_equal(node_training.training_units(forest, keys, [3, 3], top=True),
+                                  encode_keys(1, np.array([0, 0, 0, 7, 7])))
+    # each tree's top is its own unit (2,880 each of 6,720): within two slots' share, not three's
+    assert node_training.merged_top(forest, [3, 3], np.zeros(0), 2, counts, 160)
+    assert not node_training.merged_top(forest, [3, 3], np.zeros(0), 3, counts, 160)
 
 
 def test_lpt_ranks_balance_and_number_bins_by_load():

@@ -5,8 +5,10 @@ holding its rows (big nodes).
 **Small nodes** (at most ``train.max_node_rows`` training rows): the dual coordinate descent
 kernel (:func:`..model.train_group`) in ``applyInArrow`` groups of *training units*: a node above
 the cut depth (:func:`unit_depth`: the shallowest with :data:`UNITS_PER_SLOT` nodes per unit of
-Spark's default parallelism in a full tree, and below every big node) is a unit of its own; below
-it, a unit is the subtree of a node at the cut, whose nodes the task trains in turn. Each sample
+Spark's default parallelism in a full tree, and below every big node) is a unit of its own, or,
+where their work fits in a task slot's share, the nodes above the cut are one unit
+(:func:`merged_top`); below it, a unit is the subtree of a node at the cut, whose nodes the task
+trains in turn. Each sample
 travels to a unit once (:func:`_pack_units`: one packed record per input batch and unit), not once
 per node it reaches, so the shuffle no longer grows with the tree's depth. A unit's rows are its
 top node's rows, within the bound since that node is not big.
@@ -110,6 +112,7 @@ from ..compat import (
     session_settings,
     share,
     shuffle_partitions,
+    task_slots,
 )
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
@@ -125,6 +128,7 @@ GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len 
                   "x_val binary, y_len binary, y_idx binary, pair_row binary, pair_group binary")
 SPREAD = 2                      # training units get up to this many times the shuffle partitions
 UNITS_PER_SLOT = 4              # training units (subtrees) per task slot at the cut depth
+TOP_WEIGHT = 3.0                # a top node's time per row and classifier over a leaf's (merged_top)
 PIECE_NNZ = 1 << 26             # most feature non-zeros in one packed record batch of the fan-out
 BIG_SCHEMA = ("node int, feature_idx array<int>, feature_val array<float>, weight float, "
               "pos array<int>, pos_w array<float>")
@@ -162,7 +166,8 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
 
     def expand(batches):
         for t, off, labels, rows, groups in _fan_out(bindex, batches):
-            for b in _pack_units(t, off, labels, rows, groups, training_units(bindex.value, groups, cuts), weighted):
+            units = training_units(bindex.value, groups, cuts, top)
+            for b in _pack_units(t, off, labels, rows, groups, units, weighted):
                 part = unit_parts(b.column("group").to_numpy(), unit_ids, unit_keys)
                 yield pa.RecordBatch.from_arrays([*b.columns, pa.array(part, pa.int32())], [*b.schema.names, "part"])
 
@@ -188,8 +193,9 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     bound = node_row_bound(spark, params, samples, n_samples, n_features)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples)
     cuts = unit_cuts(index, default_parallelism(spark), big)
+    top = merged_top(index, cuts, big, task_slots(spark), label_counts, n_samples)
     unit_ids, unit_keys, n_parts = unit_placement(index, cuts, big, shuffle_partitions(spark), label_counts,
-                                                  n_samples)
+                                                  n_samples, top)
     grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else "") + ", part int")
     if not len(big):
         return _train_units(grouped, n_parts, train)
@@ -254,7 +260,8 @@ def lpt_ranks(costs: np.ndarray, n_parts: int) -> np.ndarray:
     return rank[where]
 
 
-def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None, n_samples: Optional[int] = None):
+def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None, n_samples: Optional[int] = None,
+                   top: bool = False):
     """(training units sorted, the ``part`` key of each, the number of partitions): units spread
     by :func:`lpt_ranks` of their summed :func:`node_costs` over ``n_parts`` partitions, or, where
     more units have work, over one partition per unit up to :data:`SPREAD` x ``n_parts``, keyed
@@ -265,11 +272,11 @@ def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None
     job. Finer partitions leave the estimate less to get wrong; each costs a task (~0.1-0.3 s
     measured), hence the cap. Big nodes (units of their own, above the cut: trained across
     partitions, their records dropped before the grouping) weigh nothing and take no partition.
-    O(nodes) on the driver."""
+    ``top``: the nodes above the cut are one unit (:func:`merged_top`). O(nodes) on the driver."""
     nodes, cost = node_costs(index, label_counts, n_samples)
     is_big = np.isin(nodes, np.asarray(big, np.int64))
     cost = np.where(is_big, 0.0, cost)
-    units, inv = np.unique(training_units(index, nodes, cuts), return_inverse=True)
+    units, inv = np.unique(training_units(index, nodes, cuts, top), return_inverse=True)
     unit_cost = np.bincount(inv, weights=cost, minlength=len(units))
     n_parts = int(np.clip(np.setdiff1d(units, nodes[is_big]).size, n_parts, SPREAD * n_parts))
     return units, partition_keys(n_parts)[lpt_ranks(unit_cost, n_parts)].astype(np.int32), n_parts
@@ -321,12 +328,52 @@ def unit_cuts(index, slots: int, big: np.ndarray):
     return cuts if isinstance(index, Forest) else cuts[0]
 
 
-def training_units(index, groups: np.ndarray, cuts) -> np.ndarray:
+def merged_top(index, cuts, big: np.ndarray, slots: int, label_counts=None, n_samples: Optional[int] = None) -> bool:
+    """Whether the nodes above the cut depth train as one unit per tree (:func:`training_units`'
+    ``top``): when no node is big and each tree's top nodes, their :func:`node_costs` weighted by
+    :data:`TOP_WEIGHT`, take at most a task slot's share of all the work (``slots`` tasks at
+    once), so that the unit is no longer than what LPT placement gives a slot anyway. Each sample
+    then travels to its tree's top once, where it travelled to every top node it reaches (at 500K
+    samples x 50K labels on 2 slots: 15 top nodes, ~5 of a sample's ~9 copies in the fan-out's
+    shuffle). With many slots the top nodes stay units of their own, trained side by side."""
+    if len(big) or slots < 1:
+        return False
+    nodes, cost = node_costs(index, label_counts, n_samples)
+    above = _above_cut(index, nodes, cuts)
+    tops = np.where(above, _tree_of(index, nodes), -1)
+    per_tree = np.bincount(tops[above], weights=TOP_WEIGHT * cost[above]) if above.any() else np.zeros(0)
+    total = float(cost.sum() + (TOP_WEIGHT - 1) * cost[above].sum())
+    return bool(above.any()) and float(per_tree.max()) <= total / slots
+
+
+def _tree_of(index, groups: np.ndarray) -> np.ndarray:
+    """The tree of each group (node id, or ensemble key): 0 for a single tree."""
+    groups = np.asarray(groups, np.int64)
+    return decode_keys(groups)[0] if isinstance(index, Forest) else np.zeros(len(groups), np.int64)
+
+
+def _above_cut(index, groups: np.ndarray, cuts) -> np.ndarray:
+    """Whether each group (node id, or ensemble key) lies above its tree's cut depth."""
+    groups = np.asarray(groups, np.int64)
+    if not isinstance(index, Forest):
+        return node_depth(groups, index.B) < int(cuts)
+    tree, ids = decode_keys(groups)
+    out = np.zeros(len(groups), bool)
+    for t, ix in enumerate(index.trees):
+        m = tree == t
+        out[m] = node_depth(ids[m], ix.B) < int(cuts[t])
+    return out
+
+
+def training_units(index, groups: np.ndarray, cuts, top: bool = False) -> np.ndarray:
     """The training unit of each group (node id, or ensemble key): the group itself above its
-    tree's cut depth (``cuts``: one depth, or one per tree of a forest), else its ancestor at
+    tree's cut depth (``cuts``: one depth, or one per tree of a forest), or with ``top`` the
+    tree's root (:func:`merged_top`: the nodes above the cut in one unit), else its ancestor at
     that depth, whose subtree's nodes are all trained in one task."""
     def cut(ids, B, c):
-        return ancestor_at(ids, node_depth(ids, B), int(c), B)
+        depth = node_depth(ids, B)
+        unit = ancestor_at(ids, depth, int(c), B)
+        return np.where(depth < int(c), 0, unit) if top else unit
 
     groups = np.asarray(groups, np.int64)
     if not isinstance(index, Forest):
