@@ -61,16 +61,22 @@ def _force_top(monkeypatch, top):
 
 
 @pytest.mark.parametrize("top", [False, True])
-def test_training_stage_equals_kernel(problem, index, monkeypatch, top):
-    """Also with the nodes above the cut in one unit (merged_top): the same classifiers."""
+def test_training_stage_equals_kernel(problem, spark, monkeypatch, top):
+    """Also with the nodes above the cut in one unit (merged_top) beside the subtrees at the cut
+    (a tree of two labels a leaf, deeper than the cut): the same classifiers."""
+    from xmc_spark.compat import default_parallelism
     samples, Xl, Yl = problem
     tp = TrainParams()
+    index = TreeIndex(np.arange(L), build_tree(pifa(Xl, Yl), 2, 2, 20, 0), L, 2)
     seen = _force_top(monkeypatch, top)
     ref_nodes, ref_slots = train_all_groups(index, append_bias(Xl, tp.bias), Yl, tp)
     _assert_weights(node_training.run(samples, index, D, tp), ref_nodes, ref_slots)
-    above = index.nodes[node_training._above_cut(index, index.nodes, node_training.unit_cuts(index, 2, []))]
-    assert len(above) > 1
-    assert (len(np.intersect1d(seen[0], above)) == 1) == top      # the root's unit alone, or each its own
+    cut = node_training.unit_cuts(index, default_parallelism(spark), [])
+    above = node_training._above_cut(index, index.nodes, cut)
+    assert above.sum() > 1 and (~above).any()
+    # the root's unit alone above the cut, or each node its own; the subtrees' units below it
+    assert (len(np.intersect1d(seen[0], index.nodes[above])) == 1) == top
+    assert len(np.setdiff1d(seen[0], index.nodes[above])) > 0
 
 
 @pytest.mark.parametrize("top", [False, True])

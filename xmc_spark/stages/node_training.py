@@ -6,12 +6,14 @@ holding its rows (big nodes).
 kernel (:func:`..model.train_group`) in ``applyInArrow`` groups of *training units*: a node above
 the cut depth (:func:`unit_depth`: the shallowest with :data:`UNITS_PER_SLOT` nodes per unit of
 Spark's default parallelism in a full tree, and below every big node) is a unit of its own, or,
-where their work fits in a task slot's share, the nodes above the cut are one unit
+where their work fits in a task slot's share, the nodes above the cut are one unit per tree
 (:func:`merged_top`); below it, a unit is the subtree of a node at the cut, whose nodes the task
-trains in turn. Each sample
-travels to a unit once (:func:`_pack_units`: one packed record per input batch and unit), not once
-per node it reaches, so the shuffle no longer grows with the tree's depth. A unit's rows are its
-top node's rows, within the bound since that node is not big.
+trains in turn. Each sample travels to a unit once (:func:`_pack_units`: one packed record per
+input batch and unit), not once per node it reaches, so the shuffle no longer grows with the
+tree's depth. A unit's rows are its top node's rows, within the bound since that node is not
+big, beside one (row, node) pair per node of the unit a row reaches (~44-68 bytes each while the
+unit is unpacked: a merged top unit holds every row with its ~6 pairs at 500K samples, ~0.3-0.45
+KB a row beyond the ~2.7 KB a row the bound models, inside :data:`MEMORY_FRACTION`'s margin).
 
 **Big nodes** (more rows than the bound; the root has every sample): the same problem,
 min_w 0.5 ||w||^2 + sum_i C_i max(0, 1 - y_i w^T x_i)^2 per classifier, solved in the primal
@@ -192,8 +194,9 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     spark = samples.sparkSession
     bound = node_row_bound(spark, params, samples, n_samples, n_features)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples)
-    cuts = unit_cuts(index, default_parallelism(spark), big)
-    top = merged_top(index, cuts, big, task_slots(spark), label_counts, n_samples)
+    par = default_parallelism(spark)
+    cuts = unit_cuts(index, par, big)
+    top = merged_top(index, cuts, big, task_slots(spark, par), label_counts, n_samples)
     unit_ids, unit_keys, n_parts = unit_placement(index, cuts, big, shuffle_partitions(spark), label_counts,
                                                   n_samples, top)
     grouped = samples.mapInArrow(expand, GROUPED_SCHEMA + (", y_w binary" if weighted else "") + ", part int")
@@ -272,10 +275,13 @@ def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None
     job. Finer partitions leave the estimate less to get wrong; each costs a task (~0.1-0.3 s
     measured), hence the cap. Big nodes (units of their own, above the cut: trained across
     partitions, their records dropped before the grouping) weigh nothing and take no partition.
-    ``top``: the nodes above the cut are one unit (:func:`merged_top`). O(nodes) on the driver."""
+    ``top``: the nodes above the cut are one unit per tree (:func:`merged_top`), their costs
+    weighted by :data:`TOP_WEIGHT` as there (that unit is the job's longest). O(nodes) on the driver."""
     nodes, cost = node_costs(index, label_counts, n_samples)
     is_big = np.isin(nodes, np.asarray(big, np.int64))
     cost = np.where(is_big, 0.0, cost)
+    if top:
+        cost = np.where(_above_cut(index, nodes, cuts), TOP_WEIGHT * cost, cost)
     units, inv = np.unique(training_units(index, nodes, cuts, top), return_inverse=True)
     unit_cost = np.bincount(inv, weights=cost, minlength=len(units))
     n_parts = int(np.clip(np.setdiff1d(units, nodes[is_big]).size, n_parts, SPREAD * n_parts))
