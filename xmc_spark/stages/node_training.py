@@ -346,10 +346,11 @@ def merged_top(index, cuts, big: np.ndarray, slots: int, label_counts=None, n_sa
         return False
     nodes, cost = node_costs(index, label_counts, n_samples)
     above = _above_cut(index, nodes, cuts)
-    tops = np.where(above, _tree_of(index, nodes), -1)
-    per_tree = np.bincount(tops[above], weights=TOP_WEIGHT * cost[above]) if above.any() else np.zeros(0)
-    total = float(cost.sum() + (TOP_WEIGHT - 1) * cost[above].sum())
-    return bool(above.any()) and float(per_tree.max()) <= total / slots
+    if not above.any():
+        return False
+    top_cost = TOP_WEIGHT * cost[above]
+    per_tree = np.bincount(_tree_of(index, nodes)[above], weights=top_cost)
+    return float(per_tree.max()) <= float(cost[~above].sum() + top_cost.sum()) / slots
 
 
 def _tree_of(index, groups: np.ndarray) -> np.ndarray:
