@@ -272,3 +272,71 @@ def test_ensemble_beam_nodes_are_each_trees_sorted_by_row():
     for t, m in enumerate(e.models):
         r, g = m.beam_nodes(X, beam_size=2)
         assert set(zip(rows[tree == t].tolist(), ids[tree == t].tolist())) == set(zip(r.tolist(), g.tolist()))
+
+
+# ---- the weights held once: column runs as views, a pickle without the derived layers ----------
+
+def test_select_of_consecutive_keys_is_a_view_equal_to_the_copy():
+    import scipy.sparse as sp
+
+    from xmc_spark.model import KeyedColumns
+    W = sp.random(6, 5, density=0.6, format="csc", dtype=np.float32, random_state=1)
+    dense = W.toarray()
+    kc = KeyedColumns(np.array([2, 5, 7, 9, 11]), W)
+    run = kc.select(np.array([5, 7, 9]))
+    assert np.shares_memory(run.data, W.data) and np.shares_memory(run.indices, W.indices)
+    np.testing.assert_array_equal(run.toarray(), dense[:, 1:4])
+    for keys, cols in (([9, 5], [3, 1]), ([5, 9], [1, 3])):
+        got = kc.select(np.array(keys))
+        assert not np.shares_memory(got.data, W.data)
+        np.testing.assert_array_equal(got.toarray(), dense[:, cols])
+    for keys, cols in (([5, 6, 7], [1, None, 2]), ([1, 5, 6, 7, 8], [None, 1, None, 2, None]),
+                       ([4, 11, 12], [None, 4, None])):   # keys without a column: empty ones in a view
+        got = kc.select(np.array(keys))
+        assert np.shares_memory(got.data, W.data)
+        want = np.stack([dense[:, c] if c is not None else np.zeros(6) for c in cols], 1)
+        np.testing.assert_array_equal(got.toarray(), want)
+    wide = KeyedColumns(kc.keys, sp.csc_matrix(W))
+    wide.W.indices, wide.W.indptr = W.indices.astype(np.int64), W.indptr.astype(np.int64)
+    got = wide.select(np.array([1, 5, 7]))       # int64 indices: a view in W's own index type
+    assert np.shares_memory(got.indices, wide.W.indices) and got.indptr.dtype == np.int64
+    np.testing.assert_array_equal(got.toarray(), np.stack([np.zeros(6), dense[:, 1], dense[:, 2]], 1))
+    got = kc.select(np.array([5, 6, 9]))          # 7 skipped: not a run, a copy
+    assert not np.shares_memory(got.data, W.data)
+    np.testing.assert_array_equal(got.toarray(), np.stack([dense[:, 1], np.zeros(6), dense[:, 3]], 1))
+
+
+def test_a_pickled_model_carries_its_weights_once_and_predicts_the_same():
+    import pickle
+    X, Y = random_problem(n=300, seed=3)
+    m = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=4))
+    bare = len(pickle.dumps(m))
+    a, sa = m.predict(X)                           # builds the search layers
+    layers, _ = m.layers()
+    views = [np.shares_memory(W.data, m.node_w.W.data) for _, W, through in layers[:-1] if not through.any()]
+    assert views and all(views)                    # a balanced layer is a run of the node columns
+    blob = pickle.dumps(m)
+    assert len(blob) <= bare + 64                  # the layers are not shipped beside the weights
+    m2 = pickle.loads(blob)
+    assert m2._layers is None
+    b, sb = m2.predict(X)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(sa, sb)
+    np.testing.assert_array_equal(m2.match_leaves(X)[0], m.match_leaves(X)[0])
+
+
+@pytest.mark.parametrize("leaf", [4, 3])          # all leaves at one depth; leaves at two depths (padded)
+def test_searches_leave_the_stored_weights_as_they_were(leaf):
+    """The layers are views of the stored weights where they can be: no search may change them."""
+    X, Y = random_problem(n=300, seed=3)
+    m = XMCModel.train_local(X, Y, tree=TreeParams(max_leaf_size=leaf))
+    before = [(w.W.data.copy(), w.W.indices.copy(), w.W.indptr.copy()) for w in (m.node_w, m.slot_w)]
+    m.predict(X)
+    m.predict(X, search="tree")
+    m.predict(X, search="adaptive")
+    m.match_leaves(X)
+    m.beam_nodes(X)
+    for w, (d, i, p) in zip((m.node_w, m.slot_w), before):
+        np.testing.assert_array_equal(w.W.data, d)
+        np.testing.assert_array_equal(w.W.indices, i)
+        np.testing.assert_array_equal(w.W.indptr, p)

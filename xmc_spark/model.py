@@ -72,12 +72,18 @@ class KeyedColumns:
         return cls(keys, W)
 
     def select(self, keys: np.ndarray) -> sp.csc_matrix:
-        """Columns for ``keys`` in that order; a key with no stored column gets an empty one."""
+        """Columns for ``keys`` in that order; a key with no stored column gets an empty one.
+        When the stored ones are a run of consecutive columns (a tree's layer or its label slots
+        in key order: all of them, some keys without a column), the result is a view of that
+        run's weights, not a copy (read only)."""
         keys = np.asarray(keys, dtype=np.int64)
         if len(self.keys) == 0:
             return sp.csc_matrix((self.W.shape[0], len(keys)), dtype=np.float32)
         pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
         found = self.keys[pos] == keys
+        run = pos[found]
+        if len(run) and (np.diff(run) == 1).all():
+            return _column_run(self.W, found, int(run[0]), int(run[-1]) + 1)
         W = self.W[:, pos].tocsc()
         if not found.all():
             W = (W @ sp.diags(found.astype(np.float32))).tocsc()
@@ -97,6 +103,20 @@ class KeyedColumns:
         except (ValueError, TypeError) as e:
             raise ModelFormatError(f"{path}: not a sparse weight matrix ({e})") from None
         return cls(z["keys"], W)
+
+
+def _column_run(W: sp.csc_matrix, found: np.ndarray, a: int, b: int) -> sp.csc_matrix:
+    """Columns ``a:b`` of the CSC matrix ``W`` at the places ``found`` marks, empty columns at
+    the others, sharing W's index and value arrays (a view)."""
+    s, e = W.indptr[a], W.indptr[b]
+    counts = np.zeros(len(found), W.indices.dtype)
+    counts[found] = np.diff(W.indptr[a:b + 1])
+    indptr = np.zeros(len(found) + 1, W.indices.dtype)    # in the index type of W's indices
+    np.cumsum(counts, out=indptr[1:])
+    M = sp.csc_matrix((W.data[s:e], W.indices[s:e], indptr), shape=(W.shape[0], len(found)))
+    # the same arrays as views: scipy copies a small part of a large array and may narrow the index type
+    M.data, M.indices, M.indptr = W.data[s:e], W.indices[s:e], indptr
+    return M
 
 
 def write_header(folder: Path, model, version: int, **extra_param) -> None:
@@ -300,6 +320,24 @@ class XMCModel:
         self.label_counts: Optional[np.ndarray] = None   # training label frequencies (propensities)
         self._layers = None
         self._tree_arrays = None
+
+    # The search structures are derived from the weights (layers: views of their columns where a
+    # layer is a run of them, else copies): a pickled model (a broadcast) ships the weights once
+    # and rebuilds them where it is used, rather than carrying both (~2x the weights' bytes). A
+    # balanced tree's layers are all views; a tree with leaves at several depths copies its padded
+    # layers and its slot layer (in each process that searches it, as the driver did before).
+    # The views are read only: nothing may change a selected matrix in place
+    _DERIVED = ("_layers", "_shape", "_slot_order", "_last_leaf", "_tree_arrays")
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for k in self._DERIVED:
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._layers = self._tree_arrays = None
 
     # ---- structure -------------------------------------------------------------------
     @property

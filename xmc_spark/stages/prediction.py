@@ -31,13 +31,9 @@ def map_with_model(samples: DataFrame, model, score, schema: str, kind: str = "p
     """Broadcast ``model`` (a whole tree model, with or without a PRIME head, or a head alone)
     once and call ``score(model, table, X)`` on every Arrow batch of the rows' ``sample_id``,
     features and ``columns``."""
-    from ..prime_model import PrimeHead
     from . import sharded
     if isinstance(getattr(model, "tree", model), sharded.SHARDED):
         raise TypeError("a sharded model's weights stay on the executors: score it with prediction.run")
-    if not isinstance(model, PrimeHead):
-        for m in getattr(model, "models", [model]):    # an ensemble's trees, or the one tree
-            m.layers()  # build once on the driver, ship with the broadcast
     bmodel = share(samples, model, name=name)
     n_features = model.n_features
 

@@ -241,8 +241,9 @@ def broadcast_bound(spark_or_df, pred: PredictParams) -> float:
     """Bytes of weights that may be shared whole with the tasks: ``predict.max_broadcast_mb``,
     on Spark Connect at most what a query plan can carry. A model above it stays sharded, and at
     most this much of it (its top layers) is broadcast."""
-    # on Connect the model travels pickled with its layered copy (about 2x the weights) in the plan
-    mb = min(pred.max_broadcast_mb, CONNECT_MAX_MB / 3) if is_connect(spark_or_df) else pred.max_broadcast_mb
+    # on Connect the model travels pickled in the plan: its weights once (the search layers are
+    # rebuilt in the tasks, XMCModel.__getstate__) and the tree; half the plan's limit leaves room
+    mb = min(pred.max_broadcast_mb, CONNECT_MAX_MB / 2) if is_connect(spark_or_df) else pred.max_broadcast_mb
     return mb * 2 ** 20
 
 
