@@ -217,7 +217,9 @@ def test_one_process_never_reads_the_tree_table_back(env, separate, spark, monke
     checkpoint) and the train stage takes that index (ctx.memo): neither reads the tree table, and
     both record the tree's version as read (the MLflow tags table_version.tree.tree and
     table_version.train.tree); the weights equal those of stages run in a Runner each, whose
-    train stage reads the table. Nor is the label_embeddings table read back (its version recorded)."""
+    train stage reads the table. Nor is the label_embeddings table read back (its version recorded)
+    when ``embedding.write_table`` asks for it; by default (the separate stages) it is not written,
+    and the tree is the same."""
     d, params, _ = env
     logged, log_result = {}, runner_module.log_result
 
@@ -227,14 +229,22 @@ def test_one_process_never_reads_the_tree_table_back(env, separate, spark, monke
 
     reads = _counting_reads(monkeypatch)
     monkeypatch.setattr(runner_module, "log_result", kept)
-    pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(tmp_path / "run"), params)
+    pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(tmp_path / "run"),
+                 params.set_dotted("embedding.write_table", True))
     monkeypatch.undo()
     assert reads.count("tree") == 0
     assert logged["train"]["tree"] == logged["tree"]["tree"] == 0
     # the tree grows from the PIFA rows the stage kept, not from the table it wrote (version recorded)
     assert reads.count("label_embeddings") == 0 and logged["tree"]["label_embeddings"] == 0
+    train = read_delta(spark, str(tmp_path / "run" / "tables" / "train"))
+    assert read_delta(spark, str(tmp_path / "run" / "tables" / "label_embeddings")).count() == \
+        train.selectExpr("explode(label_idx)").distinct().count()          # a row per label with samples
     assert _weights(spark, str(tmp_path / "run" / "tables" / "weights")) == \
         _weights(spark, str(d / "root" / "tables" / "weights"), separate)
+    # the separate stages ran with the default: no table, and the same tree
+    assert not is_delta(spark, str(d / "root" / "tables" / "label_embeddings"))
+    assert sorted(map(tuple, read_delta(spark, str(tmp_path / "run" / "tables" / "tree")).collect())) == \
+        sorted(map(tuple, read_delta(spark, str(d / "root" / "tables" / "tree"), separate).collect()))
 
 
 def test_the_train_stage_reads_the_tree_table_when_the_memo_is_of_another_version(env, separate, spark,

@@ -67,20 +67,27 @@ def weights_to_columns(t: pa.Table, n_cols: int):
 def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams, timer: StageTimer,
               label_counts=None):
     """PIFA label embeddings, label frequencies (interpolated splits only) and the label tree;
-    writes ``label_embeddings`` and ``tree``; returns (TreeIndex, frequency facts).
-    ``label_counts`` (training label frequencies), when given, spare the frequency stage a pass."""
+    writes ``tree`` (and ``label_embeddings`` with ``embedding.write_table``); returns (TreeIndex,
+    frequency facts). ``label_counts`` (training label frequencies), when given, spare the
+    frequency stage a pass."""
     spark = samples.sparkSession
-    # packed and kept (the write's job fills the cache): the tree grows from the rows just written,
-    # without reading the table back (a Delta snapshot, a file filter and a pass that packs its
-    # lists again); the table's lists are unpacked from the bytes in the write's tasks. A block
-    # lost from the cache is recomputed: its sums may then differ in the last bits (the shuffle's
-    # order of a label's partials), as a rerun of the stage's embedding would
     emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
-                              n_buckets=shuffle_partitions(spark), packed=True).persist()
+                              n_buckets=shuffle_partitions(spark), packed=True)
+    # Without the table the embedding is part of the tree's plan (the chained levels read it once;
+    # the level-by-level path caches its own join). With it, the rows are packed and kept (the
+    # write's job fills the cache): the tree grows from the rows just written, without reading the
+    # table back (a Delta snapshot, a file filter and a pass that packs its lists again); the
+    # table's lists are unpacked from the bytes in the write's tasks. A block lost from the cache
+    # is recomputed: its sums may then differ in the last bits (the shuffle's order of a label's
+    # partials), as a rerun of the stage's embedding would
+    keep = params.embedding.write_table
+    if keep:
+        emb = emb.persist()
     try:
-        with timer.stage("embedding"):
-            tables.write("label_embeddings", label_embedding.unpacked(emb))
-            tables.note_read("label_embeddings")
+        if keep:
+            with timer.stage("embedding"):
+                tables.write("label_embeddings", label_embedding.unpacked(emb))
+                tables.note_read("label_embeddings")
         f = ft = None
         facts: Dict = {}
         if params.tree.effective_lambda > 0:
@@ -91,7 +98,8 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
             tree = label_tree.run(emb, params.tree, n_features=n_features, n_labels=n_labels, f=f, f_tilde=ft)
             index = commit_tree(tables, tree, n_labels, params)
     finally:
-        emb.unpersist()
+        if keep:
+            emb.unpersist()
     return index, facts
 
 
@@ -281,7 +289,8 @@ def _unseen(ctx: StageContext, n_labels: int, counts=None, tinfo=None, per_sampl
 
 def eagle_stage(ctx: StageContext) -> StageResult:
     """EAGLE on an aggregated --train: writes the per-sample ``train`` (and ``eagle_embeddings``;
-    with rounds that keep their tree, ``eagle_tree`` and ``label_embeddings``)."""
+    with rounds that keep their tree, ``eagle_tree``, and with ``embedding.write_table`` the PIFA it
+    was grown from as ``label_embeddings``)."""
     ing = ctx.dataset
     if not ing.aggregated:
         log.info("stage eagle: the training input %s has per-sample labels: nothing to do", ing.train)
@@ -303,10 +312,12 @@ def eagle_stage(ctx: StageContext) -> StageResult:
             tables.write("eagle_embeddings", emb)
         tables.write("train", train_df)
         if fit.last is not None and keeps_eagle_tree(ctx.params):
-            # the last round model's PIFA and tree: the tree stage keeps them for the final model
-            # (the tree O(labels) rows; the embeddings were checkpointed when the model was trained)
+            # the last round model's tree (and PIFA, with embedding.write_table): the tree stage keeps
+            # it for the final model (the tree O(labels) rows; the embeddings were checkpointed when
+            # the model was trained)
             emb_r, tree_r = fit.last
-            tables.write("label_embeddings", label_embedding.unpacked(emb_r))
+            if ctx.params.embedding.write_table:
+                tables.write("label_embeddings", label_embedding.unpacked(emb_r))
             tables.write("eagle_tree", local_frame(spark, pa.Table.from_pandas(tree_r, preserve_index=False),
                                                    TREE_SCHEMA))
             facts[KEPT_TREE] = tree_config(ctx.params)
@@ -430,17 +441,18 @@ def tree_config(params: PipelineParams) -> str:
     the embedding's, and that a tree is kept at all (``eagle.refine_keep_tree``, one tree). The
     tree stage keeps EAGLE's tree only when its own configuration gives the same string (a
     ``stage tree --set tree...`` rerun or a sweep of ``tree.*`` grows its own)."""
+    embedding = {k: v for k, v in params.embedding.to_dict().items() if k != "write_table"}    # output only
     text = json.dumps({"keep": keeps_eagle_tree(params), "tree": params.tree.for_tree(0).to_dict(),
-                       "embedding": params.embedding.to_dict()}, sort_keys=True, default=str)
+                       "embedding": embedding}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def kept_tree(tables: Tables, n_labels: int, params: PipelineParams, timer: StageTimer):
     """The tree of EAGLE's last round model (``eagle.refine_keep_tree``, one tree only; the eagle
-    stage wrote it and the PIFA it was grown from) as the ``tree`` table. It was grown on the
-    assignment before the last re-assignment, which moves few pairs' weight (README, EAGLE), so
-    growing another costs a second PIFA and tree for about the same clusters. Returns
-    (TreeIndex, facts) as :func:`grow_tree`."""
+    stage wrote it, and the PIFA it was grown from with ``embedding.write_table``) as the ``tree``
+    table. It was grown on the assignment before the last re-assignment, which moves few pairs'
+    weight (README, EAGLE), so growing another costs a second PIFA and tree for about the same
+    clusters. Returns (TreeIndex, facts) as :func:`grow_tree`."""
     with timer.stage("tree"):
         log.info("tree: EAGLE's round model's tree (eagle.refine_keep_tree)")
         index = commit_tree(tables, tables.read("eagle_tree"), n_labels, params)

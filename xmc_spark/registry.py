@@ -12,8 +12,10 @@ stage       needs        reads                                       writes (one
 ingest      -            --train, --test (files, tables, folders)    ``train`` (per-sample input), ``test``
 eagle       ingest       the aggregated --train folder                ``train``, ``eagle_embeddings``
                                                                      (rounds that keep their tree:
-                                                                     ``eagle_tree``, ``label_embeddings``)
-tree        eagle        ``train`` (``eagle_tree``)                  ``label_embeddings``, ``tree``
+                                                                     ``eagle_tree``, ``label_embeddings``
+                                                                     with ``embedding.write_table``)
+tree        eagle        ``train`` (``eagle_tree``)                  ``tree`` (``label_embeddings`` with
+                                                                     ``embedding.write_table``)
 train       tree         ``train``, ``tree``                         ``weights``, ``slots`` (+ ``matcher``,
                                                                      ``clusters``, ``negatives``), the
                                                                      model folder

@@ -441,8 +441,9 @@ def test_refine_round_on_spark_equals_kernel(spark, agg_dir, monkeypatch, refine
 @pytest.mark.parametrize("keep", [True, False])
 def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monkeypatch, keep):
     """``eagle.refine_keep_tree``: the pipeline's final model trains on the last round model's
-    tree (the ``tree`` table is that model's label -> leaf, and ``label_embeddings`` its PIFA);
-    off, the tree stage grows the tree the trainer grows on the final training table. The round
+    tree (the ``tree`` table is that model's label -> leaf, and ``label_embeddings`` its PIFA, run
+    here with ``embedding.write_table``); off, the tree stage grows the tree the trainer grows on
+    the final training table (run with the default: no ``label_embeddings`` table). The round
     model's node solver runs at ``eagle.refine_eps``, the final model's at ``train.eps``."""
     from xmc_spark import pipeline
     from xmc_spark.params import PipelineParams
@@ -461,7 +462,7 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
     params = (PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("train.threshold", 0.0)
               .set_dotted("mlflow.enabled", False).set_dotted("eagle.T", 6).set_dotted("eagle.refine_rounds", 1)
               .set_dotted("eagle.refine_mix", 0.0).set_dotted("eagle.refine_keep_tree", keep)
-              .set_dotted("eagle.refine_eps", 0.7))
+              .set_dotted("eagle.refine_eps", 0.7).set_dotted("embedding.write_table", keep))
     m = pipeline.run(spark, str(d), None, str(tmp_path / "run"), params)
     # the round model, then the final model (and its retraining after overlapping clusters, if any)
     assert eps[0] == 0.7 and len(eps) >= 2 and set(eps[1:]) == {params.train.eps}, eps
@@ -487,10 +488,11 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
         fit = pipeline.eagle_model_trainer(params, aggregated.read(spark, str(d), IngestParams()).info)
         fit(train)
         assert final == leaves(fit.last[1])
-        assert "tree.from_eagle" not in m and "embedding" in m["seconds"]
-        assert not (tables / "eagle_tree").exists()
-    emb = read_delta(spark, str(tables / "label_embeddings")).toPandas()
+        # the PIFA rows went into the tree's plan: no table, no embedding step of their own
+        assert "tree.from_eagle" not in m and "embedding" not in m["seconds"]
+        assert not (tables / "eagle_tree").exists() and not (tables / "label_embeddings").exists()
     if keep:     # the round model's PIFA: that of the first (joint) assignment's training table
+        emb = read_delta(spark, str(tables / "label_embeddings")).toPandas()
         from xmc_spark.stages import label_embedding
         agg = aggregated.read(spark, str(d), IngestParams())
         first = eagle.run(agg, dataclasses.replace(params.eagle, refine_rounds=0), n_buckets=3)[0]
@@ -505,7 +507,7 @@ def test_final_model_keeps_the_round_models_tree(spark, agg_dir, tmp_path, monke
         assert emb["label_idx"].tolist() == ref["label_idx"].tolist()
         for a, b, c, e in zip(emb["emb_idx"], ref["emb_idx"], emb["emb_val"], ref["emb_val"]):
             assert list(a) == list(b) and np.allclose(c, e, atol=1e-6)
-    assert len(emb) >= 8 and all(abs(np.linalg.norm(v) - 1) < 1e-5 for v in emb["emb_val"])
+        assert len(emb) >= 8 and all(abs(np.linalg.norm(v) - 1) < 1e-5 for v in emb["emb_val"])
     slots = leaves(read_delta(spark, str(tables / "slots")).toPandas())
     assert slots == final                              # the final model's classifiers sit on that tree
 
@@ -516,9 +518,11 @@ def test_kept_tree_only_for_the_tree_settings_it_was_grown_with(spark, agg_dir, 
     from xmc_spark import pipeline
     from xmc_spark.params import PipelineParams
     from xmc_spark.storage import table_version
-    base = PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("mlflow.enabled", False)
+    base = PipelineParams().set_dotted("tree.max_leaf_size", 3).set_dotted("mlflow.enabled", False) \
+        .set_dotted("embedding.write_table", True)
     key = pipeline.tree_config
-    assert key(base) == key(base.set_dotted("train.C", 4.0)) == key(base.set_dotted("eagle.refine_rounds", 2))
+    assert key(base) == key(base.set_dotted("train.C", 4.0)) == key(base.set_dotted("eagle.refine_rounds", 2)) \
+        == key(base.set_dotted("embedding.write_table", False))       # an output, not the tree's input
     for other in (("tree.max_leaf_size", 4), ("tree.nr_splits", 4), ("embedding.normalize_y", False),
                   ("tree.ensemble", 2), ("eagle.refine_keep_tree", False)):
         assert key(base.set_dotted(*other)) != key(base), other
