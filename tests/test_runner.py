@@ -245,6 +245,11 @@ def test_one_process_never_reads_the_tree_table_back(env, separate, spark, monke
     assert not is_delta(spark, str(d / "root" / "tables" / "label_embeddings"))
     assert sorted(map(tuple, read_delta(spark, str(tmp_path / "run" / "tables" / "tree")).collect())) == \
         sorted(map(tuple, read_delta(spark, str(d / "root" / "tables" / "tree"), separate).collect()))
+    # the tree grown again there without the table: the rows left by the run above would describe
+    # another tree, so they are removed
+    tables = Tables(spark, str(tmp_path / "run" / "tables"))
+    pipeline.grow_tree(tables.read("train"), tables, 40, 12, params, runner_module.StageTimer())
+    assert read_delta(spark, str(tmp_path / "run" / "tables" / "label_embeddings")).count() == 0
 
 
 def test_the_train_stage_reads_the_tree_table_when_the_memo_is_of_another_version(env, separate, spark,

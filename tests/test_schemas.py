@@ -116,7 +116,7 @@ def test_input_files_keep_their_castable_check(spark):
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, spark):
     """Every table, written by the command line on a tiny aggregated input (EAGLE with a round that
-    keeps its tree, overlapping clusters, matcher-aware negatives, PRIME re-ranking, stage jobs with
+    keeps its tree and its PIFA table, overlapping clusters, matcher-aware negatives, PRIME re-ranking, stage jobs with
     a run key) and by `predict`."""
     from xmc_spark.cli import main
     from xmc_spark.storage import RUN_KEY
@@ -141,6 +141,7 @@ def written(tmp_path_factory, spark):
     root = d / "root"
     assert main(["stage", "all", "--run-key", "k1", "--train", str(agg), "--test", str(d / "test.txt"),
                  "--root", str(root), "--set", "eagle.refine_rounds=1", "--set", "clusters.copies=2",
+                 "--set", "embedding.write_table=true",
                  "--set", "clusters.beam_size=2",
                  "--set", "train.negatives=tfn+man", "--set", "prime.mode=rerank", "--set", "prime.epochs=1",
                  "--set", f"prime.label_features={d / 'lbl_X_Xf.txt'}", "--set", "prime.dim=4",

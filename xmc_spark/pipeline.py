@@ -32,7 +32,7 @@ from .model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked, split_
 from .params import ConfigError, PipelineParams, PredictParams
 from .registry import ORDER
 from .runner import Runner, StageContext, StageResult, StageTimer
-from .schemas import TREE_SCHEMA, IngestError
+from .schemas import EMBEDDING_SCHEMA, TREE_SCHEMA, IngestError
 from .stages import (
     aggregated,
     eagle,
@@ -86,8 +86,10 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
     try:
         if keep:
             with timer.stage("embedding"):
-                tables.write("label_embeddings", label_embedding.unpacked(emb))
+                write_embeddings(tables, emb, params)
                 tables.note_read("label_embeddings")
+        else:
+            write_embeddings(tables, emb, params)
         f = ft = None
         facts: Dict = {}
         if params.tree.effective_lambda > 0:
@@ -101,6 +103,17 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
         if keep:
             emb.unpersist()
     return index, facts
+
+
+def write_embeddings(tables: Tables, emb, params: PipelineParams) -> None:
+    """The ``label_embeddings`` table: the PIFA rows ``emb`` (packed, :func:`.label_embedding.run`)
+    with ``embedding.write_table``. Without it, rows an earlier run left there (this run key's, or
+    the root's) would describe another tree: they are removed, one commit of no rows, and only
+    when the table exists."""
+    if params.embedding.write_table:
+        tables.write("label_embeddings", label_embedding.unpacked(emb))
+    elif tables.exists("label_embeddings"):
+        tables.write("label_embeddings", emb.sparkSession.createDataFrame([], EMBEDDING_SCHEMA))
 
 
 def commit_tree(tables: Tables, tree, n_labels: int, params: PipelineParams):
@@ -316,8 +329,7 @@ def eagle_stage(ctx: StageContext) -> StageResult:
             # it for the final model (the tree O(labels) rows; the embeddings were checkpointed when
             # the model was trained)
             emb_r, tree_r = fit.last
-            if ctx.params.embedding.write_table:
-                tables.write("label_embeddings", label_embedding.unpacked(emb_r))
+            write_embeddings(tables, emb_r, ctx.params)
             tables.write("eagle_tree", local_frame(spark, pa.Table.from_pandas(tree_r, preserve_index=False),
                                                    TREE_SCHEMA))
             facts[KEPT_TREE] = tree_config(ctx.params)
@@ -363,7 +375,9 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         # bound and whether any node is big (an undercount could skip the distributed solver)
         spark = train_df.sparkSession
         emb = label_embedding.run(train_df, params.embedding, n_features=info.n_features, n_labels=info.n_labels,
-                                  n_buckets=shuffle_partitions(spark), packed=True).localCheckpoint()
+                                  n_buckets=shuffle_partitions(spark), packed=True)
+        if params.embedding.write_table and keeps_eagle_tree(params):     # kept for the eagle stage's write
+            emb = emb.localCheckpoint()
         f = ft = None
         if params.tree.effective_lambda > 0:
             f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree, label_counts)
@@ -441,9 +455,8 @@ def tree_config(params: PipelineParams) -> str:
     the embedding's, and that a tree is kept at all (``eagle.refine_keep_tree``, one tree). The
     tree stage keeps EAGLE's tree only when its own configuration gives the same string (a
     ``stage tree --set tree...`` rerun or a sweep of ``tree.*`` grows its own)."""
-    embedding = {k: v for k, v in params.embedding.to_dict().items() if k != "write_table"}    # output only
     text = json.dumps({"keep": keeps_eagle_tree(params), "tree": params.tree.for_tree(0).to_dict(),
-                       "embedding": embedding}, sort_keys=True, default=str)
+                       "embedding": _model_inputs(params.embedding.to_dict())}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -583,8 +596,15 @@ MODEL_SECTIONS = ("embedding", "tree", "train", "predict")
 def model_config(params: PipelineParams) -> str:
     """A hash of the settings the trained model was built with (:data:`MODEL_SECTIONS`), which a
     re-ranker's held-out model is trained with again."""
-    text = json.dumps({k: getattr(params, k).to_dict() for k in MODEL_SECTIONS}, sort_keys=True, default=str)
+    text = json.dumps({k: _model_inputs(getattr(params, k).to_dict()) for k in MODEL_SECTIONS}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _model_inputs(section: Dict) -> Dict:
+    """A config section's settings without ``write_table`` (an output, not the model's input: the
+    hashes of records written before it existed stay valid)."""
+    return {k: v for k, v in section.items() if k != "write_table"}
 
 
 def check_held_out_model(ctx: StageContext, stage: str) -> None:
@@ -790,7 +810,8 @@ def sweep(spark, train: str, test: Optional[str], out: str, params: PipelinePara
             child = Tracker(params.mlflow)
             with child.run(run_name=name, nested=True, tags={"xmc_spark.sweep": key}):
                 child.log_params(child_params.flat())
-                # EAGLE's kept tree and its PIFA (eagle.refine_keep_tree) are its output as train is,
+                # EAGLE's kept tree and its PIFA (eagle.refine_keep_tree; the PIFA table with
+                # embedding.write_table) are its output as train is,
                 # for a value the tree stage keeps them with (another grows and writes its own)
                 kept = base.records.by_stage.get("eagle", {}).get(KEPT_TREE)
                 shared = ("train", "test") + (("eagle_tree", "label_embeddings")

@@ -32,3 +32,13 @@ def test_repeat_must_be_positive(capsys):
         compare_pecos.main(["--data", "/nonexistent", "--repeat", "0"])
     assert e.value.code == 2
     assert "--repeat must be >= 1" in capsys.readouterr().err
+
+
+def test_pecos_embedding_joins_its_tree_where_xmc_spark_times_them_together():
+    """By default xmc-spark's tree stage holds the label embedding (no "embedding" row): PECOS's
+    two rows are summed into its tree row; with an "embedding" row both keep theirs."""
+    pe = {"p@1": 1.0, "seconds": {"embedding": 0.5, "tree": 1.25, "total": 9.0}}
+    joined = compare_pecos.same_stages({"seconds": {"tree": 7.0}}, pe)
+    assert joined["seconds"] == {"tree": 1.75, "total": 9.0} and joined["p@1"] == 1.0
+    assert pe["seconds"]["embedding"] == 0.5                  # the caller's result is left as it was
+    assert compare_pecos.same_stages({"seconds": {"embedding": 2.0, "tree": 5.0}}, pe) == pe
