@@ -259,7 +259,8 @@ class EmbeddingParams(BaseParams):
     normalize_y: bool = True          # as PECOS: rows of Y L2-normalized before Y^T X
     # keep the PIFA rows as the ``label_embeddings`` table (the tree stage; the eagle stage's kept
     # tree). No stage reads them back (the tree grows from them in the same plan, PRIME computes its
-    # own), so by default they are not written: the write cost ~3 s of a 200K run and ~8 s at 500K
+    # own), so by default they are not written (the write and its cache took ~10 s of the 500K
+    # synthetic set's tree stage: README, "the label embeddings stay in the tree's plan")
     write_table: bool = False
 
 

@@ -89,7 +89,7 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
                 write_embeddings(tables, emb, params)
                 tables.note_read("label_embeddings")
         else:
-            write_embeddings(tables, emb, params)
+            write_embeddings(tables, emb, params)        # an earlier run's rows removed, if any
         f = ft = None
         facts: Dict = {}
         if params.tree.effective_lambda > 0:
