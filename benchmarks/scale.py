@@ -60,8 +60,9 @@ def open_log(path: str):
 
 
 def read_event_log(folder: Path) -> dict:
-    """Per pipeline stage and overall: max shuffle-read rows of one task, summed result bytes;
-    peak Python RSS.
+    """Per pipeline stage and overall: max shuffle-read rows of one task, summed result bytes,
+    peak Python RSS (of the tasks' executor metrics: the workers' sum while a task of that stage
+    ran; the overall peak also takes the heartbeats and stage peaks).
 
     A job is attributed to the pipeline stage of its ``xmc-stage-<name>`` tag. Jobs that Spark
     runs outside the tagging thread (an Arrow collection, ``toPandas``/``to_arrow``, runs its job
@@ -77,7 +78,7 @@ def read_event_log(folder: Path) -> dict:
     if not files:
         raise SystemExit(f"no event log under {folder}")
     jobs = {}                                  # job id -> [tag name or None, submitted, stage ids]
-    per_stage = defaultdict(lambda: [0, 0])    # spark stage id -> [max task shuffle rows, result bytes]
+    per_stage = defaultdict(lambda: [0, 0, 0])  # spark stage id -> [max task shuffle rows, result bytes, peak RSS]
     peak_py = 0
     for f in files:
         with open_log(f) as fh:
@@ -97,8 +98,9 @@ def read_event_log(folder: Path) -> dict:
                     acc = per_stage[e.get("Stage ID")]
                     acc[0] = max(acc[0], int((m.get("Shuffle Read Metrics") or {}).get("Total Records Read", 0)))
                     acc[1] += int(m.get("Result Size", 0))
-                    tem = e.get("Task Executor Metrics") or {}
-                    peak_py = max(peak_py, int(tem.get("ProcessTreePythonRSSMemory", 0)))
+                    rss = int((e.get("Task Executor Metrics") or {}).get("ProcessTreePythonRSSMemory", 0))
+                    acc[2] = max(acc[2], rss)
+                    peak_py = max(peak_py, rss)
                 elif kind in ("SparkListenerStageExecutorMetrics", "SparkListenerExecutorMetricsUpdate"):
                     em = e.get("Executor Metrics") or {}
                     peak_py = max(peak_py, int(em.get("ProcessTreePythonRSSMemory", 0)))
@@ -107,7 +109,7 @@ def read_event_log(folder: Path) -> dict:
         if name is not None:
             firsts[name] = min(firsts.get(name, start), start)
     starts = sorted((t, name) for name, t in firsts.items())
-    max_rows, result_bytes, seen = defaultdict(int), defaultdict(int), set()
+    max_rows, result_bytes, peak_rss, seen = defaultdict(int), defaultdict(int), defaultdict(int), set()
     for _, (name, start, stages) in sorted(jobs.items()):
         if name is None:
             name = next((k for t, k in reversed(starts) if t <= start), "untagged")
@@ -115,11 +117,13 @@ def read_event_log(folder: Path) -> dict:
             if sid in seen:                    # a stage a later job lists again (skipped: its tasks ran once)
                 continue
             seen.add(sid)
-            rows, nbytes = per_stage.get(sid, (0, 0))
+            rows, nbytes, rss = per_stage.get(sid, (0, 0, 0))
             for k in (name, "all"):
                 max_rows[k] = max(max_rows[k], rows)
                 result_bytes[k] += nbytes
-    return {"max_task_shuffle_rows": dict(max_rows), "result_bytes": dict(result_bytes), "peak_python_rss": peak_py}
+                peak_rss[k] = max(peak_rss[k], rss)
+    return {"max_task_shuffle_rows": dict(max_rows), "result_bytes": dict(result_bytes), "peak_python_rss": peak_py,
+            "peak_python_rss_by_stage": {k: v for k, v in peak_rss.items() if k != "all"}}
 
 
 def synth_set(n: int, L: int, d: int, work: Path, cores: int) -> Path:
@@ -165,7 +169,9 @@ def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str, node_fr
             "seconds": m["seconds"], "p@1": m["p@1"], "p@3": m["p@3"], "p@5": m["p@5"],
             "model_layout": m.get("model_layout"), "weights_bytes": weights_bytes,
             "max_task_rows_over_n": {k: round(v / n, 3) for k, v in ev["max_task_shuffle_rows"].items()},
-            "result_bytes": ev["result_bytes"], "peak_python_rss_mb": round(ev["peak_python_rss"] / 2 ** 20, 1)}
+            "result_bytes": ev["result_bytes"], "peak_python_rss_mb": round(ev["peak_python_rss"] / 2 ** 20, 1),
+            "peak_python_rss_mb_by_stage": {k: round(v / 2 ** 20, 1)
+                                            for k, v in ev["peak_python_rss_by_stage"].items()}}
 
 
 def weights_table_bytes(out: Path) -> int:
@@ -202,6 +208,12 @@ def growth_exponent(rows) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+def _peak_stage(r) -> str:
+    """The pipeline stage whose tasks saw the highest Python RSS, as " (stage)" (older rows: "")."""
+    by = r.get("peak_python_rss_mb_by_stage") or {}
+    return f" ({max(by, key=by.get)})" if by else ""
+
+
 def table(rows) -> str:
     """The markdown table of the runs. The pipeline's ``tree`` stage runs the label embedding
     inside it, so its seconds are the "embedding+tree" column (until 2026-12-01 this column added
@@ -219,7 +231,7 @@ def table(rows) -> str:
             f"{s.get('ingest', 0):.0f} | {s.get('tree', 0):.0f} | {s.get('train', 0):.0f} | "
             f"{s.get('predict', 0):.0f} | {mt.get('train', 0)}, {mt.get('all', 0)} | {rb / 2 ** 20:.1f} MB | "
             f"{r['weights_bytes'] / 2 ** 20:.1f} MB | {rb / max(r['weights_bytes'], 1):.1%} | "
-            f"{r['peak_python_rss_mb']} | {r['p@1']:.2f} | {r['p@3']:.2f} | {r['p@5']:.2f} |")
+            f"{r['peak_python_rss_mb']}{_peak_stage(r)} | {r['p@1']:.2f} | {r['p@3']:.2f} | {r['p@5']:.2f} |")
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ def test_untagged_jobs_go_to_the_stage_running_then_and_stages_count_once(tmp_pa
     assert r["max_task_shuffle_rows"] == {"ingest": 5, "train": 900, "predict": 40, "untagged": 1, "all": 900}
     assert r["result_bytes"] == {"ingest": 1000, "train": 2050, "predict": 730, "untagged": 1, "all": 3781}
     assert r["peak_python_rss"] == 3 << 20
+    assert r["peak_python_rss_by_stage"] == {"ingest": 0, "train": 3 << 20, "predict": 0, "untagged": 0}
 
 
 def test_the_table_counts_the_embedding_once():
@@ -49,4 +50,6 @@ def test_the_table_counts_the_embedding_once():
            "max_task_rows_over_n": {"train": 0.5, "all": 0.5}, "result_bytes": {"all": 2 ** 20},
            "weights_bytes": 2 ** 21, "peak_python_rss_mb": 100.0, "p@1": 90.0, "p@3": 60.0, "p@5": 40.0}
     cells = [c.strip() for c in table([row]).splitlines()[2].split("|")[1:-1]]
-    assert cells[4:8] == ["3", "10", "20", "5"] and cells[11] == "50.0%"
+    assert cells[4:8] == ["3", "10", "20", "5"] and cells[11] == "50.0%" and cells[12] == "100.0"
+    row["peak_python_rss_mb_by_stage"] = {"ingest": 40.0, "train": 100.0, "predict": 60.0}
+    assert table([row]).splitlines()[2].split("|")[13].strip() == "100.0 (train)"
