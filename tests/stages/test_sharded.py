@@ -112,6 +112,35 @@ def test_layer_bytes_and_top_layers(spark, models):
     np.testing.assert_array_equal(sharded.layer_nbytes(empty), np.zeros(len(layers)))
 
 
+def test_the_size_aggregates_end_in_one_task(spark, models):
+    """tree_nbytes and layer_nbytes gather O(trees) and O(layers) rows: with 64 shuffle partitions
+    and no adaptive coalescing their aggregates still end in one task, not 64 (each task returns
+    its metrics to the driver)."""
+    model = models["overlap"]
+    sc = spark.sparkContext
+    old = {key: spark.conf.get(key) for key in ("spark.sql.shuffle.partitions",
+                                                "spark.sql.adaptive.coalescePartitions.enabled")}
+    try:
+        spark.conf.set("spark.sql.shuffle.partitions", "64")
+        spark.conf.set("spark.sql.adaptive.coalescePartitions.enabled", "false")
+        sc.setJobGroup("xmc-size-aggregates", "the size aggregates")
+        sm = as_sharded(spark, model)
+        nbytes = sharded.layer_nbytes(sm), sharded.tree_nbytes(sm.weights)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+        sc.setLocalProperty("spark.job.description", None)
+        for key, value in old.items():
+            spark.conf.set(key, value)
+    layers, _ = model.layers()
+    np.testing.assert_array_equal(nbytes[0], [8 * W.nnz for _, W, _ in layers])
+    assert nbytes[1] == {0: int(sum(nbytes[0]))}
+    st = sc.statusTracker()
+    jobs = [st.getJobInfo(j) for j in st.getJobIdsForGroup("xmc-size-aggregates")]
+    ran = [st.getStageInfo(s) for j in jobs if j is not None for s in j.stageIds]
+    ran = [i.numTasks for i in ran if i is not None and i.numCompletedTasks > 0]
+    assert len(ran) >= 4 and max(ran) < 64, ran       # the checkpoint and two aggregates' stages
+
+
 @pytest.mark.parametrize("top", [0, "default"])          # default: every inner layer shared, no cogroup
 def test_sharded_matcher_equals_match_leaves(spark, problem, models, top):
     samples, Xl, _ = problem

@@ -232,9 +232,10 @@ def _row_count(samples: DataFrame):
 
 def tree_nbytes(weights: DataFrame) -> Dict[int, int]:
     """Size of a weights table's classifiers per tree (keys ``tree << TREE_SHIFT | id``; one tree:
-    tree 0), 8 bytes a non-zero: one aggregate, O(trees) rows to the driver."""
+    tree 0), 8 bytes a non-zero: one aggregate, O(trees) rows to the driver, its last step one
+    task whatever ``spark.sql.shuffle.partitions`` is (each task returns its metrics to the driver)."""
     rows = weights.groupBy(F.shiftright("key", TREE_SHIFT).alias("t")).agg(F.sum(F.size("w_idx")).alias("nnz"))
-    return {int(r["t"]): int(r["nnz"] or 0) * BYTES_PER_NNZ for r in rows.collect()}
+    return {int(r["t"]): int(r["nnz"] or 0) * BYTES_PER_NNZ for r in rows.coalesce(1).collect()}
 
 
 def broadcast_bound(spark_or_df, pred: PredictParams) -> float:
@@ -302,12 +303,13 @@ def _placed_of(model: ShardedModel) -> DataFrame:
 
 
 def layer_nbytes(model: ShardedModel) -> np.ndarray:
-    """Bytes of each layer's classifiers (8 a non-zero): one aggregate, O(layers) rows to the
-    driver, kept on the model; a weight key the tree does not have stops here."""
+    """Bytes of each layer's classifiers (8 a non-zero): one aggregate ending in one task (as
+    :func:`tree_nbytes`), O(layers) rows to the driver, kept on the model; a weight key the tree
+    does not have stops here."""
     if model.layer_bytes is None:
         out = np.zeros(len(tree_layers(model.index).layers), np.int64)
         for r in (_placed_of(model).groupBy("layer")
-                  .agg(F.sum(F.size("w_idx")).alias("nnz"), F.min("key").alias("key")).collect()):
+                  .agg(F.sum(F.size("w_idx")).alias("nnz"), F.min("key").alias("key")).coalesce(1).collect()):
             if r["layer"] is None:
                 raise ModelFormatError(f"the weights hold key {int(r['key'])}, which is not in the tree")
             out[int(r["layer"])] = int(r["nnz"] or 0) * BYTES_PER_NNZ
