@@ -78,41 +78,6 @@ def test_two_keys_written_at_once_into_a_fresh_table(spark, tmp_path):
         assert got == [("ka", "p@1", 1.0), ("ka", "p@3", 1.0), ("kb", "p@1", 2.0), ("kb", "p@3", 2.0)]
 
 
-def test_write_all_writes_each_table_and_raises_the_first_failure(spark, tmp_path, monkeypatch):
-    """Tables.write_all writes its tables from a thread each, with the caller's job tags: both
-    tables hold their rows under the key; a failing write does not stop the other, and its error
-    reaches the caller; the session's Parquet settings are as before."""
-    import threading
-
-    from xmc_spark.compat import conf_value
-    t = Tables(spark, tmp_path, "k1")
-    rows = "metric string, value double"
-    seen, write = {}, Tables.write
-
-    def tagged_write(self, name, df, where=None):
-        seen[name] = (threading.get_ident(), set(spark.getTags()))
-        write(self, name, df, where)
-
-    monkeypatch.setattr(Tables, "write", tagged_write)
-    spark.addTag("xmc-write-all")
-    try:
-        t.write_all({"a": spark.createDataFrame([("p@1", 1.0)], rows),
-                     "b": spark.createDataFrame([("p@1", 2.0), ("p@3", 3.0)], rows)})
-    finally:
-        spark.removeTag("xmc-write-all")
-    def read(name):
-        return sorted(tuple(r) for r in read_delta(spark, t.path(name), "k1").collect())
-
-    assert read("a") == [("p@1", 1.0)] and read("b") == [("p@1", 2.0), ("p@3", 3.0)]
-    assert seen["a"][0] != seen["b"][0] != threading.get_ident()                   # a thread each
-    assert all("xmc-write-all" in tags for _, tags in seen.values()), seen
-    bad = spark.range(3).selectExpr("CAST(raise_error('boom in a') AS STRING) AS metric", "1.0D AS value")
-    with pytest.raises(Exception, match="boom in a"):
-        t.write_all({"a": bad, "b": spark.createDataFrame([("p@5", 5.0)], rows)})
-    assert read("b") == [("p@5", 5.0)] and read("a") == [("p@1", 1.0)]     # b written all the same, a as it was
-    assert conf_value(spark, "parquet.enable.dictionary") is None
-
-
 def test_conflicts_are_told_from_other_errors():
     assert is_conflict(RuntimeError("[DELTA_PROTOCOL_CHANGED] The protocol version of the Delta table ..."))
     assert is_conflict(Exception("io.delta.exceptions.ConcurrentAppendException: Files were added ..."))

@@ -257,8 +257,10 @@ def ingest_stage(ctx: StageContext) -> StageResult:
             seen = counts > 0 if counts is not None else None
             test_df, tinfo = ingest.read_samples(spark, ctx.test, p.ingest, expect_features=info.n_features,
                                                  expect_labels=info.n_labels, seen_labels=seen)
-        # every input is valid: write (both at once)
-        tables.write_all({name: df for name, df in (("train", train_df), ("test", test_df)) if df is not None})
+        if train_df is not None:                 # every input is valid: write
+            tables.write("train", train_df)
+        if test_df is not None:
+            tables.write("test", test_df)
     facts = {"train": ctx.train, "test": ctx.test, "aggregated": agg is not None, "n_train": info.n_samples,
              "n_features": info.n_features, "n_labels": info.n_labels,
              "n_test": tinfo.n_samples if tinfo else None, **(agg.stats if agg is not None else {})}

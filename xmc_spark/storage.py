@@ -299,33 +299,6 @@ class Tables:
         write_delta(df, self.path(name), self.run_key, where)
         self.pins.pop(name, None)                 # this run's own output from now on
 
-    def write_all(self, frames: Dict[str, DataFrame]) -> None:
-        """:meth:`write` each of ``frames`` (one commit each), from a thread each when there are
-        several: their jobs share the executors and one table's commit overlaps the other's write.
-        Every write runs to its end; then the first failure (in ``frames``' order) is raised.
-        The threads carry the caller's job tags and local properties (``InheritableThread``)."""
-        if len(frames) <= 1:
-            for name, df in frames.items():
-                self.write(name, df)
-            return
-        from pyspark import InheritableThread
-        failed: Dict[str, BaseException] = {}
-
-        def one(name: str, df: DataFrame) -> None:
-            try:
-                self.write(name, df)
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
-                failed[name] = e
-
-        threads = [InheritableThread(one, args=(name, df), session=self.spark) for name, df in frames.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for name in frames:
-            if name in failed:
-                raise failed[name]
-
     def read(self, name: str) -> DataFrame:
         version = self.pins.get(name)
         self.reads[name] = version if version is not None else self.version(name)
