@@ -110,6 +110,36 @@ def test_interpolated_tree_stage_equals_kernel(problem, emb, spark, lam):
         label_tree.run(emb, params, n_features=D, n_labels=L)
 
 
+def test_a_failed_level_leaves_nothing_cached(problem, emb, spark, monkeypatch):
+    """The level-by-level tree caches the embeddings joined to every label: a level that fails
+    releases that cache as a finished tree does (the session holds as many cached plans as
+    before)."""
+    _, Xl, Yl = problem
+    Yl = sp.csr_matrix(Yl)
+    params = TreeParams(max_leaf_size=2, lam=0.5, seed=2, local_subtree_size=0)
+    f, ft = FQ.label_frequencies(Yl.indptr, Yl.indices, L, "marginal")
+    cached = spark._jsparkSession.sharedState().cacheManager()
+
+    def n_cached():
+        return cached.numCachedEntries()
+
+    before = n_cached()
+    label_tree.run(emb, params, n_features=D, n_labels=L, f=f, f_tilde=ft)
+    assert n_cached() == before
+    calls, split = [], label_tree.split_level
+
+    def second_level_fails(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("level 2 failed")
+        return split(*a, **k)
+
+    monkeypatch.setattr(label_tree, "split_level", second_level_fails)
+    with pytest.raises(RuntimeError, match="level 2 failed"):
+        label_tree.run(emb, params, n_features=D, n_labels=L, f=f, f_tilde=ft)
+    assert len(calls) == 2 and n_cached() == before
+
+
 @pytest.mark.parametrize("ensemble", [dict(ensemble_splits=[2, 3]), dict(ensemble=2, nr_splits=3)])
 def test_ensemble_trees_grow_in_the_same_jobs(problem, emb, spark, ensemble):
     """tree.ensemble_splits = 2,3 (level by level) or tree.ensemble = 2 of one branching (chained):

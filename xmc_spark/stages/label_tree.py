@@ -279,43 +279,46 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
         return _chained(packed, params, n_features, n_labels, levels, shuffle_partitions(spark)).localCheckpoint()
 
     # Otherwise (interpolated splits, or an ensemble of different branchings) level by level, the
-    # driver counting each level's nodes
-    freqs = None
-    if params.effective_lambda > 0:
-        freqs = share(spark, (np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)),
-                      name="the label frequencies (f, f_tilde)")
-    emb = all_labels.join(packed, "label_idx", "left").select(
-        "label_idx",
-        F.coalesce("emb_idx", F.lit(b"")).alias("emb_idx"),
-        F.coalesce("emb_val", F.lit(b"")).alias("emb_val")).cache()
+    # driver counting each level's nodes; the frequencies' share and the embeddings' cache are
+    # released however the levels end
+    freqs = emb = None
+    try:
+        if params.effective_lambda > 0:
+            freqs = share(spark, (np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)),
+                          name="the label frequencies (f, f_tilde)")
+        emb = all_labels.join(packed, "label_idx", "left").select(
+            "label_idx",
+            F.coalesce("emb_idx", F.lit(b"")).alias("emb_idx"),
+            F.coalesce("emb_val", F.lit(b"")).alias("emb_val")).cache()
 
-    # Each level's output is checkpointed: the plan of the next level starts from it, so plans
-    # do not grow with depth (a union of every earlier level would double the plan per level).
-    active = all_labels.crossJoin(trees).withColumn("node", F.lit(0).cast("long")).select(
-        "label_idx", "node", "tree")
-    sizes = {t << TREE_SHIFT: n_labels for t in range(params.n_trees())}
-    finished = []
-    depth = 0
-    while True:
-        big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
-        if not big:
-            break
-        new = split_level(emb, active, big, n_features, params, freqs, local).localCheckpoint()
-        # the children's sizes come back in a second, small job over the checkpointed level
-        grown = {int(r["key"]): int(r["count"]) for r in new.groupBy(_key().alias("key"), "node").count()
-                 .select("key", "node", "count").collect() if _fits(r["node"], params)}
-        sizes = {n: c for n, c in grown.items()}
-        big_next = [n for n, c in grown.items() if c > params.max_leaf_size]
-        finished.append(new.filter(~_key().isin(big_next)) if big_next else new)
-        active = new.filter(_key().isin(big_next))
-        depth += 1
-        log.info("tree level %d: split %d nodes into %d nodes (%d labels now in leaves)", depth, len(big),
-                 len(grown), sum(c for c in grown.values() if c <= params.max_leaf_size))
-    assign = finished[0]
-    for part in finished[1:]:
-        assign = assign.unionByName(part)
-    assign = assign.localCheckpoint()
-    emb.unpersist()
-    if freqs is not None:
-        freqs.unpersist()
-    return assign
+        # Each level's output is checkpointed: the plan of the next level starts from it, so plans
+        # do not grow with depth (a union of every earlier level would double the plan per level).
+        active = all_labels.crossJoin(trees).withColumn("node", F.lit(0).cast("long")).select(
+            "label_idx", "node", "tree")
+        sizes = {t << TREE_SHIFT: n_labels for t in range(params.n_trees())}
+        finished = []
+        depth = 0
+        while True:
+            big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
+            if not big:
+                break
+            new = split_level(emb, active, big, n_features, params, freqs, local).localCheckpoint()
+            # the children's sizes come back in a second, small job over the checkpointed level
+            grown = {int(r["key"]): int(r["count"]) for r in new.groupBy(_key().alias("key"), "node").count()
+                     .select("key", "node", "count").collect() if _fits(r["node"], params)}
+            sizes = {n: c for n, c in grown.items()}
+            big_next = [n for n, c in grown.items() if c > params.max_leaf_size]
+            finished.append(new.filter(~_key().isin(big_next)) if big_next else new)
+            active = new.filter(_key().isin(big_next))
+            depth += 1
+            log.info("tree level %d: split %d nodes into %d nodes (%d labels now in leaves)", depth, len(big),
+                     len(grown), sum(c for c in grown.values() if c <= params.max_leaf_size))
+        assign = finished[0]
+        for part in finished[1:]:
+            assign = assign.unionByName(part)
+        return assign.localCheckpoint()
+    finally:
+        if emb is not None:
+            emb.unpersist()
+        if freqs is not None:
+            freqs.unpersist()
