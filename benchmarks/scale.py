@@ -18,8 +18,10 @@ pipeline's: the distributed solver's vectors in files). Reported per run:
   ``xmc-stage-<name>`` by the runner) and overall;
 - the bytes all tasks returned to the driver (sum of the tasks' result sizes), against the size
   of the ``weights`` table (8 bytes a non-zero);
-- the peak RSS of the Python workers (Spark's ``ProcessTreePythonRSSMemory`` executor metric:
-  the sum over the workers alive at once, ``local[2]`` runs at most two);
+- the peak RSS of the Python workers (Spark's ``ProcessTreePythonRSSMemory`` executor metric,
+  sampled every 100 ms: the sum over the workers alive at once, ``local[2]`` runs at most two),
+  overall and per pipeline stage (the peak while that stage's tasks ran; an idle worker keeps the
+  memory an earlier stage left in it);
 - P@1/3/5;
 - and over all sizes, the growth exponent of wall time in n (least squares of log-log).
 
@@ -43,6 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_pecos import make_synth  # noqa: E402  (benchmarks/ is not a package)
 
 SHAPES = {250000: (20000, 50000), 500000: (50000, 100000)}
+# the executor samples the Python workers' RSS this often: without it, at each heartbeat (10 s), so
+# the "peak" is where a sample fell (README: 1,513 against 1,071 MB for one predict stage)
+RSS_POLL = "100ms"
 
 
 def shape_of(n: int, labels=None, features=None):
@@ -154,6 +159,7 @@ def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str, node_fr
            "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false",
            "--set", "spark.conf.spark.eventLog.enabled=true", "--set", f"spark.conf.spark.eventLog.dir={evlog}",
            "--set", "spark.conf.spark.executor.processTreeMetrics.enabled=true",
+           "--set", f"spark.conf.spark.executor.metrics.pollingInterval={RSS_POLL}",
            "--set", "spark.conf.spark.sql.shuffle.partitions=64",
            "--set", "spark.conf.spark.sql.adaptive.coalescePartitions.enabled=false",
            *([] if node_fraction is None else ["--set", f"train.max_node_rows={max(1, n // node_fraction)}"]), *extra]
