@@ -215,9 +215,12 @@ def growth_exponent(rows) -> float:
 
 
 def _peak_stage(r) -> str:
-    """The pipeline stage whose tasks saw the highest Python RSS, as " (stage)" (older rows: "")."""
+    """The pipeline stage whose tasks saw the highest Python RSS and that peak, as " (stage MB)";
+    "" for rows without per-stage peaks or with none measured. (The overall peak before it also
+    takes the samples between tasks, so it may be higher.)"""
     by = r.get("peak_python_rss_mb_by_stage") or {}
-    return f" ({max(by, key=by.get)})" if by else ""
+    top = max(by, key=by.get) if by else None
+    return f" ({top} {by[top]})" if top is not None and by[top] > 0 else ""
 
 
 def table(rows) -> str:
@@ -226,7 +229,7 @@ def table(rows) -> str:
     the embedding's seconds to them a second time)."""
     head = ("| n | labels x features | layout | process s | ingest | embedding+tree | train | predict | "
             "max task rows / n (train, all) | bytes to driver (all) | weights table | driver/weights | "
-            "peak Python RSS MB | P@1 | P@3 | P@5 |")
+            "peak Python RSS MB (stage) | P@1 | P@3 | P@5 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         s = r["seconds"]

@@ -28,7 +28,7 @@ def test_untagged_jobs_go_to_the_stage_running_then_and_stages_count_once(tmp_pa
     d = tmp_path / "log"
     d.mkdir()
     first = [job(0, 100, [0], "ingest"), task(0, 5, 1000), job(1, 200, [1], "train"), task(1, 70, 2000, rss=3 << 20)]
-    second = [job(2, 250, [2]), task(2, 900, 50),                     # untagged, inside train
+    second = [job(2, 250, [2]), task(2, 900, 50, rss=5 << 20),        # untagged, inside train
               job(3, 300, [3], "predict"), task(3, 40, 700),
               job(4, 310, [3, 4]), task(4, 10, 30),                   # stage 3 again (skipped): once
               job(5, 50, [5]), task(5, 1, 1)]                         # before any tagged job
@@ -38,8 +38,8 @@ def test_untagged_jobs_go_to_the_stage_running_then_and_stages_count_once(tmp_pa
     r = read_event_log(d)
     assert r["max_task_shuffle_rows"] == {"ingest": 5, "train": 900, "predict": 40, "untagged": 1, "all": 900}
     assert r["result_bytes"] == {"ingest": 1000, "train": 2050, "predict": 730, "untagged": 1, "all": 3781}
-    assert r["peak_python_rss"] == 3 << 20
-    assert r["peak_python_rss_by_stage"] == {"ingest": 0, "train": 3 << 20, "predict": 0, "untagged": 0}
+    assert r["peak_python_rss"] == 5 << 20
+    assert r["peak_python_rss_by_stage"] == {"ingest": 0, "train": 5 << 20, "predict": 0, "untagged": 0}
 
 
 def test_the_table_counts_the_embedding_once():
@@ -51,5 +51,7 @@ def test_the_table_counts_the_embedding_once():
            "weights_bytes": 2 ** 21, "peak_python_rss_mb": 100.0, "p@1": 90.0, "p@3": 60.0, "p@5": 40.0}
     cells = [c.strip() for c in table([row]).splitlines()[2].split("|")[1:-1]]
     assert cells[4:8] == ["3", "10", "20", "5"] and cells[11] == "50.0%" and cells[12] == "100.0"
-    row["peak_python_rss_mb_by_stage"] = {"ingest": 40.0, "train": 100.0, "predict": 60.0}
-    assert table([row]).splitlines()[2].split("|")[13].strip() == "100.0 (train)"
+    row["peak_python_rss_mb_by_stage"] = {"ingest": 40.0, "train": 90.0, "predict": 60.0}
+    assert table([row]).splitlines()[2].split("|")[13].strip() == "100.0 (train 90.0)"
+    row["peak_python_rss_mb_by_stage"] = {"ingest": 0.0, "train": 0.0}       # none measured
+    assert table([row]).splitlines()[2].split("|")[13].strip() == "100.0"

@@ -111,33 +111,44 @@ def test_interpolated_tree_stage_equals_kernel(problem, emb, spark, lam):
 
 
 def test_a_failed_level_leaves_nothing_cached(problem, emb, spark, monkeypatch):
-    """The level-by-level tree caches the embeddings joined to every label: a level that fails
-    releases that cache as a finished tree does (the session holds as many cached plans as
-    before)."""
+    """The level-by-level tree caches the embeddings joined to every label and shares the label
+    frequencies: a level that fails releases both, as a finished tree does."""
+    from pyspark import StorageLevel
     _, Xl, Yl = problem
     Yl = sp.csr_matrix(Yl)
     params = TreeParams(max_leaf_size=2, lam=0.5, seed=2, local_subtree_size=0)
     f, ft = FQ.label_frequencies(Yl.indptr, Yl.indices, L, "marginal")
-    cached = spark._jsparkSession.sharedState().cacheManager()
+    seen, released, split, share = [], [], label_tree.split_level, label_tree.share
 
-    def n_cached():
-        return cached.numCachedEntries()
+    def recorded_share(*a, **k):
+        shared = share(*a, **k)
+        unpersist = shared.unpersist
 
-    before = n_cached()
-    label_tree.run(emb, params, n_features=D, n_labels=L, f=f, f_tilde=ft)
-    assert n_cached() == before
-    calls, split = [], label_tree.split_level
+        def release(*ua, **uk):
+            released.append(shared)
+            return unpersist(*ua, **uk)
 
-    def second_level_fails(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
+        shared.unpersist = release
+        return shared
+
+    def second_level_fails(emb_, active, big, n_features, params_, freqs, local):
+        seen.append((emb_, freqs))
+        if fail and len(seen) == 2:
             raise RuntimeError("level 2 failed")
-        return split(*a, **k)
+        return split(emb_, active, big, n_features, params_, freqs, local)
 
+    monkeypatch.setattr(label_tree, "share", recorded_share)
     monkeypatch.setattr(label_tree, "split_level", second_level_fails)
-    with pytest.raises(RuntimeError, match="level 2 failed"):
-        label_tree.run(emb, params, n_features=D, n_labels=L, f=f, f_tilde=ft)
-    assert len(calls) == 2 and n_cached() == before
+    for fail in (False, True):
+        seen.clear()
+        released.clear()
+        if fail:
+            with pytest.raises(RuntimeError, match="level 2 failed"):
+                label_tree.run(emb, params, n_features=D, n_labels=L, f=f, f_tilde=ft)
+        else:
+            label_tree.run(emb, params, n_features=D, n_labels=L, f=f, f_tilde=ft)
+        assert len(seen) >= 2 and seen[0][0].storageLevel == StorageLevel.NONE, fail     # the cache released
+        assert released == [seen[0][1]], fail                                            # the share too
 
 
 @pytest.mark.parametrize("ensemble", [dict(ensemble_splits=[2, 3]), dict(ensemble=2, nr_splits=3)])
