@@ -171,7 +171,8 @@ def test_a_pass_runs_in_at_most_the_given_tasks(problem, index, tmp_path):
     finally:
         for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
             sc.setLocalProperty(key, None)
-    st = sc.statusTracker()
+    sc._jsc.sc().listenerBus().waitUntilEmpty()        # the tracker has every task's end (else a stage
+    st = sc.statusTracker()                             # still ending would look skipped below)
     jobs = [st.getJobInfo(j) for j in st.getJobIdsForGroup("one-task-passes")]
     ran = [st.getStageInfo(s) for j in jobs if j is not None for s in j.stageIds]
     ran = [(i.name, i.numTasks) for i in ran if i is not None and i.numCompletedTasks > 0]   # not the skipped packing
