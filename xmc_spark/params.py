@@ -287,6 +287,16 @@ class TreeParams(BaseParams):
     ensemble: int = 1                  # trees, grown and trained in the same Spark jobs; tree t
                                        # uses seed + t; prediction averages their label scores
     ensemble_splits: List[int] = field(default_factory=list)   # per-tree nr_splits (e.g. 2,8,32)
+    # a node with more labels than this is split across tasks (its labels' embeddings spread over
+    # the partitions, the same balanced k-means steps); "auto" derives it from executor memory,
+    # "off" splits every node in one task, an integer sets it
+    max_split_labels: str = "auto"
+
+    def split_label_bound(self) -> Optional[int]:
+        """The integer bound, None for "auto" (resolved against Spark's memory by the tree
+        stage), 0 for "off"."""
+        v = str(self.max_split_labels).strip().lower()
+        return None if v == "auto" else 0 if v == "off" else int(v)
 
     def n_trees(self) -> int:
         return max(self.ensemble, len(self.ensemble_splits))
@@ -322,6 +332,9 @@ class TreeParams(BaseParams):
         _check(1 <= self.greedy_candidates <= 30, prefix + "greedy_candidates", "must be in [1, 30]")
         _check(1 <= self.balanced_below_depth <= 40, prefix + "balanced_below_depth", "must be in [1, 40]")
         _check(self.local_subtree_size >= 0, prefix + "local_subtree_size", "must be >= 0")
+        v = str(self.max_split_labels).strip().lower()
+        _check(v in ("auto", "off") or (v.isdigit() and int(v) >= 2), prefix + "max_split_labels",
+               f"must be auto, off or an integer >= 2, got {self.max_split_labels!r}")
         _check(1 <= self.ensemble <= 64, prefix + "ensemble", f"must be in [1, 64], got {self.ensemble}")
         _check(not self.ensemble_splits or self.ensemble in (1, len(self.ensemble_splits)),
                prefix + "ensemble_splits", f"has {len(self.ensemble_splits)} values for tree.ensemble = "

@@ -47,6 +47,7 @@ from .stages import (
     prediction,
     prime,
     sharded,
+    split_across,
 )
 from .storage import Tables, is_local_path
 from .tracking import Tracker
@@ -65,11 +66,12 @@ def weights_to_columns(t: pa.Table, n_cols: int):
 
 
 def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams, timer: StageTimer,
-              label_counts=None):
+              label_counts=None, row_nnz: Optional[float] = None):
     """PIFA label embeddings, label frequencies (interpolated splits only) and the label tree;
     writes ``tree`` (and ``label_embeddings`` with ``embedding.write_table``); returns (TreeIndex,
     frequency facts). ``label_counts`` (training label frequencies), when given, spare the
-    frequency stage a pass."""
+    frequency stage a pass; with ``row_nnz`` (mean non-zeros of a training row, from ingest's
+    count) they size ``tree.max_split_labels = auto`` without a job."""
     spark = samples.sparkSession
     emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
                               n_buckets=shuffle_partitions(spark), packed=True)
@@ -97,7 +99,9 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
                 f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree, label_counts)
                 facts = {f"frequencies.{k}": v for k, v in finfo.items()}
         with timer.stage("tree"):
-            tree = label_tree.run(emb, params.tree, n_features=n_features, n_labels=n_labels, f=f, f_tilde=ft)
+            bound = split_across.split_bound(samples, params.tree, n_features, n_labels, label_counts, row_nnz)
+            tree = label_tree.run(emb, params.tree, n_features=n_features, n_labels=n_labels, f=f, f_tilde=ft,
+                                  split_bound=bound)
             index = commit_tree(tables, tree, n_labels, params)
     finally:
         if keep:
@@ -262,7 +266,7 @@ def ingest_stage(ctx: StageContext) -> StageResult:
         if test_df is not None:
             tables.write("test", test_df)
     facts = {"train": ctx.train, "test": ctx.test, "aggregated": agg is not None, "n_train": info.n_samples,
-             "n_features": info.n_features, "n_labels": info.n_labels,
+             "n_features": info.n_features, "n_labels": info.n_labels, "n_train_nonzeros": info.n_nonzeros,
              "n_test": tinfo.n_samples if tinfo else None, **(agg.stats if agg is not None else {})}
     if agg is not None:
         ctx.memo["aggregated"] = agg
@@ -381,8 +385,9 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         f = ft = None
         if params.tree.effective_lambda > 0:
             f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree, label_counts)
+        bound = split_across.split_bound(train_df, params.tree, info.n_features, info.n_labels, label_counts)
         tree = label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
-                              f_tilde=ft).toPandas()
+                              f_tilde=ft, split_bound=bound).toPandas()
         index = tree_index(tree, info.n_labels, params)
         w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch,
                               n_samples=n_samples, label_counts=label_counts).localCheckpoint()
@@ -428,7 +433,9 @@ def tree_stage(ctx: StageContext) -> StageResult:
         if kept is not None:
             log.info("tree: EAGLE's round model kept a tree grown with other tree/embedding settings (or "
                      "eagle.refine_keep_tree is off now): growing one")
-        index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts)
+        nnz = ing.n_train_nonzeros
+        index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts,
+                                 row_nnz=nnz / max(1, ing.n_train) if nnz is not None else None)
     ctx.memo["label_counts"] = counts
     # the index of the tree table's version just committed: the train stage of this process takes it
     ctx.memo["tree_index"] = (ctx.tables.reads.get("tree"), index)

@@ -108,6 +108,7 @@ class Dataset:
     n_features: int
     n_labels: int                  # training label space (a test set may name more: unseen labels)
     n_test: Optional[int] = None
+    n_train_nonzeros: Optional[int] = None   # feature entries of the training rows, when ingest counted them
 
     @classmethod
     def from_record(cls, rec: Dict[str, Any]) -> Dataset:

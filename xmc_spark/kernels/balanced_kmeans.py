@@ -15,10 +15,7 @@ from .jit import njit
 
 def _centroids(Z: sp.csr_matrix, assign: np.ndarray, k: int) -> np.ndarray:
     """Normalized centroid per cluster, dense (k x d): one node's d-vector per child."""
-    C = _cluster_sums(Z.indptr, Z.indices, Z.data, np.asarray(assign, np.int64), k, Z.shape[1]).astype(np.float64)
-    n = np.linalg.norm(C, axis=1, keepdims=True)
-    n[n == 0] = 1.0
-    return C / n
+    return normalized(_cluster_sums(Z.indptr, Z.indices, Z.data, np.asarray(assign, np.int64), k, Z.shape[1]))
 
 
 @njit()
@@ -87,36 +84,62 @@ def _greedy_balanced(scores, caps):
     return assign
 
 
+def split_caps(m: int, nr_splits: int) -> np.ndarray:
+    """Child sizes of a balanced split of m rows: ceil or floor of m / k (k = min(B, m)), the
+    larger parts first."""
+    k = min(int(nr_splits), int(m))
+    base, extra = divmod(int(m), k)
+    caps = np.full(k, base, dtype=np.int64)
+    caps[:extra] += 1
+    return caps
+
+
+def initial_rows(m: int, k: int, seed: int) -> np.ndarray:
+    """The k distinct rows (of m, in label order) whose normalized embeddings start the split."""
+    return np.random.default_rng(seed).choice(m, size=k, replace=False)
+
+
+def normalized(C: np.ndarray) -> np.ndarray:
+    """Rows of C scaled to unit L2 norm (a zero row stays zero), as float64."""
+    C = np.asarray(C, dtype=np.float64)
+    n = np.linalg.norm(C, axis=1, keepdims=True)
+    n[n == 0] = 1.0
+    return C / n
+
+
+def assignment(scores: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """One step's child of every row from its scores: for two children ``scores`` is the vector
+    z^T (c0 - c1) and the top caps[0] rows (ties in row order) go to child 0; for more, the
+    m x k similarities and the greedy balanced assignment."""
+    if len(caps) == 2 and scores.ndim == 1:
+        order = np.argsort(-scores, kind="mergesort")
+        new = np.ones(len(scores), dtype=np.int64)
+        new[order[: caps[0]]] = 0
+        return new
+    return _greedy_balanced(scores, caps)
+
+
 def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, seed: int = 0) -> np.ndarray:
     """Split the rows of Z (label embeddings of one node) into ``nr_splits`` balanced parts.
 
     Returns an int array of child positions in [0, nr_splits); part sizes differ by at most 1
     (child j gets ceil or floor of m / B, the larger parts first). Deterministic for a seed.
+    The steps (:func:`initial_rows`, :func:`assignment`, :func:`normalized` sums) are those the
+    split across tasks (:mod:`..stages.split_across`) takes with the rows spread over partitions.
     """
     Z = sp.csr_matrix(Z, dtype=np.float32)
     m = Z.shape[0]
     k = min(nr_splits, m)
     if m <= 1 or k <= 1:
         return np.zeros(m, dtype=np.int64)
-    rng = np.random.default_rng(seed)
-    base, extra = divmod(m, k)
-    caps = np.full(k, base, dtype=np.int64)
-    caps[:extra] += 1
-    # init: k distinct random labels as centroids
-    init = rng.choice(m, size=k, replace=False)
-    C = np.asarray(Z[init].todense(), dtype=np.float64)
-    n = np.linalg.norm(C, axis=1, keepdims=True)
-    n[n == 0] = 1.0
-    C /= n
+    caps = split_caps(m, k)
+    C = normalized(Z[initial_rows(m, k, seed)].toarray())
     assign = None
     for _ in range(max_iter):
         if k == 2:                              # z^T (c0 - c1) = z^T c0 - z^T c1 up to rounding
-            diff = _projection(Z.indptr, Z.indices, Z.data, C[0] - C[1])
-            order = np.argsort(-diff, kind="mergesort")
-            new = np.ones(m, dtype=np.int64)
-            new[order[: caps[0]]] = 0
+            new = assignment(_projection(Z.indptr, Z.indices, Z.data, C[0] - C[1]), caps)
         else:
-            new = _greedy_balanced(_similarities(Z.indptr, Z.indices, Z.data, C), caps)   # m x k
+            new = assignment(_similarities(Z.indptr, Z.indices, Z.data, C), caps)   # m x k
         if assign is not None and np.array_equal(new, assign):
             break
         assign = new

@@ -56,6 +56,7 @@ class DatasetInfo:
     # per label, the rows carrying it (n_labels long), when the check job counted them (count_labels)
     label_counts: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
     rows_with_unseen: Optional[int] = None   # rows with a label outside seen_labels, when given
+    n_nonzeros: Optional[int] = None   # feature entries of all rows as written (a repeated index counted twice)
 
 
 def _detect(spark: SparkSession, path: str):
@@ -437,7 +438,8 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         lines = Lines(parsed, one_split(spark, path), err=first_where("_err IS NOT NULL", "_err"),
                       max_label=f"max(CASE WHEN {is_data} THEN array_max(label_idx) END)",
                       max_feature=f"max(CASE WHEN {is_data} THEN array_max(feature_idx) END)",
-                      n_rep=f"count(CASE WHEN {rep} THEN 1 END)", rep=first_where(rep, "true"))
+                      n_rep=f"count(CASE WHEN {rep} THEN 1 END)", rep=first_where(rep, "true"),
+                      nnz=f"sum(CASE WHEN {is_data} THEN size(feature_idx) END)")
     bad = lines.first("err")
     if bad is not None:
         raise IngestError(f"{path}:{bad[0]}: {bad[1]}")
@@ -462,12 +464,12 @@ def _info(path: str, fmt: str, lines: Lines, header_n: Optional[int], d: Optiona
     if n_rep:
         log.warning("%s:%d: %d line(s) list a feature index more than once (the first here); "
                     "their values are summed", path, lines.first("rep")[0], n_rep)
-    return DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep))
+    return DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep), n_nonzeros=int(sum(lines.values("nnz"))))
 
 
 # ---- the fast path: numba over each Arrow batch of lines ----------------------------------------
 FAST_SCHEMA = ("_pid int, _mid long, n long, bad long, max_label long, max_feature long, n_rep long, "
-               "rep long, unseen long, _label long")
+               "rep long, unseen long, nnz long, _label long")
 
 
 def _line_bytes(col: pa.Array):
@@ -519,13 +521,14 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
                 "n_rep": pa.array([int(np.count_nonzero(rep))], pa.int64()),
                 "rep": pa.array([int(mid[rep].min()) if rep.any() else None], pa.int64()),
                 "unseen": pa.array([unseen], pa.int64()),
+                "nnz": pa.array([int(fp[-1])], pa.int64()),
                 "_label": pa.array([None], pa.int64())})
             if u is not None:
                 none = pa.nulls(len(u), pa.int64())
                 yield pa.RecordBatch.from_pydict({
                     "_pid": pa.nulls(len(u), pa.int32()), "_mid": none, "n": pa.array(c, pa.int64()),
                     "bad": none, "max_label": none, "max_feature": none, "n_rep": none, "rep": none,
-                    "unseen": none, "_label": pa.array(u, pa.int64())})
+                    "unseen": none, "nnz": none, "_label": pa.array(u, pa.int64())})
             worker_progress("ingest (check)", rows=b.num_rows)
 
     try:
@@ -536,7 +539,7 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
             .mapInArrow(screen, FAST_SCHEMA)
         lines = Lines(summary, one_split(spark, path), count="sum(n)", by_label=by_label, bad="sum(bad)",
                       max_label="max(max_label)", max_feature="max(max_feature)", n_rep="sum(n_rep)",
-                      unseen="sum(unseen)",
+                      unseen="sum(unseen)", nnz="sum(nnz)",
                       rep="min(CASE WHEN rep IS NOT NULL THEN struct(rep AS mid, true AS value) END)")
     finally:
         if shared is not None:
@@ -626,6 +629,7 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
             "max(array_max(label_idx)) AS max_label", "max(array_max(feature_idx)) AS max_feature",
             f"count(CASE WHEN {_REPEATED} THEN 1 END) AS n_rep",
             f"min(CASE WHEN {_REPEATED} THEN sample_id END) AS rep",
+            "sum(size(feature_idx)) AS nnz",
         )]).first()
     if stats["n"] == 0:
         raise IngestError(f"{path}: the table has no rows")
@@ -642,7 +646,8 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
         log.warning("%s: %d row(s) list a feature index more than once (the first: sample_id %d); "
                     "their values are summed", path, stats["n_rep"], stats["rep"])
     return (_finish(df, params.normalize),
-            DatasetInfo(path, fmt, int(stats["n"]), int(d), int(L), int(stats["n_rep"])))
+            DatasetInfo(path, fmt, int(stats["n"]), int(d), int(L), int(stats["n_rep"]),
+                        n_nonzeros=int(stats["nnz"] or 0)))
 
 
 def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Optional[str] = None,

@@ -21,19 +21,22 @@ t splitting with :meth:`~xmc_spark.params.TreeParams.for_tree` (its own seed and
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import scipy.sparse as sp
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_batches, csr_from_binary, grouped_apply, nnz_cuts, pack_rows
+from ..arrow_utils import csr_batches, csr_from_binary, grouped_apply, local_frame, nnz_cuts, pack_rows, to_arrow
 from ..compat import partition_keys, share, shuffle_partitions, task_slots
-from ..kernels.tree import TREE_SHIFT, split_node, tree_from_params
+from ..kernels.tree import TREE_SHIFT, node_depth, split_node, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
+from . import split_across
 from .label_embedding import PACKED_BATCH_NNZ, PACKED_SCHEMA
 
 log = logging.getLogger("xmc_spark.tree")
@@ -129,23 +132,30 @@ def _group_index(B: int, level: int, tree, node) -> np.ndarray:
 
 
 def _chained(packed: DataFrame, params: TreeParams, n_features: int, n_labels: int, levels: int,
-             cap: int) -> DataFrame:
+             cap: int, start: int = 0, placed: Optional[DataFrame] = None) -> DataFrame:
     """A balanced tree's levels as one Spark plan: each level's tasks split (or, the last, grow the
     subtrees of) its (tree, node) groups and hand their rows on, embeddings included, to the next
     level's groups through one shuffle into the partitions of :func:`_level_parts`. No level waits
     for the driver: the sizes are known beforehand (:func:`chained_levels`). The root's group
-    places the labels without an embedding (no training sample) with an empty one."""
+    places the labels without an embedding (no training sample) with an empty one. With
+    ``start`` > 0 the plan begins at that depth from ``placed`` rows (label_idx, node, tree,
+    part, emb_idx, emb_val: every label, its node there and the partition key of its group),
+    the levels above having been split across tasks (:mod:`.split_across`)."""
     T, B = params.n_trees(), params.for_tree(0).nr_splits
-    parts0, keys0 = _level_parts(T, B, 0, cap)
-    trees = packed.sparkSession.range(T).select(
-        F.col("id").cast("int").alias("tree"),
-        F.element_at(F.array(*[F.lit(int(k)) for k in keys0]), (F.col("id") % parts0 + 1).cast("int")).alias("part"))
-    cols = ["label_idx", F.lit(0).cast("long").alias("node"), "tree", "part", "emb_idx", "emb_val"]
-    # a placeholder row (label -1) per tree: its root's group exists even when no label has an embedding
-    none = trees.select(F.lit(-1).alias("label_idx"), "tree", "part", F.lit(b"").alias("emb_idx"),
-                        F.lit(b"").alias("emb_val"))
-    rows = packed.crossJoin(F.broadcast(trees)).select(*cols).unionByName(none.select(*cols))
-    for level in range(levels):
+    if placed is not None:
+        rows = placed
+    else:
+        parts0, keys0 = _level_parts(T, B, 0, cap)
+        trees = packed.sparkSession.range(T).select(
+            F.col("id").cast("int").alias("tree"),
+            F.element_at(F.array(*[F.lit(int(k)) for k in keys0]), (F.col("id") % parts0 + 1).cast("int"))
+            .alias("part"))
+        cols = ["label_idx", F.lit(0).cast("long").alias("node"), "tree", "part", "emb_idx", "emb_val"]
+        # a placeholder row (label -1) per tree: its root's group exists even when no label has an embedding
+        none = trees.select(F.lit(-1).alias("label_idx"), "tree", "part", F.lit(b"").alias("emb_idx"),
+                            F.lit(b"").alias("emb_val"))
+        rows = packed.crossJoin(F.broadcast(trees)).select(*cols).unionByName(none.select(*cols))
+    for level in range(start, levels):
         last = level == levels - 1
         parts, _ = _level_parts(T, B, level, cap)
         step = _level_step(params, n_features, n_labels, B, level, None if last else _level_parts(T, B, level + 1, cap))
@@ -247,7 +257,7 @@ def is_packed(embeddings: DataFrame) -> bool:
 
 
 def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels: int, f=None,
-        f_tilde=None) -> DataFrame:
+        f_tilde=None, split_bound: int = 0) -> DataFrame:
     """(label_idx, node, tree): the leaf of each label in each tree (tree = 0 for one tree).
     Labels without an embedding (no training sample) are still placed: they join the tree
     with an empty embedding. ``embeddings`` are rows of the ``label_embeddings`` table, or those
@@ -255,7 +265,9 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     ``packed``).
 
     ``f`` and ``f_tilde`` (label frequencies, :mod:`.label_frequencies`) are required when
-    the tree is interpolated (lambda > 0)."""
+    the tree is interpolated (lambda > 0). A balanced split of a node with more than
+    ``split_bound`` labels (0: none) runs across tasks (:mod:`.split_across`;
+    :func:`.split_across.label_bound` resolves ``tree.max_split_labels``)."""
     spark = embeddings.sparkSession
     if params.effective_lambda > 0 and (f is None or f_tilde is None):
         raise ValueError("an interpolated tree (lambda > 0) needs label frequencies f and f_tilde")
@@ -274,6 +286,10 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
         B = params.for_tree(0).nr_splits
         deepest = chained_levels(params.for_tree(0), n_labels, 0)          # the leaves' depth
         _fits((B ** (deepest + 1) - 1) // (B - 1) - 1, params)              # the last id of that depth
+        across = split_across.big_depths(n_labels, B, split_bound, params.for_tree(0).max_leaf_size)
+        if across:
+            return _chained_after_split(packed, params, n_features, n_labels, max(levels, across + 1), across,
+                                        split_bound, shuffle_partitions(spark))
         log.info("tree: %d level(s) chained in one plan (%d labels, subtrees grown from %d labels)", levels,
                  n_labels, local)
         return _chained(packed, params, n_features, n_labels, levels, shuffle_partitions(spark)).localCheckpoint()
@@ -286,10 +302,7 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
         if params.effective_lambda > 0:
             freqs = share(spark, (np.asarray(f, np.float64), np.asarray(f_tilde, np.float64)),
                           name="the label frequencies (f, f_tilde)")
-        emb = all_labels.join(packed, "label_idx", "left").select(
-            "label_idx",
-            F.coalesce("emb_idx", F.lit(b"")).alias("emb_idx"),
-            F.coalesce("emb_val", F.lit(b"")).alias("emb_val")).cache()
+        emb = _every_label(packed, n_labels).cache()
 
         # Each level's output is checkpointed: the plan of the next level starts from it, so plans
         # do not grow with depth (a union of every earlier level would double the plan per level).
@@ -302,7 +315,7 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
             big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
             if not big:
                 break
-            new = split_level(emb, active, big, n_features, params, freqs, local).localCheckpoint()
+            new = _split_big(emb, active, big, sizes, n_features, params, freqs, local, split_bound)
             # the children's sizes come back in a second, small job over the checkpointed level
             grown = {int(r["key"]): int(r["count"]) for r in new.groupBy(_key().alias("key"), "node").count()
                      .select("key", "node", "count").collect() if _fits(r["node"], params)}
@@ -322,3 +335,77 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
             emb.unpersist()
         if freqs is not None:
             freqs.unpersist()
+
+
+def _every_label(packed: DataFrame, n_labels: int) -> DataFrame:
+    """A packed row for every label in [0, n_labels): its embedding, or an empty one (no sample)."""
+    all_labels = packed.sparkSession.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
+    return all_labels.join(packed, "label_idx", "left").select(
+        "label_idx", F.coalesce("emb_idx", F.lit(b"")).alias("emb_idx"),
+        F.coalesce("emb_val", F.lit(b"")).alias("emb_val"))
+
+
+def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int, n_labels: int, levels: int,
+                         across: int, bound: int, cap: int) -> DataFrame:
+    """The balanced tree whose first ``across`` levels hold nodes over ``bound`` labels: those
+    levels split across tasks (:func:`.split_across.split_across`, the driver keeping each
+    label's node), then the chained plan from that depth (:func:`_chained`). The rows of every
+    label are persisted meanwhile (the split's queries and the plan read them)."""
+    spark = packed.sparkSession
+    T, B = params.n_trees(), params.for_tree(0).nr_splits
+    emb = _every_label(packed, n_labels).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        labels = np.tile(np.arange(n_labels, dtype=np.int64), T)
+        trees = np.repeat(np.arange(T, dtype=np.int64), n_labels)
+        nodes = split_across.split_across(emb, labels, trees, np.zeros(len(labels), np.int64), params, n_features,
+                                          bound, levels=across)
+        parts, keys = _level_parts(T, B, across, cap)
+        placed = local_frame(spark, {
+            "label_idx": pa.array(labels.astype(np.int32)), "node": pa.array(nodes),
+            "tree": pa.array(trees.astype(np.int32)),
+            "part": pa.array(keys[np.mod(_group_index(B, across, trees, nodes), parts)].astype(np.int32))})
+        log.info("tree: %d level(s) split across tasks (nodes over %d labels), then %d chained in one plan "
+                 "(%d labels)", across, bound, levels - across, n_labels)
+        rows = emb.join(placed, "label_idx").select("label_idx", "node", "tree", "part", "emb_idx", "emb_val")
+        return _chained(packed, params, n_features, n_labels, levels, cap, start=across,
+                        placed=rows).localCheckpoint()
+    finally:
+        emb.unpersist()
+
+
+def _balanced_at(key: int, params: TreeParams) -> bool:
+    """Whether the (tree, node) ``key``'s split is the balanced k-means (lambda = 0, or a node at
+    ``balanced_below_depth`` or deeper): the split :mod:`.split_across` distributes."""
+    tp = params.for_tree(int(key) >> TREE_SHIFT) if params.n_trees() > 1 else params
+    node = int(key) & ((1 << TREE_SHIFT) - 1) if params.n_trees() > 1 else int(key)
+    return tp.effective_lambda == 0 or int(node_depth([node], tp.nr_splits)[0]) >= tp.balanced_below_depth
+
+
+def _split_big(emb: DataFrame, active: DataFrame, big, sizes: dict, n_features: int, params: TreeParams, freqs,
+               local: int, bound: int) -> DataFrame:
+    """One level of the level-by-level tree, checkpointed: the balanced splits of nodes over
+    ``bound`` labels across tasks (:func:`.split_across.split_across`, one level), the other
+    nodes of ``big`` in a task each (:func:`split_level`)."""
+    across = [k for k in big if bound and sizes[k] > bound and _balanced_at(k, params)]
+    inside = [k for k in big if k not in set(across)]
+    over = [k for k in inside if bound and sizes[k] > bound]
+    if over:
+        log.warning("tree: %d node(s) over tree.max_split_labels = %d labels (up to %d) split in one task each: "
+                    "the interpolated split (lambda > 0) is not distributed", len(over), bound,
+                    max(sizes[k] for k in over))
+    pieces = []
+    if across:
+        got = to_arrow(active.filter(_key().isin([int(k) for k in across])))
+        labels = got.column("label_idx").to_numpy().astype(np.int64)
+        trees = got.column("tree").to_numpy().astype(np.int64)
+        nodes = split_across.split_across(emb, labels, trees, got.column("node").to_numpy().astype(np.int64),
+                                          params, n_features, bound, levels=1)
+        pieces.append(local_frame(emb.sparkSession, {"label_idx": pa.array(labels.astype(np.int32)),
+                                                     "node": pa.array(nodes),
+                                                     "tree": pa.array(trees.astype(np.int32))}))
+    if inside:
+        pieces.append(split_level(emb, active, inside, n_features, params, freqs, local))
+    new = pieces[0]
+    for p in pieces[1:]:
+        new = new.unionByName(p)
+    return new.localCheckpoint()

@@ -883,7 +883,6 @@ class SparkOracle:
         n_cls = int(node_ptr[-1])
 
         def partial(batches):
-            from pyspark import TaskContext
             part = make_part()
             acc, n = np.zeros(size), 0
             for b in batches:
@@ -891,33 +890,44 @@ class SparkOracle:
                     part(rb, acc)
                     n += rb.X.shape[0]
             worker_progress("train (distributed)", rows=n)
-            blocks = [k for k in range(-(-size // BLOCK)) if np.any(acc[k * BLOCK:(k + 1) * BLOCK])]
-            if not blocks:
-                return
-            segs = [acc[k * BLOCK:(k + 1) * BLOCK] for k in blocks]
-            offs = np.concatenate([[0], np.cumsum([len(s) for s in segs])])
-            tc = TaskContext.get()
-            yield pa.RecordBatch.from_pydict({
-                "block": pa.array(blocks, pa.int32()),
-                "part": pa.array(np.full(len(blocks), tc.partitionId() if tc else 0), pa.int32()),
-                "vals": list_array(offs, np.concatenate(segs), pa.float64())})
+            yield from partial_blocks(acc)
 
         df = self.rows
         nodes = None if cols is None else np.unique(np.searchsorted(node_ptr, cols, side="right") - 1)
         if nodes is not None and len(nodes) < len(node_ptr) - 1:
             df = df.where(F.col("node").isin([int(j) for j in nodes]))
-        df = query_tasks(df, self.par)
-        # one reduce task per block up to solver_tasks (each task's fixed cost is
-        # paid per query), whatever spark.sql.shuffle.partitions is (the groupBy reuses this hash
-        # partitioning: no second shuffle)
-        partials = df.mapInArrow(partial, PARTIAL_SCHEMA).repartition(_parallel(self.par, -(-size // BLOCK)), "block")
-        summed = to_arrow(grouped_apply(partials, ["block"], _sum_blocks, PARTIAL_SCHEMA))
         self.queries += 1
-        out = np.zeros(size)
-        off, vals = list_offsets_values(summed, "vals")
-        for r, k in enumerate(summed.column("block").to_numpy()):
-            out[k * BLOCK:k * BLOCK + off[r + 1] - off[r]] = vals[off[r]:off[r + 1]]
-        return out
+        return summed_blocks(query_tasks(df, self.par).mapInArrow(partial, PARTIAL_SCHEMA), size, self.par)
+
+
+def partial_blocks(acc: np.ndarray):
+    """A task's partial sums ``acc`` as :data:`PARTIAL_SCHEMA` rows, one per block of
+    :data:`BLOCK` doubles that is not all zero (none when ``acc`` is all zero)."""
+    from pyspark import TaskContext
+    blocks = [k for k in range(-(-len(acc) // BLOCK)) if np.any(acc[k * BLOCK:(k + 1) * BLOCK])]
+    if not blocks:
+        return
+    segs = [acc[k * BLOCK:(k + 1) * BLOCK] for k in blocks]
+    offs = np.concatenate([[0], np.cumsum([len(s) for s in segs])])
+    tc = TaskContext.get()
+    yield pa.RecordBatch.from_pydict({
+        "block": pa.array(blocks, pa.int32()),
+        "part": pa.array(np.full(len(blocks), tc.partitionId() if tc else 0), pa.int32()),
+        "vals": list_array(offs, np.concatenate(segs), pa.float64())})
+
+
+def summed_blocks(partials: DataFrame, size: int, par: int) -> np.ndarray:
+    """The sum (a flat vector of ``size``) of the tasks' :func:`partial_blocks` rows: one reduce
+    task per block up to ``par`` (each task's fixed cost is paid per query), whatever
+    spark.sql.shuffle.partitions is (the groupBy reuses this hash partitioning: no second
+    shuffle); the driver collects the summed blocks only."""
+    summed = to_arrow(grouped_apply(partials.repartition(_parallel(par, -(-size // BLOCK)), "block"), ["block"],
+                                    _sum_blocks, PARTIAL_SCHEMA))
+    out = np.zeros(size)
+    off, vals = list_offsets_values(summed, "vals")
+    for r, k in enumerate(summed.column("block").to_numpy()):
+        out[k * BLOCK:k * BLOCK + off[r + 1] - off[r]] = vals[off[r]:off[r + 1]]
+    return out
 
 
 def _sum_blocks(t: pa.Table) -> pa.Table:

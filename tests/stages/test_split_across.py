@@ -1,0 +1,175 @@
+"""Big tree nodes split across tasks (tree.max_split_labels) take the kernel's balanced k-means
+steps: the same children as balanced_split, the same trees as the tree kernel, and the bound's
+resolution."""
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import scipy.sparse as sp
+
+from xmc_spark.arrow_utils import csr_batches, local_frame
+from xmc_spark.kernels.balanced_kmeans import balanced_split
+from xmc_spark.kernels.tree import build_tree, split_seed
+from xmc_spark.params import TreeParams
+from xmc_spark.stages import label_tree, split_across
+from xmc_spark.stages.label_embedding import PACKED_ARROW
+
+M, DIM = 300, 40
+
+
+@pytest.fixture(scope="module")
+def Z():
+    """Label embeddings (PIFA-like: non-negative, unit rows) of M labels, some without a row."""
+    Z = sp.random(M, DIM, density=0.2, random_state=3, format="csr", dtype=np.float32)
+    Z = sp.csr_matrix(Z.multiply(1 / np.maximum(1e-12, sp.linalg.norm(Z, axis=1))[:, None]), dtype=np.float32)
+    Z = sp.csr_matrix(Z.multiply((np.arange(M) % 37 != 5)[:, None]), dtype=np.float32)   # labels without
+    Z.eliminate_zeros()                                                                # a sample: empty rows
+    return Z
+
+
+def packed_frame(spark, Z, labels=None, partitions=3):
+    """The packed (label_idx, emb_idx, emb_val) rows of Z's non-empty rows (the tree stage's input)."""
+    labels = np.arange(Z.shape[0]) if labels is None else labels
+    keep = np.flatnonzero(np.diff(Z.indptr) > 0)
+    sub = Z[keep]
+    t = pa.Table.from_batches(csr_batches({"label_idx": pa.array(labels[keep].astype(np.int32))}, sub, 1 << 20),
+                              PACKED_ARROW)
+    return local_frame(spark, t).repartition(partitions)
+
+
+def every_label(spark, Z):
+    return label_tree._every_label(packed_frame(spark, Z), Z.shape[0])
+
+
+@pytest.mark.parametrize("B,node", [(2, 0), (3, 0), (2, 5), (16, 1)])
+def test_a_node_split_across_tasks_is_the_kernels_split(spark, Z, B, node):
+    """One node's labels split across tasks: the children of balanced_split with the node's seed."""
+    params = TreeParams(nr_splits=B, seed=7, max_leaf_size=10)
+    labels = np.arange(0, M, 2)                       # the node's labels: every other one
+    got = split_across.split_across(every_label(spark, Z), labels, np.zeros(len(labels)),
+                                    np.full(len(labels), node), params, DIM, levels=1)
+    want = node * B + 1 + balanced_split(Z[labels], B, params.max_iter, split_seed(params.seed, node))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_nodes_of_several_trees_split_in_the_same_rounds(spark, Z, monkeypatch):
+    """Groups of two trees (their own seeds and branchings) in one round, and in rounds of one
+    group (the centroids' budget below one node's): each the kernel's split."""
+    params = TreeParams(max_leaf_size=10, seed=1, ensemble_splits=[2, 4], max_iter=6)
+    labels = np.concatenate([np.arange(M), np.arange(M)])
+    trees = np.repeat([0, 1], M)
+    nodes = np.where(np.arange(2 * M) % 2 == 0, 1, 2)      # per tree two nodes: odd and even labels
+    want = np.empty(2 * M, np.int64)
+    for t in (0, 1):
+        tp = params.for_tree(t)
+        for n in (1, 2):
+            sel = (trees == t) & (nodes == n)
+            want[sel] = n * tp.nr_splits + 1 + balanced_split(Z[labels[sel]], tp.nr_splits, tp.max_iter,
+                                                              split_seed(tp.seed, n))
+    emb = every_label(spark, Z)
+    np.testing.assert_array_equal(split_across.split_across(emb, labels, trees, nodes, params, DIM, levels=1), want)
+    monkeypatch.setattr(split_across, "CENTROID_MB", 1e-6)
+    np.testing.assert_array_equal(split_across.split_across(emb, labels, trees, nodes, params, DIM, levels=1), want)
+
+
+@pytest.mark.parametrize("local", [0, 4096])
+@pytest.mark.parametrize("B", [2, 3])
+def test_a_tree_with_big_levels_is_the_kernels_tree(spark, Z, local, B):
+    """The balanced tree with its levels over the bound split across tasks, the rest chained:
+    the kernel's tree (the labels without a row placed as empty rows)."""
+    params = TreeParams(max_leaf_size=12, nr_splits=B, seed=2, local_subtree_size=local, max_iter=6)
+    assert split_across.big_depths(M, B, 60, 12) == (3 if B == 2 else 2)
+    tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, split_bound=60)
+    got = {r["label_idx"]: r["node"] for r in tree.collect()}
+    want = build_tree(Z, 12, B, params.max_iter, 2)
+    assert [got[k] for k in range(M)] == want.tolist()
+
+
+@pytest.mark.parametrize("ensemble", [dict(ensemble_splits=[2, 3]), dict(ensemble=2)])
+def test_ensemble_trees_split_their_big_nodes_across_tasks(spark, Z, ensemble):
+    """Trees of different branchings (level by level) or of one (chained): each tree's big nodes
+    split across tasks, every tree the kernel's."""
+    params = TreeParams(max_leaf_size=12, seed=4, max_iter=6, **ensemble)
+    tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, split_bound=50)
+    for t in (0, 1):
+        tp = params.for_tree(t)
+        got = {r["label_idx"]: r["node"] for r in tree.filter(f"tree = {t}").collect()}
+        want = build_tree(Z, 12, tp.nr_splits, tp.max_iter, tp.seed)
+        assert [got[k] for k in range(M)] == want.tolist(), t
+
+
+def test_interpolated_splits_stay_in_their_task_and_balanced_ones_go_across(spark, Z, caplog):
+    """lambda > 0: the interpolated splits (above balanced_below_depth) run in one task each,
+    with a warning when over the bound; the balanced ones below go across tasks; the tree is the
+    kernel's."""
+    from xmc_spark.kernels import frequencies as FQ
+    Y = sp.random(500, M, density=0.02, random_state=1, format="csr")
+    f, ft = FQ.label_frequencies(Y.indptr, Y.indices, M, "marginal")
+    params = TreeParams(max_leaf_size=12, seed=3, lam=0.5, balanced_below_depth=1, max_iter=6)
+    with caplog.at_level("WARNING", logger="xmc_spark.tree"):
+        tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, f=f, f_tilde=ft,
+                              split_bound=60)
+    assert "the interpolated split (lambda > 0) is not distributed" in caplog.text
+    got = {r["label_idx"]: r["node"] for r in tree.collect()}
+    want = build_tree(Z, 12, 2, params.max_iter, 3, 0.5, f, ft, params.gamma, 1)
+    assert [got[k] for k in range(M)] == want.tolist()
+
+
+def test_the_split_leaves_nothing_persisted(spark, Z, monkeypatch):
+    """The rounds' rows and the broadcasts are released, also when a step fails."""
+    from pyspark import StorageLevel
+    emb, labels, params = every_label(spark, Z), np.arange(M), TreeParams(max_leaf_size=10, max_iter=3)
+    frames, shared, released = [], [], []
+    persist, share = type(emb).persist, split_across.share
+
+    def recorded_persist(self, *a, **k):
+        frames.append(self)
+        return persist(self, *a, **k)
+
+    def recorded_share(*a, **k):
+        s = share(*a, **k)
+        shared.append(s)
+        unpersist = s.unpersist
+        s.unpersist = lambda *ua, **uk: (released.append(s), unpersist(*ua, **uk))[1]
+        return s
+
+    monkeypatch.setattr(type(emb), "persist", recorded_persist)
+    monkeypatch.setattr(split_across, "share", recorded_share)
+    split_across.split_across(emb, labels, np.zeros(M), np.zeros(M), params, DIM, levels=2)
+    assert len(frames) == 2 and all(f.storageLevel == StorageLevel.NONE for f in frames)    # a round a level
+    assert shared and released == shared
+    frames.clear(), shared.clear(), released.clear()
+    steps = []
+
+    def failing(*a, **k):
+        steps.append(1)
+        if len(steps) == 2:
+            raise RuntimeError("step failed")
+        return assignment(*a, **k)
+
+    assignment = split_across.assignment
+    monkeypatch.setattr(split_across, "assignment", failing)
+    with pytest.raises(RuntimeError, match="step failed"):
+        split_across.split_across(emb, labels, np.zeros(M), np.zeros(M), params, DIM, levels=1)
+    assert len(frames) == 1 and frames[0].storageLevel == StorageLevel.NONE
+    assert shared and released == shared
+
+
+def test_the_bound_is_the_setting_or_derived_from_memory(spark):
+    """An integer or off is taken as is; auto shares a task's memory among labels of
+    min(features, count x mean row non-zeros) non-zeros of 40 bytes, + 256 bytes a label."""
+    from xmc_spark.stages.node_training import row_bound_for, session_conf
+    assert split_across.label_bound(spark, TreeParams(max_split_labels="5000"), 100) == 5000
+    assert split_across.label_bound(spark, TreeParams(max_split_labels="off"), 100) == 0
+    counts = np.array([1, 10, 1000])
+    per_label = np.minimum(100, counts * 20.0).mean()           # (20 + 100 + 100) / 3
+    assert split_across.label_bound(spark, TreeParams(), 100, counts, 20.0) == row_bound_for(
+        session_conf(spark), int(256 + 40 * (per_label + 1)))
+    assert split_across.label_bound(spark, TreeParams(), 100) == row_bound_for(session_conf(spark), 256 + 40 * 101)
+    with pytest.raises(Exception, match="max_split_labels"):
+        TreeParams(max_split_labels="1").validate()
+    assert split_across.big_depths(1000, 2, 0, 10) == 0
+    assert split_across.big_depths(1000, 2, 300, 10) == 2       # 1000 -> 500 -> 250
+    assert split_across.big_depths(1000, 2, 300, 600) == 1      # the leaf size bounds the split too
+    assert dataclasses.replace(TreeParams(), max_split_labels="AUTO").split_label_bound() is None
