@@ -17,6 +17,11 @@ sizes depend on the data, and ensembles of different branchings run one level at
 driver counting each level's nodes. An ensemble (``tree.ensemble`` > 1 or
 ``tree.ensemble_splits``) grows all its trees in the same jobs: groups are (tree, node), tree
 t splitting with :meth:`~xmc_spark.params.TreeParams.for_tree` (its own seed and branching).
+
+A node with more labels than ``split_bound`` (``tree.max_split_labels``) is not split in one
+task: :mod:`.split_across` splits it with its labels' rows spread over the partitions (the
+balanced levels over the bound first, then the chained plan from the depth below them; in the
+level-by-level loop, each level's balanced big nodes).
 """
 from __future__ import annotations
 
