@@ -42,6 +42,20 @@ def every_label(spark, Z):
     return label_tree._every_label(packed_frame(spark, Z), Z.shape[0])
 
 
+@pytest.fixture
+def across(monkeypatch):
+    """The levels of each split_across call the tree made (a test of the tree's path fails if
+    the big nodes were split in their tasks after all)."""
+    calls, real = [], split_across.split_across
+
+    def recorded(*a, **k):
+        calls.append(k.get("levels"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(split_across, "split_across", recorded)
+    return calls
+
+
 @pytest.mark.parametrize("B,node", [(2, 0), (3, 0), (2, 5), (16, 1)])
 def test_a_node_split_across_tasks_is_the_kernels_split(spark, Z, B, node):
     """One node's labels split across tasks: the children of balanced_split with the node's seed."""
@@ -75,23 +89,26 @@ def test_nodes_of_several_trees_split_in_the_same_rounds(spark, Z, monkeypatch):
 
 @pytest.mark.parametrize("local", [0, 4096])
 @pytest.mark.parametrize("B", [2, 3])
-def test_a_tree_with_big_levels_is_the_kernels_tree(spark, Z, local, B):
+def test_a_tree_with_big_levels_is_the_kernels_tree(spark, Z, local, B, across):
     """The balanced tree with its levels over the bound split across tasks, the rest chained:
     the kernel's tree (the labels without a row placed as empty rows)."""
     params = TreeParams(max_leaf_size=12, nr_splits=B, seed=2, local_subtree_size=local, max_iter=6)
     assert split_across.big_depths(M, B, 60, 12) == (3 if B == 2 else 2)
     tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, split_bound=60)
+    assert across == [3 if B == 2 else 2]
     got = {r["label_idx"]: r["node"] for r in tree.collect()}
     want = build_tree(Z, 12, B, params.max_iter, 2)
     assert [got[k] for k in range(M)] == want.tolist()
 
 
 @pytest.mark.parametrize("ensemble", [dict(ensemble_splits=[2, 3]), dict(ensemble=2)])
-def test_ensemble_trees_split_their_big_nodes_across_tasks(spark, Z, ensemble):
+def test_ensemble_trees_split_their_big_nodes_across_tasks(spark, Z, ensemble, across):
     """Trees of different branchings (level by level) or of one (chained): each tree's big nodes
     split across tasks, every tree the kernel's."""
     params = TreeParams(max_leaf_size=12, seed=4, max_iter=6, **ensemble)
     tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, split_bound=50)
+    # chained: the levels of 300, 150 and 75 labels at once; level by level: one call a level over the bound
+    assert across == ([3] if "ensemble" in ensemble else [1, 1, 1])
     for t in (0, 1):
         tp = params.for_tree(t)
         got = {r["label_idx"]: r["node"] for r in tree.filter(f"tree = {t}").collect()}
@@ -99,7 +116,7 @@ def test_ensemble_trees_split_their_big_nodes_across_tasks(spark, Z, ensemble):
         assert [got[k] for k in range(M)] == want.tolist(), t
 
 
-def test_interpolated_splits_stay_in_their_task_and_balanced_ones_go_across(spark, Z, caplog):
+def test_interpolated_splits_stay_in_their_task_and_balanced_ones_go_across(spark, Z, caplog, across):
     """lambda > 0: the interpolated splits (above balanced_below_depth) run in one task each,
     with a warning when over the bound; the balanced ones below go across tasks; the tree is the
     kernel's."""
@@ -111,6 +128,7 @@ def test_interpolated_splits_stay_in_their_task_and_balanced_ones_go_across(spar
         tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, f=f, f_tilde=ft,
                               split_bound=60)
     assert "the interpolated split (lambda > 0) is not distributed" in caplog.text
+    assert across and set(across) == {1}         # the balanced levels below the root
     got = {r["label_idx"]: r["node"] for r in tree.collect()}
     want = build_tree(Z, 12, 2, params.max_iter, 3, 0.5, f, ft, params.gamma, 1)
     assert [got[k] for k in range(M)] == want.tolist()

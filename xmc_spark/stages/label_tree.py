@@ -286,6 +286,8 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     # and the root's task (every label's row; 500K set, 50K labels) took 6.0 s, its split ~1 s of it
     packed = embeddings if is_packed(embeddings) else embeddings.mapInArrow(_packed, PACKED_SCHEMA)
     local = local_size(params, n_labels, task_slots(spark))
+    if split_bound > 0 and local > split_bound:     # no node over the split bound grows in a task
+        local = split_bound
     levels = chained_levels(params.for_tree(0), n_labels, local) if _chainable(params) else 0
     if levels:
         B = params.for_tree(0).nr_splits

@@ -28,7 +28,8 @@ than in the kernel; the children's sizes are exact. Interpolated splits (lambda 
 warning when it is over the bound.
 
 A level's centroids (k x features doubles per node) are broadcast to the tasks; the nodes of a
-level are taken in rounds of at most :data:`CENTROID_MB` of them (a task's partial sums are as large).
+level are taken in rounds of at most :data:`CENTROID_MB` of them (a task's partial sums are as large),
+one node a round when a node's own centroids are larger.
 """
 from __future__ import annotations
 
@@ -92,12 +93,13 @@ def split_bound(samples: DataFrame, params: TreeParams, n_features: int, n_label
     """:func:`label_bound` for a tree of ``n_labels`` labels grown from the training rows
     ``samples``: without ``row_nnz`` (the ingest stage's count of non-zeros / rows, when it
     made one) their mean non-zeros come from one aggregation, run only when the bound for rows
-    holding every feature is below ``n_labels`` (else no node can be over the bound)."""
+    holding every feature is below ``n_labels`` (else no node can be over the bound) and
+    ``label_counts`` are given (without them the bound is that of rows holding every feature)."""
     spark = samples.sparkSession
     if params.split_label_bound() is not None:
         return label_bound(spark, params, n_features)
     least = label_bound(spark, params, n_features)
-    if int(n_labels) <= least:
+    if int(n_labels) <= least or label_counts is None:
         return least
     if row_nnz is None:
         row_nnz = samples.select(F.avg(F.size("feature_idx"))).first()[0] or 0.0
@@ -124,8 +126,9 @@ class _Level:
     holding entries ``ptr[g]:ptr[g + 1]``."""
 
     def __init__(self, labels: np.ndarray, trees: np.ndarray, nodes: np.ndarray, keys: List[Tuple[int, int]]):
-        gid = {k: g for g, k in enumerate(keys)}
-        g = np.array([gid[(int(t), int(n))] for t, n in zip(trees, nodes)], np.int64)
+        codes = np.array([t << 40 | n for t, n in keys], np.int64)
+        by_code = np.argsort(codes)
+        g = by_code[np.searchsorted(codes[by_code], trees << 40 | nodes)]
         self.order = np.lexsort((labels, g))
         self.labels, self.g = labels[self.order], g[self.order]
         self.keys = keys
@@ -184,14 +187,15 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
                                 "g": pa.array(lvl.g.astype(np.int32)),
                                 "_p": pa.array(partition_keys(parts).astype(np.int32)[
                                     (np.arange(n, dtype=np.int64) * parts) // n])})
-    rows = emb.join(place, "label_idx").repartition(parts, "_p").drop("_p").persist(StorageLevel.MEMORY_AND_DISK)
-    shared: list = []
+    # rows in position order within a partition: the float32 partial sums do not depend on the shuffle
+    rows = (emb.join(place, "label_idx").repartition(parts, "_p").sortWithinPartitions("pos").drop("_p")
+            .persist(StorageLevel.MEMORY_AND_DISK))
     try:
         C = _initial_centroids(emb, lvl, tps, m, k, d)
         assign: List[Optional[np.ndarray]] = [None] * G
         active = list(range(G))
         for step in range(max(tp.max_iter for tp in tps)):
-            S = _scores(rows, lvl, active, k, C, d, shared)
+            S = _scores(rows, lvl, active, k, C, d)
             moved = []
             for g in active:
                 s = S[lvl.ptr[g]:lvl.ptr[g + 1]]
@@ -202,12 +206,10 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
             active = [g for g in moved if step + 1 < tps[g].max_iter]    # the kernel's loop, per group
             if not active:
                 break
-            for g, Sg in _sums(rows, lvl, active, k, assign, d, par, shared).items():
+            for g, Sg in _sums(rows, lvl, active, k, assign, d, par).items():
                 C[g] = normalized(Sg)
     finally:
         rows.unpersist()
-        for b in shared:
-            b.unpersist()
     child = np.empty(n, np.int64)
     for g, (_, node) in enumerate(lvl.keys):
         child[lvl.ptr[g]:lvl.ptr[g + 1]] = node * tps[g].nr_splits + 1 + assign[g]
@@ -248,13 +250,11 @@ def _batch_groups(b: pa.RecordBatch, keep, d: int):
         yield pos[r], Z[r], int(gg)
 
 
-def _scores(rows: DataFrame, lvl: _Level, active: List[int], k, C: Dict[int, np.ndarray], d: int,
-            shared: list) -> np.ndarray:
+def _scores(rows: DataFrame, lvl: _Level, active: List[int], k, C: Dict[int, np.ndarray], d: int) -> np.ndarray:
     """Every active entry's scores (n x max k, by position): z^T (c0 - c1) for a 2-way group
     (the kernel's projection), the k similarities otherwise; one query."""
     spark = rows.sparkSession
     vec = share(spark, {g: C[g][0] - C[g][1] if k[g] == 2 else C[g] for g in active}, name="the centroids")
-    shared.append(vec)
     on = np.zeros(len(lvl.keys), bool)
     on[active] = True
 
@@ -270,7 +270,10 @@ def _scores(rows: DataFrame, lvl: _Level, active: List[int], k, C: Dict[int, np.
                     "scores": list_array(np.arange(0, s.size + 1, s.shape[1]), s.ravel(), pa.float64())})
                 worker_progress("tree (split across tasks)", rows=len(pos))
 
-    got = to_arrow(rows.mapInArrow(score, SCORES_SCHEMA))
+    try:
+        got = to_arrow(rows.mapInArrow(score, SCORES_SCHEMA))
+    finally:
+        vec.unpersist()             # each step's broadcasts go as soon as its query is done
     off, vals = list_offsets_values(got, "scores")
     width = int(k.max())
     S = np.zeros((len(lvl.labels), width))
@@ -282,8 +285,7 @@ def _scores(rows: DataFrame, lvl: _Level, active: List[int], k, C: Dict[int, np.
     return S
 
 
-def _sums(rows: DataFrame, lvl: _Level, active: List[int], k, assign, d: int, par: int,
-          shared: list) -> Dict[int, np.ndarray]:
+def _sums(rows: DataFrame, lvl: _Level, active: List[int], k, assign, d: int, par: int) -> Dict[int, np.ndarray]:
     """Each active group's per-child sums of its rows (k x d), one query: the tasks' partial
     sums (float32 per batch and group, as the kernel's, added in float64) summed by blocks."""
     spark = rows.sparkSession
@@ -294,7 +296,6 @@ def _sums(rows: DataFrame, lvl: _Level, active: List[int], k, assign, d: int, pa
         child[lvl.ptr[g]:lvl.ptr[g + 1]] = assign[g]
         off[g], size = size, size + int(k[g]) * d
     sh = share(spark, child, name="the children of the labels")
-    shared.append(sh)
 
     def part(batches):
         a = sh.value
@@ -306,5 +307,8 @@ def _sums(rows: DataFrame, lvl: _Level, active: List[int], k, assign, d: int, pa
                 worker_progress("tree (split across tasks)", rows=len(pos))
         yield from partial_blocks(acc)
 
-    flat = summed_blocks(rows.mapInArrow(part, PARTIAL_SCHEMA), size, par)
+    try:
+        flat = summed_blocks(rows.mapInArrow(part, PARTIAL_SCHEMA), size, par)
+    finally:
+        sh.unpersist()
     return {g: flat[off[g]:off[g] + k[g] * d].reshape(int(k[g]), d) for g in active}
