@@ -385,7 +385,8 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         f = ft = None
         if params.tree.effective_lambda > 0:
             f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree, label_counts)
-        bound = split_across.split_bound(train_df, params.tree, info.n_features, info.n_labels, label_counts)
+        bound = split_across.split_bound(train_df, params.tree, info.n_features, info.n_labels, label_counts,
+                                         row_nnz=_row_nnz(info))
         tree = label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
                               f_tilde=ft, split_bound=bound).toPandas()
         index = tree_index(tree, info.n_labels, params)
@@ -395,6 +396,15 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         return model_from_weights(w, index, info.n_features, tp, params.predict)
     fit.last = None
     return fit
+
+
+def _row_nnz(info) -> Optional[float]:
+    """Mean non-zeros of a training row from ingest's count (the run's Dataset, or an input's
+    DatasetInfo), None when it made none (an aggregated input: its rows' features are counted by
+    the split bound's own aggregation if it needs them)."""
+    nnz = getattr(info, "n_train_nonzeros", getattr(info, "n_nonzeros", None))
+    n = getattr(info, "n_train", getattr(info, "n_samples", None))
+    return nnz / max(1, n) if nnz is not None and n else None
 
 
 def held_out_trainer(ctx: StageContext, split, keep: bool = False):
@@ -433,9 +443,8 @@ def tree_stage(ctx: StageContext) -> StageResult:
         if kept is not None:
             log.info("tree: EAGLE's round model kept a tree grown with other tree/embedding settings (or "
                      "eagle.refine_keep_tree is off now): growing one")
-        nnz = ing.n_train_nonzeros
         index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts,
-                                 row_nnz=nnz / max(1, ing.n_train) if nnz is not None else None)
+                                 row_nnz=_row_nnz(ing))
     ctx.memo["label_counts"] = counts
     # the index of the tree table's version just committed: the train stage of this process takes it
     ctx.memo["tree_index"] = (ctx.tables.reads.get("tree"), index)

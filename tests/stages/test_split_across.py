@@ -195,10 +195,10 @@ def test_the_bound_is_the_setting_or_derived_from_memory(spark):
 
 @pytest.mark.slow
 def test_bibtex_with_big_splits_grows_the_reference_tree(bibtex, tmp_path, spark):
-    """The real CLI on bibtex (159 labels) with leaves of at most 20 labels and
-    tree.max_split_labels = 40: the root and the next level (159, 80 labels) split across tasks,
-    the tree is the single-process reference's (PIFA, kernel tree) label for label, and P@1/3/5
-    are within 0.3 of the reference model's."""
+    """The real CLI on bibtex (159 labels) with leaves of at most 20 labels, at most 5 k-means
+    steps a split (the test's time) and tree.max_split_labels = 40: the root and the next level
+    (159, 80 labels) split across tasks, the tree is the single-process reference's (PIFA, kernel
+    tree) label for label, and P@1/3/5 are within 0.3 of the reference model's."""
     import json
     import os
     import subprocess
@@ -212,14 +212,32 @@ def test_bibtex_with_big_splits_grows_the_reference_tree(bibtex, tmp_path, spark
     r = subprocess.run(
         [sys.executable, "-m", "xmc_spark.cli", "run", "--train", str(bibtex / "train.txt"), "--test",
          str(bibtex / "test.txt"), "--out", str(out), "--set", "spark.master=local[2]", "--set", "mlflow.enabled=false",
-         "--set", "tree.max_leaf_size=20", "--set", "tree.max_split_labels=40"],
+         "--set", "tree.max_leaf_size=20", "--set", "tree.max_iter=5", "--set", "tree.max_split_labels=40"],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 level(s) split across tasks (nodes over 40 labels)" in r.stderr
-    model, _, _, ref = reference_run(bibtex, tree=TreeParams(max_leaf_size=20))
+    model, _, _, ref = reference_run(bibtex, tree=TreeParams(max_leaf_size=20, max_iter=5))
     got = {row["label_idx"]: row["node"] for row in read_delta(spark, str(out / "tables" / "tree")).collect()}
     leaf = dict(zip(model.index.slot_label.tolist(), model.index.slot_leaf.tolist()))
     assert got == leaf
     m = json.loads((out / "metrics.json").read_text())
+    from xmc_spark.local_io import read_xc
+    assert m["n_train_nonzeros"] == read_xc(str(bibtex / "train.txt"))[0].nnz     # ingest's count, a run fact
     for k in ("p@1", "p@3", "p@5"):
         assert abs(m[k] - ref[k]) <= 0.3, (k, m[k], ref[k])
+
+
+def test_the_auto_bound_takes_ingests_count_or_one_aggregation(spark, monkeypatch):
+    """split_bound: with ingest's mean non-zeros it reads no row; without, one aggregation gives
+    the same bound; without label counts, or when rows holding every feature fit, none."""
+    monkeypatch.setattr(split_across, "row_bound_for", lambda conf, nbytes: 10 ** 7 // nbytes)
+    d, L, counts = 1000, 1000, np.ones(1000)
+    unreadable = spark.range(1).selectExpr("raise_error('the rows were read') AS feature_idx")
+    rows = spark.createDataFrame([([1, 2, 3],), ([4, 5, 6],)], "feature_idx array<int>")
+    want = 10 ** 7 // (256 + 40 * (3 + 1))                       # each label: min(d, 1 x 3) non-zeros
+    assert split_across.split_bound(unreadable, TreeParams(), d, L, counts, row_nnz=3.0) == want
+    assert split_across.split_bound(rows, TreeParams(), d, L, counts) == want
+    least = 10 ** 7 // (256 + 40 * (d + 1))                      # 243 < L: the count was needed
+    assert split_across.split_bound(unreadable, TreeParams(), d, L) == least
+    assert split_across.split_bound(unreadable, TreeParams(), d, least, counts) == least
+    assert split_across.split_bound(unreadable, TreeParams(max_split_labels="77"), d, L, counts) == 77
