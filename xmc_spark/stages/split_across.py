@@ -53,7 +53,7 @@ from ..kernels.balanced_kmeans import (
     normalized,
     split_caps,
 )
-from ..kernels.tree import split_seed
+from ..kernels.tree import TREE_SHIFT, split_seed
 from ..params import TreeParams
 from ..progress import worker_progress
 from .node_training import PARTIAL_SCHEMA, partial_blocks, row_bound_for, session_conf, summed_blocks
@@ -126,9 +126,9 @@ class _Level:
     holding entries ``ptr[g]:ptr[g + 1]``."""
 
     def __init__(self, labels: np.ndarray, trees: np.ndarray, nodes: np.ndarray, keys: List[Tuple[int, int]]):
-        codes = np.array([t << 40 | n for t, n in keys], np.int64)
+        codes = np.array([t << TREE_SHIFT | n for t, n in keys], np.int64)     # an ensemble's keys
         by_code = np.argsort(codes)
-        g = by_code[np.searchsorted(codes[by_code], trees << 40 | nodes)]
+        g = by_code[np.searchsorted(codes[by_code], trees << TREE_SHIFT | nodes)]
         self.order = np.lexsort((labels, g))
         self.labels, self.g = labels[self.order], g[self.order]
         self.keys = keys
@@ -160,8 +160,8 @@ def split_across(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, nodes: n
         per_round = max(1, int(CENTROID_MB * 2 ** 20 // (8 * d * B)))
         for r in range(0, len(big), per_round):
             chunk = big[r:r + per_round]
-            ck = np.array([t << 40 | n for t, n in chunk], np.int64)
-            idx = np.flatnonzero(np.isin(trees << 40 | nodes, ck))
+            ck = np.array([t << TREE_SHIFT | n for t, n in chunk], np.int64)
+            idx = np.flatnonzero(np.isin(trees << TREE_SHIFT | nodes, ck))
             lvl = _Level(labels[idx], trees[idx], nodes[idx], chunk)
             nodes[idx[lvl.order]] = _split_round(emb, lvl, params, d, par)
             sizes = np.diff(lvl.ptr)
