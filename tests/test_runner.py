@@ -93,13 +93,18 @@ def test_run_and_stage_all_give_identical_weights_and_metrics(env, unkeyed, spar
     assert on_disk["p@1"] == m["p@1"] and on_disk["table_versions"] == {"train": 0, "test": 0}
 
 
-def test_overlapping_clusters_equal_the_reference_trainer(env, spark):
-    """train_local covers the whole model: tree, classifiers, overlapping clusters, retraining."""
+def test_overlapping_clusters_equal_the_reference_trainer(env, spark, monkeypatch):
+    """train_local covers the whole model: tree, classifiers, overlapping clusters, retraining.
+    Both trainings size the auto node bound from ingest's count of non-zeros (no aggregation)."""
     from xmc_spark.local_io import read_xc
     from xmc_spark.model import XMCModel
+    from xmc_spark.stages import node_training
     d, params, _ = env
     p2 = params.set_dotted("clusters.copies", 2).set_dotted("clusters.beam_size", 2)
+    given, bound = [], node_training.node_row_bound
+    monkeypatch.setattr(node_training, "node_row_bound", lambda *a: given.append(a[-1]) or bound(*a))
     m = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "copies2"), p2)
+    assert given == [m["n_train_nonzeros"] / m["n_train"]] * 2
     assert m["copies_per_label_max"] == 2
     assert m["n_labels"] < m["n_slots"] <= 2 * m["n_labels"]
     Xtr, Ytr = read_xc(str(d / "train.txt"))

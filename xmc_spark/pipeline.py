@@ -166,15 +166,16 @@ def slots_frame(index) -> pd.DataFrame:
 
 def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
                       pred: PredictParams, timer: StageTimer, n_samples: Optional[int] = None,
-                      label_counts=None) -> XMCModel:
+                      label_counts=None, row_nnz: Optional[float] = None) -> XMCModel:
     """Node classifiers for ``index``, then ``clusters.rounds`` of overlapping clusters + retraining
     (the Spark rendering of :meth:`XMCModel.train_local`, same parameters); writes ``weights``
     and ``slots`` (the label -> leaf assignment the final weights belong to). ``label_counts``
-    (rows per label, when known) help spread the training units over the tasks."""
+    (rows per label, when known) help spread the training units over the tasks; ``row_nnz``
+    (mean non-zeros of a row, when known) spares every training its own aggregation of it."""
     spark = samples.sparkSession
     copies = tp.clusters.copies
     with timer.stage("train"):
-        model = train_weights(samples, index, tables, n_features, tp, pred, n_samples, label_counts)
+        model = train_weights(samples, index, tables, n_features, tp, pred, n_samples, label_counts, row_nnz)
     for r in range(tp.cluster_rounds):
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
             tables.write("matcher", label_clusters.matcher(samples, model, tp.clusters.beam_size))
@@ -187,23 +188,25 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
                 log.info("overlapping clusters (%d copies): %s", copies,
                          label_clusters.cluster_stats(ix.slot_label, ix.slot_leaf))
         with timer.stage("retrain" if r == 0 else f"retrain_{r + 1}"):
-            model = train_weights(samples, index, tables, n_features, tp, pred, n_samples, label_counts)
+            model = train_weights(samples, index, tables, n_features, tp, pred, n_samples, label_counts, row_nnz)
     if tp.train.negatives == "tfn+man":
         with timer.stage("negatives"):       # the samples the trained matcher routes to each node
             tables.write("negatives", node_training.routed_nodes(samples, model, pred.beam_size))
         with timer.stage("retrain_man"):
             model = train_weights(node_training.with_routed(samples, tables.read("negatives")), index, tables,
-                                  n_features, tp, pred, n_samples, label_counts)
+                                  n_features, tp, pred, n_samples, label_counts, row_nnz)
     tables.write("slots", spark.createDataFrame(slots_frame(index)))
     return model
 
 
 def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp: ModelTrainParams,
-                  pred: PredictParams, n_samples: Optional[int] = None, label_counts=None) -> XMCModel:
+                  pred: PredictParams, n_samples: Optional[int] = None, label_counts=None,
+                  row_nnz: Optional[float] = None) -> XMCModel:
     """Train every node's classifiers for ``index``; write the weights table; build the model.
-    ``n_samples`` (the rows of ``samples``, when known) spares the trainer a count."""
+    ``n_samples`` (the rows of ``samples``, when known) spares the trainer a count, ``row_nnz``
+    (their mean non-zeros) the auto node bound's aggregation."""
     w = node_training.run(samples, index, n_features, tp.train, n_samples=n_samples, scratch=tables.scratch,
-                          label_counts=label_counts)
+                          label_counts=label_counts, row_nnz=row_nnz)
     # trained in the write's own tasks (no cache: the frame is used once); a write retried after a
     # concurrent commit (run-keyed tables, storage.write_delta) trains the grouped nodes again,
     # while the distributed solver's weights are already checkpointed
@@ -391,7 +394,8 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
                               f_tilde=ft, split_bound=bound).toPandas()
         index = tree_index(tree, info.n_labels, params)
         w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch,
-                              n_samples=n_samples, label_counts=label_counts).localCheckpoint()
+                              n_samples=n_samples, label_counts=label_counts,
+                              row_nnz=_row_nnz(info)).localCheckpoint()
         fit.last = (emb, tree)          # the latest model's PIFA (packed) and tree (eagle.refine_keep_tree)
         return model_from_weights(w, index, info.n_features, tp, params.predict)
     fit.last = None
@@ -502,7 +506,7 @@ def train_stage(ctx: StageContext) -> StageResult:
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     model = train_classifiers(samples, index, tables, ing.n_features, ModelTrainParams.from_pipeline(params),
                               params.predict, ctx.timer, n_samples=ing.n_train,
-                              label_counts=counts)
+                              label_counts=counts, row_nnz=_row_nnz(ing))
     model.meta.update({"train": ing.train, "n_train": ing.n_train,
                        **({"run_key": ctx.run_key} if ctx.run_key else {})})
     model.label_counts = counts

@@ -502,6 +502,10 @@ def test_row_bound(spark, problem):
     # shortcut's old test, which let such sets skip the mean and train everything grouped)
     assert node_training.node_row_bound(spark, TrainParams(), samples, least + 1, d) == by_mean
     assert node_training.node_row_bound(spark, TrainParams(), samples, by_mean + 1) == by_mean
+    assert node_training.mean_row_nnz(samples) == pytest.approx(mean)
+    # the caller's mean (ingest's count) reads no row
+    unreadable = spark.range(1).selectExpr("raise_error('the rows were read') AS feature_idx")
+    assert node_training.node_row_bound(spark, TrainParams(), unreadable, by_mean + 1, d, mean) == by_mean
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="off")) == 0
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="1000")) == 1000
 

@@ -150,7 +150,8 @@ ROW_BYTES = 1024
 
 
 def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainParams,
-        n_samples: Optional[int] = None, scratch: Optional[str] = None, label_counts=None) -> DataFrame:
+        n_samples: Optional[int] = None, scratch: Optional[str] = None, label_counts=None,
+        row_nnz: Optional[float] = None) -> DataFrame:
     """(is_leaf, key, w_idx, w_val): one row per classifier (key = node id, or slot id at leaves).
 
     A ``label_weight`` column (array<float> aligned with ``label_idx``, e.g. EAGLE's soft
@@ -162,6 +163,8 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     ``label_counts`` (rows per label, when known) sharpen the estimate of each training unit's
     work by which the units are spread over the tasks (:func:`unit_placement`); without them
     (e.g. PRIME's validation tree) every label counts one row, which places by label numbers alone.
+    ``row_nnz`` (the mean non-zeros of a row of ``samples``, when known: ingest counts them)
+    spares the ``auto`` bound its aggregation (:func:`node_row_bound`).
     """
     bindex = share(samples, index, name="the tree index")
     weighted = "label_weight" in samples.columns
@@ -192,7 +195,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     if n_samples is None and params.node_row_bound() != 0:
         n_samples = samples.count()
     spark = samples.sparkSession
-    bound = node_row_bound(spark, params, samples, n_samples, n_features)
+    bound = node_row_bound(spark, params, samples, n_samples, n_features, row_nnz)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples)
     par = default_parallelism(spark)
     cuts = unit_cuts(index, par, big)
@@ -617,11 +620,13 @@ def _mib_up(nbytes: int) -> str:
 
 
 def node_row_bound(spark, params: TrainParams, samples: Optional[DataFrame] = None,
-                   n_samples: Optional[int] = None, n_features: Optional[int] = None) -> int:
+                   n_samples: Optional[int] = None, n_features: Optional[int] = None,
+                   row_nnz: Optional[float] = None) -> int:
     """Rows above which a node is trained across tasks; 0 = never. ``auto`` sizes a row from the
-    mean non-zeros of ``samples`` (one aggregation, skipped when ``n_samples`` is within the bound
-    for rows holding all ``n_features`` features: no row is heavier, so nothing can be big);
-    without ``samples``, rows of 16 KiB (~200 non-zeros)."""
+    mean non-zeros of ``samples`` (``row_nnz`` when the caller knows it, else one aggregation,
+    :func:`mean_row_nnz`; neither when ``n_samples`` is within the bound for rows holding all
+    ``n_features`` features: no row is heavier, so nothing can be big); without ``samples``, rows
+    of 16 KiB (~200 non-zeros)."""
     b = params.node_row_bound()
     if b is not None:
         return b
@@ -632,10 +637,16 @@ def node_row_bound(spark, params: TrainParams, samples: Optional[DataFrame] = No
         least = auto_row_bound(spark, row_bytes(n_features))
         if n <= least:
             return least
-    mean = samples.select(F.avg(F.size("feature_idx"))).first()[0] or 0.0
+    mean = mean_row_nnz(samples) if row_nnz is None else float(row_nnz)
     bound = auto_row_bound(spark, row_bytes(mean))
     log.info("train: auto node bound %d rows (%.1f features a row)", bound, mean)
     return bound
+
+
+def mean_row_nnz(samples: DataFrame) -> float:
+    """The mean feature non-zeros of a row of ``samples``: one aggregation, a number to the driver
+    (0 for no rows)."""
+    return float(samples.select(F.avg(F.size("feature_idx"))).first()[0] or 0.0)
 
 
 def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] = None):

@@ -56,7 +56,7 @@ from ..kernels.balanced_kmeans import (
 from ..kernels.tree import TREE_SHIFT, split_seed
 from ..params import TreeParams
 from ..progress import worker_progress
-from .node_training import PARTIAL_SCHEMA, partial_blocks, row_bound_for, session_conf, summed_blocks
+from .node_training import PARTIAL_SCHEMA, mean_row_nnz, partial_blocks, row_bound_for, session_conf, summed_blocks
 from .shared_vectors import solver_tasks
 
 log = logging.getLogger("xmc_spark.tree")
@@ -102,7 +102,7 @@ def split_bound(samples: DataFrame, params: TreeParams, n_features: int, n_label
     if int(n_labels) <= least or label_counts is None:
         return least
     if row_nnz is None:
-        row_nnz = samples.select(F.avg(F.size("feature_idx"))).first()[0] or 0.0
+        row_nnz = mean_row_nnz(samples)
     bound = label_bound(spark, params, n_features, label_counts, row_nnz)
     log.info("tree: auto split bound %d labels (%.1f features a training row)", bound, row_nnz)
     return bound
