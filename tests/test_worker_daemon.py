@@ -95,3 +95,62 @@ def test_the_workers_import_pyspark_from_the_package(spark):
     for r in rows:
         assert ".zip" not in r["pyspark"] and ".zip" not in r["worker"], r
         assert os.path.isfile(r["worker"])
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_freezing_collects_each_tasks_cycles_and_the_frozen_ones_every_full_pass():
+    """A task's garbage cycles are freed when it ends; what survives is frozen (the daemon's own
+    collection then walks nothing); an object frozen alive that dies in a cycle later is freed
+    at the next full pass (every ``full_every`` tasks), not before."""
+    import gc
+    import weakref
+
+    from xmc_spark.worker_daemon import freezing
+    kept, refs = {}, {}
+
+    def task(sock, authenticated):
+        c = _Cycle()                       # garbage in a cycle when the task returns
+        refs[sock] = weakref.ref(c)
+        kept[sock] = _Cycle()              # survives the task, then dropped by a later one
+        kept.pop(sock - 1, None)
+        return 0
+
+    run = freezing(task, full_every=3)
+    try:
+        assert run(1, False) == 0
+        assert refs[1]() is None           # the task's cycle was collected
+        assert gc.get_freeze_count() > 0 and sum(gc.get_count()) < 10
+        survivor = weakref.ref(kept[1])
+        run(2, False)                      # drops task 1's survivor: a frozen cycle now
+        assert refs[2]() is None and survivor() is not None
+        gc.collect()                       # as the daemon does: frozen objects are not walked
+        assert survivor() is not None
+        run(3, False)                      # the third task: a full pass
+        assert survivor() is None
+    finally:
+        gc.unfreeze()
+
+
+def test_the_workers_freeze_what_a_task_leaves(spark):
+    """The local master's workers run :func:`freezing`: a reused worker holds frozen objects (its
+    imports) after a task."""
+    from xmc_spark.compat import is_connect
+    if is_connect(spark):
+        pytest.skip("the daemon module is a local master's setting")
+    if os.environ.get("PYSPARK_PYTHON") != sys.executable:
+        pytest.skip("the workers run another interpreter: local_conf leaves pyspark's own daemon")
+
+    def frozen(batches):
+        import gc
+        for _ in batches:
+            pass
+        yield pa.RecordBatch.from_pydict({"pid": [os.getpid()], "frozen": [gc.get_freeze_count()]})
+
+    first = {r["pid"] for r in spark.range(0, 2, 1, 2).mapInArrow(frozen, "pid long, frozen long").collect()}
+    rows = [r for r in spark.range(0, 2, 1, 2).mapInArrow(frozen, "pid long, frozen long").collect()
+            if r["pid"] in first]                  # workers that had run a task before
+    assert rows and all(r["frozen"] > 10_000 for r in rows), rows
