@@ -3,7 +3,7 @@ import pytest
 import scipy.sparse as sp
 
 from xmc_spark.kernels.label_embedding import pifa
-from xmc_spark.kernels.tree import TreeIndex, ancestor_at, build_tree, node_depth, unique_pairs
+from xmc_spark.kernels.tree import TreeIndex, ancestor_at, build_tree, node_depth, splits_balanced, unique_pairs
 
 
 def test_pifa_matches_dense_formula():
@@ -132,3 +132,11 @@ def test_unique_pairs_equal_numpy_unique_of_columns():
         got = unique_pairs(r, g)
         np.testing.assert_array_equal(got[0], ref[0])
         np.testing.assert_array_equal(got[1], ref[1])
+
+
+def test_splits_balanced_by_lambda_and_depth():
+    """lam = 0 splits every node balanced; lam > 0 only from balanced_below_depth down (binary
+    heap: node 0 depth 0, 1-2 depth 1, 3-6 depth 2; B = 3: 1-3 depth 1, 4-12 depth 2)."""
+    assert all(splits_balanced(n, 2, 0.0, 1) for n in (0, 1, 6))
+    assert [splits_balanced(n, 2, 0.5, 2) for n in (0, 2, 3, 6, 7)] == [False, False, True, True, True]
+    assert [splits_balanced(n, 3, 0.5, 2) for n in (3, 4, 12)] == [False, True, True]

@@ -42,6 +42,12 @@ def split_seed(seed: int, node: int) -> int:
     return int((int(seed) * 1000003 + int(node) * 7919 + 17) % (2 ** 31 - 1))
 
 
+def splits_balanced(node: int, nr_splits: int, lam: float, balanced_below_depth: int) -> bool:
+    """Whether ``node``'s split is the balanced k-means: lam = 0, or the node at
+    ``balanced_below_depth`` or deeper (else the interpolated split)."""
+    return lam <= 0 or int(node_depth([node], nr_splits)[0]) >= balanced_below_depth
+
+
 def split_node(Z: sp.csr_matrix, node: int, nr_splits: int, max_iter: int, seed: int, lam: float = 0.0,
                f=None, f_tilde=None, gamma: float = 0.1, balanced_below_depth: int = 32) -> np.ndarray:
     """Child node ids for the rows of Z (the embeddings of one node's labels, sorted by label).
@@ -51,7 +57,7 @@ def split_node(Z: sp.csr_matrix, node: int, nr_splits: int, max_iter: int, seed:
     deeper split balanced, so heap ids stay bounded even for Fano-like chains).
     """
     s = split_seed(seed, node)
-    if lam > 0 and int(node_depth([node], nr_splits)[0]) < balanced_below_depth:
+    if not splits_balanced(node, nr_splits, lam, balanced_below_depth):
         pos = interpolated_split(Z, f, f_tilde, lam, gamma=gamma, max_iter=max_iter, seed=s)
     else:
         pos = balanced_split(Z, nr_splits=nr_splits, max_iter=max_iter, seed=s)

@@ -38,7 +38,7 @@ from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_batches, csr_from_binary, grouped_apply, local_frame, nnz_cuts, pack_rows, to_arrow
 from ..compat import partition_keys, share, shuffle_partitions, task_slots
-from ..kernels.tree import TREE_SHIFT, node_depth, split_node, tree_from_params
+from ..kernels.tree import TREE_SHIFT, split_node, splits_balanced, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
 from . import split_across
@@ -385,7 +385,7 @@ def _balanced_at(key: int, params: TreeParams) -> bool:
     ``balanced_below_depth`` or deeper): the split :mod:`.split_across` distributes."""
     tp = params.for_tree(int(key) >> TREE_SHIFT) if params.n_trees() > 1 else params
     node = int(key) & ((1 << TREE_SHIFT) - 1) if params.n_trees() > 1 else int(key)
-    return tp.effective_lambda == 0 or int(node_depth([node], tp.nr_splits)[0]) >= tp.balanced_below_depth
+    return splits_balanced(node, tp.nr_splits, tp.effective_lambda, tp.balanced_below_depth)
 
 
 def _split_big(emb: DataFrame, active: DataFrame, big, sizes: dict, n_features: int, params: TreeParams, freqs,
