@@ -16,11 +16,12 @@ should anything here fail, the path stays as Spark set it.
 
 It changes one thing in the forked workers: the garbage collection between tasks. A reused worker
 runs ``gc.collect()`` after every task, a full pass over every object the worker holds: pyspark,
-pandas, pyarrow, scipy, numba and its compiled kernels, 0.1-0.2 M objects and 50-100 ms a task
-(on a 200K-sample run, 7 s of the workers' CPU, py-spy). :func:`freezing` collects the task's own
+pandas, pyarrow, scipy, numba and its compiled kernels, 0.1-0.2 M objects and 50-150 ms a task
+(on a 200K-sample run, 9.7 s of the workers' CPU, py-spy). :func:`freezing` collects the task's own
 garbage and then freezes what survived (``gc.freeze``: the imports, the kernels, the caches), so
 the next pass walks only what a task creates; every :data:`FULL_EVERY` tasks a full pass frees
-anything frozen that died in a reference cycle since.
+anything frozen that died in a reference cycle since (such an object, e.g. a broadcast value a
+later task drops, lives up to that many tasks longer than before).
 """
 from __future__ import annotations
 
@@ -80,22 +81,26 @@ def redundant_zips(path: Sequence[str]) -> List[str]:
 FULL_EVERY = 64        # tasks between a worker's full collections (frozen objects included)
 
 
-def freezing(worker: Callable, full_every: int = FULL_EVERY) -> Callable:
-    """pyspark.daemon's ``worker(sock, authenticated)`` (one task of a forked worker) followed by
-    a collection of the objects not frozen and a ``gc.freeze()`` of the survivors; every
-    ``full_every`` tasks the frozen objects are collected too. The daemon's own ``gc.collect()``
-    after the task then has nothing left to walk."""
+def freezing(worker: Callable, full_every: int = FULL_EVERY, reuse: Optional[bool] = None) -> Callable:
+    """pyspark.daemon's ``worker(sock, authenticated)`` (one task of a forked worker) followed, when
+    the worker goes on to another task (``reuse``: ``SPARK_REUSE_WORKER`` set, as the daemon reads
+    it; and the task's code 0), by a collection of the objects not frozen and a ``gc.freeze()`` of
+    the survivors; every ``full_every`` tasks the frozen objects are collected too. The daemon's
+    own ``gc.collect()`` after the task then has nothing left to walk. A worker about to exit (no
+    reuse, a failed task or login) is left as the daemon leaves it."""
+    reuse = bool(os.environ.get("SPARK_REUSE_WORKER")) if reuse is None else reuse
+    full_every = max(1, int(full_every))
     done = [0]
 
     def run(*args, **kwargs):
-        try:
-            return worker(*args, **kwargs)
-        finally:
+        code = worker(*args, **kwargs)
+        if reuse and not code:
             done[0] += 1
             if done[0] % full_every == 0:
                 gc.unfreeze()
             gc.collect()
             gc.freeze()
+        return code
     return run
 
 
