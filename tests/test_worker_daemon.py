@@ -75,12 +75,17 @@ def test_local_conf_only_for_local_masters_running_this_python(monkeypatch):
     assert local_conf("local[2]") == {}
 
 
-def test_the_workers_import_pyspark_from_the_package(spark):
+def _skip_without_the_daemon_module(spark):
+    """Skip where the session's workers do not run :mod:`xmc_spark.worker_daemon`."""
     from xmc_spark.compat import is_connect
     if is_connect(spark):
         pytest.skip("the daemon module is a local master's setting")
     if os.environ.get("PYSPARK_PYTHON") != sys.executable:
         pytest.skip("the workers run another interpreter: local_conf leaves pyspark's own daemon")
+
+
+def test_the_workers_import_pyspark_from_the_package(spark):
+    _skip_without_the_daemon_module(spark)
     assert spark.sparkContext.getConf().get("spark.python.daemon.module") == "xmc_spark.worker_daemon"
 
     def where(batches):
@@ -143,11 +148,7 @@ def test_freezing_collects_each_tasks_cycles_and_the_frozen_ones_every_full_pass
 def test_the_workers_freeze_what_a_task_leaves(spark):
     """The local master's workers run :func:`freezing`: a reused worker holds frozen objects (its
     imports) after a task."""
-    from xmc_spark.compat import is_connect
-    if is_connect(spark):
-        pytest.skip("the daemon module is a local master's setting")
-    if os.environ.get("PYSPARK_PYTHON") != sys.executable:
-        pytest.skip("the workers run another interpreter: local_conf leaves pyspark's own daemon")
+    _skip_without_the_daemon_module(spark)
 
     def frozen(batches):
         import builtins
