@@ -3,7 +3,7 @@ Connect session itself in tests/test_connect_suite.py's process."""
 import pytest
 
 from xmc_spark.params import SparkParams
-from xmc_spark.session import SparkStartError, capped_python_conf, get_spark, redact_remote
+from xmc_spark.session import HOT_ONLY_JIT, SparkStartError, capped_python_conf, get_spark, redact_remote
 
 
 def test_remote_token_is_masked():
@@ -141,3 +141,60 @@ def test_class_data_archive_only_where_this_process_starts_a_local_jvm(spark, tm
     (tmp_path / "conf" / "spark-defaults.conf").write_text("spark.driver.extraJavaOptions -Dy=2\n")
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path / "conf"))     # our --conf would replace the file's
     assert _class_sharing(SparkSession.builder, local) is None
+
+
+def test_hot_only_jit_goes_first_to_a_local_jvm_this_process_launches(spark, tmp_path, monkeypatch):
+    """HOT_ONLY_JIT leads the driver's Java options of a local JVM this call launches, before the
+    configuration's own and the archive's; not while a JVM runs in the process, not for a cluster
+    master, not with spark.jit_hot_only off, not when PYSPARK_SUBMIT_ARGS sets driver Java options."""
+    from pyspark import SparkContext
+
+    from xmc_spark.session import _driver_java_options
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS", raising=False)
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))          # no spark-defaults.conf
+    own = "-XX:Tier4InvocationThreshold=7000 -Dx=1"
+    local, yarn, off = (SparkParams(master=m, jit_hot_only=j) for m, j in (("local[1]", True), ("yarn", True),
+                                                                            ("local[1]", False)))
+    for p in (local, yarn, off):
+        p.conf["spark.driver.extraJavaOptions"] = own
+    assert _driver_java_options(local, "-Xshare:auto") == f"{own} -Xshare:auto"     # this process's JVM runs
+    monkeypatch.setattr(SparkContext, "_gateway", None)
+    assert _driver_java_options(local, "-Xshare:auto") == " ".join([*HOT_ONLY_JIT, own, "-Xshare:auto"])
+    assert _driver_java_options(SparkParams(master="local[1]")) == " ".join(HOT_ONLY_JIT)
+    assert _driver_java_options(yarn) == _driver_java_options(off) == own
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--driver-java-options -Dx=1 pyspark-shell")
+    assert _driver_java_options(local) == own
+
+
+def test_a_flag_given_twice_takes_its_last_value():
+    """What lets a configured threshold win over HOT_ONLY_JIT (it comes later): HotSpot's own rule."""
+    import shutil
+    import subprocess
+
+    from xmc_spark.class_sharing import java_binary
+    java = java_binary()
+    if not java or not shutil.which(java):
+        pytest.skip("no java")
+    name = HOT_ONLY_JIT[0][4:].split("=")[0]
+    out = subprocess.run([java, *HOT_ONLY_JIT, f"-XX:{name}=7000", "-XX:+PrintFlagsFinal", "-version"],
+                         capture_output=True, text=True, check=True).stdout
+    assert [ln.split()[3] for ln in out.splitlines() if f" {name} " in ln] == ["7000"]
+
+
+def test_the_tests_local_jvm_runs_with_hot_only_jit(spark):
+    """The tests' session is a local driver JVM that get_spark launched: HotSpot reports each
+    threshold of HOT_ONLY_JIT as set."""
+    import os
+
+    from xmc_spark.compat import is_connect
+    from xmc_spark.session import _defaults_set_driver_options
+    if is_connect(spark):
+        pytest.skip("a Spark Connect session: the server's JVM")
+    if "driver-java-options" in os.environ.get("PYSPARK_SUBMIT_ARGS", "") or _defaults_set_driver_options():
+        pytest.skip("this environment sets the driver's Java options itself")
+    jvm = spark.sparkContext._jvm
+    bean = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
+    for flag in HOT_ONLY_JIT:
+        name, value = flag[4:].split("=")
+        assert bean.getVMOption(name).getValue() == value, flag

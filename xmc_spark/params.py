@@ -221,6 +221,7 @@ class SparkParams(BaseParams):
     progress_seconds: float = 15.0  # log running Spark stages' task counts this often (0 = off)
     remote: str = ""                # Spark Connect: "sc://host:15002" or "local[2]" (a local server); "" = classic
     class_data_sharing: bool = True  # a local driver JVM maps Spark's classes from an archive (class_sharing.py)
+    jit_hot_only: bool = True       # a local driver JVM compiles only its hottest methods with C2 (session.py)
     conf: Dict[str, Any] = field(default_factory=lambda: {
         "spark.sql.shuffle.partitions": "8",
         "spark.default.parallelism": "4",

@@ -33,6 +33,17 @@ DELTA_CONF = {
 ARROW_POOL_ENV = "spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL"
 DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 
+# HotSpot's C2 compiles a method once it ran 5,000 times (or 15,000 calls and loop iterations, or
+# 40,000 iterations of one loop). A local run of xmc-spark passes those counts in many methods of
+# Spark, Delta, Parquet and Arrow and of each query's generated classes: its C2 thread spent
+# 28-32 s of CPU in a 60-68 s run on 2 cores (200K set), a quarter of the machine, mostly on code
+# that then ran briefly. Ten times those counts leave C2 the hottest methods (a longer run reaches
+# them sooner): C2's CPU 30-32 -> 18-20 s, the whole process 2-4 s faster in each of three
+# alternated pairs (README). For a driver JVM that xmc-spark launches on a local master only
+# (spark.jit_hot_only); a cluster's executors run long enough to repay C2.
+HOT_ONLY_JIT = ("-XX:Tier4InvocationThreshold=50000", "-XX:Tier4MinInvocationThreshold=6000",
+                "-XX:Tier4CompileThreshold=150000", "-XX:Tier4BackEdgeThreshold=400000")
+
 
 def capped_python_conf(conf: dict) -> dict:
     """Settings that ``spark.executor.pyspark.memory`` needs: Spark applies it as each Python
@@ -209,19 +220,21 @@ def get_spark(params: SparkParams | None = None):
     where = f"master={params.master or 'from spark-submit'}"
     # the first run resolves Delta's packages through Ivy: its class path is not the later runs'
     cds = None if record is not None else _class_sharing(builder, params)
+    base = _driver_java_options(params)
+    if base:
+        builder = builder.config(DRIVER_JAVA_OPTIONS, base)
     if cds is None:
         spark = _start(builder, where)
     else:
         from .class_sharing import finish, finish_at_exit
-        user = str(params.conf.get(DRIVER_JAVA_OPTIONS, "")).strip()
         try:
-            spark = _start(builder.config(DRIVER_JAVA_OPTIONS, f"{user} {cds.options}".strip()), where)
+            spark = _start(builder.config(DRIVER_JAVA_OPTIONS, _driver_java_options(params, cds.options)), where)
         except SparkStartError:
             if cds.writes:
                 finish(cds, None)               # releases the lock
             log.warning("Spark did not start with the class-data archive's options (%s): trying once more "
                         "without them", cds.options)
-            builder = builder.config(DRIVER_JAVA_OPTIONS, user) if user else _without(builder, DRIVER_JAVA_OPTIONS)
+            builder = builder.config(DRIVER_JAVA_OPTIONS, base) if base else _without(builder, DRIVER_JAVA_OPTIONS)
             spark = _start(builder, where)
         except BaseException:
             if cds.writes:
@@ -246,20 +259,35 @@ def get_spark(params: SparkParams | None = None):
     return spark
 
 
-def _class_sharing(builder, params: SparkParams):
-    """The class-data archive plan (:mod:`.class_sharing`) when this call launches a local driver
-    JVM: a local master, not under spark-submit, not when a JVM already runs in this process, not
-    when ``PYSPARK_SUBMIT_ARGS``, a ``spark-defaults.conf`` or the configuration's
-    ``spark.driver.extraClassPath`` set driver Java options or class path, not with
-    ``spark.class_data_sharing`` false."""
+def _launches_local_jvm(params: SparkParams) -> bool:
+    """Whether this call launches a local driver JVM whose Java options xmc-spark may set: a local
+    master, not under spark-submit, not when a JVM already runs in this process, not when
+    ``PYSPARK_SUBMIT_ARGS``, a ``spark-defaults.conf`` or the configuration's
+    ``spark.driver.extraClassPath`` set driver Java options or class path."""
     from pyspark import SparkContext
 
-    from . import class_sharing
     args = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
-    if (not params.class_data_sharing or not params.master.startswith("local") or under_spark_submit()
-            or SparkContext._gateway is not None or "spark.driver.extraClassPath" in params.conf
-            or any(flag in args for flag in ("--driver-java-options", "--driver-class-path", "spark.driver.extra"))
-            or _defaults_set_driver_options()):
+    if (not params.master.startswith("local") or under_spark_submit() or SparkContext._gateway is not None
+            or "spark.driver.extraClassPath" in params.conf
+            or any(flag in args for flag in ("--driver-java-options", "--driver-class-path", "spark.driver.extra"))):
+        return False
+    return not _defaults_set_driver_options()
+
+
+def _driver_java_options(params: SparkParams, *after: str) -> str:
+    """The driver's Java options: :data:`HOT_ONLY_JIT` first, when this call launches a local
+    driver JVM (:func:`_launches_local_jvm`) and ``spark.jit_hot_only`` is on, then the
+    configuration's ``spark.driver.extraJavaOptions`` (a flag given twice takes its last value,
+    so a configured threshold wins), then ``after``."""
+    parts = list(HOT_ONLY_JIT) if params.jit_hot_only and _launches_local_jvm(params) else []
+    return " ".join(parts + [o for o in (str(params.conf.get(DRIVER_JAVA_OPTIONS, "")).strip(), *after) if o])
+
+
+def _class_sharing(builder, params: SparkParams):
+    """The class-data archive plan (:mod:`.class_sharing`) when this call launches a local driver
+    JVM (:func:`_launches_local_jvm`), not with ``spark.class_data_sharing`` false."""
+    from . import class_sharing
+    if not params.class_data_sharing or not _launches_local_jvm(params):
         return None
     extra = [_local_path(j) for j in str(builder._options.get("spark.jars", "")).split(",") if j.strip()]
     jars = class_sharing.spark_jars() + [j for j in extra if os.path.isfile(j)]
