@@ -150,7 +150,7 @@ SESSION = textwrap.dedent("""
         p.conf["spark.driver.extraJavaOptions"] = "-Xshare:on"
     spark = get_spark(p)
     args = list(spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
-    print(json.dumps({"args": [a for a in args if "Archive" in a], "n": spark.range(5).count(),
+    print(json.dumps({"args": [a for a in args if "Archive" in a], "n": spark.range(5).count(), "all": args,
                       "share": next((a for a in args if a.startswith("-Xshare")), None)}))
 """)
 
@@ -169,7 +169,7 @@ def test_two_spark_processes_write_then_read_the_archive(tmp_path):
     import json
     import shutil
 
-    from xmc_spark.session import delta_package, jars_cache_file
+    from xmc_spark.session import HOT_ONLY_JIT, delta_package, jars_cache_file
     env = {**os.environ, "XMC_SPARK_CACHE": str(tmp_path / "cache")}
     env.pop("PYSPARK_SUBMIT_ARGS", None)
     record = jars_cache_file(delta_package())
@@ -192,3 +192,5 @@ def test_two_spark_processes_write_then_read_the_archive(tmp_path):
     assert runs[0]["args"][0].startswith("-XX:ArchiveClassesAtExit=") and runs[0]["n"] == 5
     assert runs[1]["args"] == [f"-XX:SharedArchiveFile={archives[0]}"] and runs[1]["n"] == 5
     assert runs[1]["share"] == "-Xshare:on"
+    args, i = runs[1]["all"], runs[1]["all"].index("-Xshare:on")    # the compiler's thresholds, then the configured
+    assert args[i - len(HOT_ONLY_JIT):i] == list(HOT_ONLY_JIT)

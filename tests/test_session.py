@@ -164,6 +164,21 @@ def test_hot_only_jit_goes_first_to_a_local_jvm_this_process_launches(spark, tmp
     assert _driver_java_options(yarn) == _driver_java_options(off) == own
     monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--driver-java-options -Dx=1 pyspark-shell")
     assert _driver_java_options(local) == own
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")
+    (tmp_path / "spark-defaults.conf").write_text("spark.driver.extraJavaOptions -Dy=2\n")
+    assert _driver_java_options(local) == own            # our --conf would replace the file's options
+    (tmp_path / "spark-defaults.conf").unlink()
+    class_path = SparkParams(master="local[1]")
+    class_path.conf["spark.driver.extraClassPath"] = "/x.jar"     # the archive's concern, not the compiler's
+    assert _driver_java_options(class_path) == " ".join(HOT_ONLY_JIT)
+    early = SparkParams(master="local[1]")          # a threshold placed before ours would lose: none of ours
+    early.conf["spark.driver.defaultJavaOptions"] = "-XX:Tier4CompileThreshold=9000"
+    assert _driver_java_options(early) == ""
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-XX:Tier4InvocationThreshold=9000")
+    assert _driver_java_options(SparkParams(master="local[1]")) == ""
+    monkeypatch.delenv("JAVA_TOOL_OPTIONS")
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")       # under spark-submit: its driver runs already
+    assert _driver_java_options(SparkParams(master="local[1]")) == ""
 
 
 def test_a_flag_given_twice_takes_its_last_value():
@@ -187,10 +202,11 @@ def test_the_tests_local_jvm_runs_with_hot_only_jit(spark):
     import os
 
     from xmc_spark.compat import is_connect
-    from xmc_spark.session import _defaults_set_driver_options
+    from xmc_spark.session import outside_driver_options
     if is_connect(spark):
         pytest.skip("a Spark Connect session: the server's JVM")
-    if "driver-java-options" in os.environ.get("PYSPARK_SUBMIT_ARGS", "") or _defaults_set_driver_options():
+    if outside_driver_options() or any("-XX:Tier" in os.environ.get(v, "") for v in ("JAVA_TOOL_OPTIONS",
+                                                                                     "JDK_JAVA_OPTIONS")):
         pytest.skip("this environment sets the driver's Java options itself")
     jvm = spark.sparkContext._jvm
     bean = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(

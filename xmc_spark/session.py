@@ -33,12 +33,12 @@ DELTA_CONF = {
 ARROW_POOL_ENV = "spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL"
 DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 
-# HotSpot's C2 compiles a method once it ran 5,000 times (or 15,000 calls and loop iterations, or
-# 40,000 iterations of one loop). A local run of xmc-spark passes those counts in many methods of
-# Spark, Delta, Parquet and Arrow and of each query's generated classes: its C2 thread spent
-# 28-32 s of CPU in a 60-68 s run on 2 cores (200K set), a quarter of the machine, mostly on code
-# that then ran briefly. Ten times those counts leave C2 the hottest methods (a longer run reaches
-# them sooner): C2's CPU 30-32 -> 18-20 s, the whole process 2-4 s faster in each of three
+# HotSpot's C2 compiles a method once it ran about 5,000 times (or 15,000 calls and loop
+# iterations, or 40,000 iterations of one loop; simplified: the counts also scale with C2's queue).
+# A local run of xmc-spark passes those counts in many methods of Spark, Delta, Parquet, Arrow and
+# each query's generated classes: its C2 thread spent 30-32 s of CPU in a 62-68 s run on 2 cores
+# (200K set), a quarter of the machine. Ten times those counts leave C2 the hottest methods:
+# C2's CPU 30-32 -> 18-20 s, the whole process 1.7-3.9 s faster (median 2.8) in each of three
 # alternated pairs (README). For a driver JVM that xmc-spark launches on a local master only
 # (spark.jit_hot_only); a cluster's executors run long enough to repay C2.
 HOT_ONLY_JIT = ("-XX:Tier4InvocationThreshold=50000", "-XX:Tier4MinInvocationThreshold=6000",
@@ -259,35 +259,48 @@ def get_spark(params: SparkParams | None = None):
     return spark
 
 
+def outside_driver_options() -> bool:
+    """Whether something outside xmc-spark's configuration sets the driver's Java options or class
+    path: spark-submit (its driver already runs), ``PYSPARK_SUBMIT_ARGS`` or a ``spark-defaults.conf``
+    (xmc-spark's ``--conf`` would replace their options; their class path is not in the archive's key)."""
+    args = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
+    return (under_spark_submit() or _defaults_set_driver_options()
+            or any(flag in args for flag in ("--driver-java-options", "--driver-class-path", "spark.driver.extra",
+                                             "spark.driver.defaultJavaOptions")))
+
+
 def _launches_local_jvm(params: SparkParams) -> bool:
     """Whether this call launches a local driver JVM whose Java options xmc-spark may set: a local
-    master, not under spark-submit, not when a JVM already runs in this process, not when
-    ``PYSPARK_SUBMIT_ARGS``, a ``spark-defaults.conf`` or the configuration's
-    ``spark.driver.extraClassPath`` set driver Java options or class path."""
+    master, no JVM running in this process yet, nothing outside the configuration setting the
+    driver's options (:func:`outside_driver_options`)."""
     from pyspark import SparkContext
+    return params.master.startswith("local") and SparkContext._gateway is None and not outside_driver_options()
 
-    args = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
-    if (not params.master.startswith("local") or under_spark_submit() or SparkContext._gateway is not None
-            or "spark.driver.extraClassPath" in params.conf
-            or any(flag in args for flag in ("--driver-java-options", "--driver-class-path", "spark.driver.extra"))):
-        return False
-    return not _defaults_set_driver_options()
+
+def _hot_only_jit(params: SparkParams) -> bool:
+    """:data:`HOT_ONLY_JIT` goes to the driver: ``spark.jit_hot_only`` on, a local JVM this call
+    launches, and no compiler threshold set where it would come before ours and lose
+    (``spark.driver.defaultJavaOptions``, ``JAVA_TOOL_OPTIONS``, ``JDK_JAVA_OPTIONS``)."""
+    early = [str(params.conf.get("spark.driver.defaultJavaOptions", "")),
+             os.environ.get("JAVA_TOOL_OPTIONS", ""), os.environ.get("JDK_JAVA_OPTIONS", "")]
+    return params.jit_hot_only and _launches_local_jvm(params) and not any("-XX:Tier" in o for o in early)
 
 
 def _driver_java_options(params: SparkParams, *after: str) -> str:
-    """The driver's Java options: :data:`HOT_ONLY_JIT` first, when this call launches a local
-    driver JVM (:func:`_launches_local_jvm`) and ``spark.jit_hot_only`` is on, then the
-    configuration's ``spark.driver.extraJavaOptions`` (a flag given twice takes its last value,
-    so a configured threshold wins), then ``after``."""
-    parts = list(HOT_ONLY_JIT) if params.jit_hot_only and _launches_local_jvm(params) else []
+    """The driver's Java options: :data:`HOT_ONLY_JIT` first (:func:`_hot_only_jit`), then the
+    configuration's ``spark.driver.extraJavaOptions`` (HotSpot takes the last value of a flag
+    given twice, so a threshold configured there wins), then ``after``."""
+    parts = list(HOT_ONLY_JIT) if _hot_only_jit(params) else []
     return " ".join(parts + [o for o in (str(params.conf.get(DRIVER_JAVA_OPTIONS, "")).strip(), *after) if o])
 
 
 def _class_sharing(builder, params: SparkParams):
     """The class-data archive plan (:mod:`.class_sharing`) when this call launches a local driver
-    JVM (:func:`_launches_local_jvm`), not with ``spark.class_data_sharing`` false."""
+    JVM (:func:`_launches_local_jvm`) whose class path the configuration leaves alone (no
+    ``spark.driver.extraClassPath``), not with ``spark.class_data_sharing`` false."""
     from . import class_sharing
-    if not params.class_data_sharing or not _launches_local_jvm(params):
+    if (not params.class_data_sharing or "spark.driver.extraClassPath" in params.conf
+            or not _launches_local_jvm(params)):
         return None
     extra = [_local_path(j) for j in str(builder._options.get("spark.jars", "")).split(",") if j.strip()]
     jars = class_sharing.spark_jars() + [j for j in extra if os.path.isfile(j)]
