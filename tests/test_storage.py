@@ -7,6 +7,7 @@ from xmc_spark.storage import (
     RunKeyError,
     Tables,
     check_run_key,
+    has_delta_log,
     is_conflict,
     is_local_path,
     list_names,
@@ -133,3 +134,25 @@ def test_tables_are_zstd_parquet_without_dictionaries(spark, tmp_path):
         spark.conf.unset("parquet.enable.dictionary")
     enc = _encodings(tmp_path / "u" / "run_key=r1")
     assert any("DICTIONARY" in e for key, (_, es) in enc.items() if key[1] == "ids.list.element" for e in es)
+
+
+def test_a_new_table_is_created_then_overwritten(spark, tmp_path, monkeypatch):
+    """A table that is not there is created (Delta's mode ErrorIfExists: no listing of an empty
+    table's files to remove), one that is there overwritten (mode Overwrite, its schema too); and
+    a table that appears between the check and the write is never overwritten unseen."""
+    from delta.tables import DeltaTable
+
+    from xmc_spark import storage
+    path = str(tmp_path / "t")
+    assert not has_delta_log(spark, path)
+    write_delta(spark.createDataFrame([(1, "a")], "id long, v string"), path)
+    assert has_delta_log(spark, path)
+    write_delta(spark.createDataFrame([(2.5,)], "x double"), path)          # another schema
+    assert [tuple(r) for r in read_delta(spark, path).collect()] == [(2.5,)]
+    modes = [r["operationParameters"]["mode"]
+             for r in DeltaTable.forPath(spark, path).history().orderBy("version").collect()]
+    assert modes == ["ErrorIfExists", "Overwrite"]
+    monkeypatch.setattr(storage, "has_delta_log", lambda spark, path: False)   # the table appears in between
+    with pytest.raises(Exception, match="already exist"):       # DELTA_PATH_EXISTS
+        write_delta(spark.createDataFrame([(9.0,)], "x double"), path)
+    assert [tuple(r) for r in read_delta(spark, path).collect()] == [(2.5,)] and table_version(spark, path) == 1
