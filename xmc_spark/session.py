@@ -36,7 +36,7 @@ DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 # HotSpot's C2 compiles a method once it ran about 5,000 times (or 15,000 calls and loop
 # iterations, or 40,000 iterations of one loop; simplified: the counts also scale with C2's queue).
 # A local run of xmc-spark passes those counts in many methods of Spark, Delta, Parquet, Arrow and
-# each query's generated classes: its C2 thread spent 30-32 s of CPU in a 62-68 s run on 2 cores
+# each query's generated classes: its C2 thread spent 30-32 s of CPU in 64-68 s runs on 2 cores
 # (200K set), a quarter of the machine. Ten times those counts leave C2 the hottest methods:
 # C2's CPU 30-32 -> 18-20 s, the whole process 1.7-3.9 s faster (median 2.8) in each of three
 # alternated pairs (README). For a driver JVM that xmc-spark launches on a local master only

@@ -208,9 +208,9 @@ def _write_delta(df: DataFrame, path: str, run_key: Optional[str], where: Option
     if run_key is None:
         if not has_delta_log(df.sparkSession, path):
             # a new table is created, not overwritten: an overwrite first lists the files of the
-            # empty table to remove them (two Spark queries, 0.2-1.5 s a write); a table another
-            # writer creates meanwhile makes this write fail (Delta's commit of version 0, or the
-            # mode's own check), it is never overwritten unseen
+            # table it replaces (one Spark query over the empty log, ~0.2 s a write in a warm JVM,
+            # more in a cold one); a table another writer creates meanwhile makes this write fail
+            # (the mode's own check, or Delta's commit of version 0): never overwritten unseen
             df.write.format("delta").mode("errorifexists").save(path)
             return
         df.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
