@@ -138,8 +138,9 @@ def test_tables_are_zstd_parquet_without_dictionaries(spark, tmp_path):
 
 def test_a_new_table_is_created_then_overwritten(spark, tmp_path, monkeypatch):
     """A table that is not there is created (Delta's mode ErrorIfExists: no listing of an empty
-    table's files to remove), one that is there overwritten (mode Overwrite, its schema too); and
-    a table that appears between the check and the write is never overwritten unseen."""
+    table's files to remove), also in a folder of stray files without a log; one that is there, or
+    a log without a commit, is overwritten (mode Overwrite, its schema too); a create whose table
+    appeared after the check fails and leaves that table as it was."""
     from delta.tables import DeltaTable
 
     from xmc_spark import storage
@@ -152,6 +153,15 @@ def test_a_new_table_is_created_then_overwritten(spark, tmp_path, monkeypatch):
     modes = [r["operationParameters"]["mode"]
              for r in DeltaTable.forPath(spark, path).history().orderBy("version").collect()]
     assert modes == ["ErrorIfExists", "Overwrite"]
+    stray = tmp_path / "stray"                   # files but no log (a failed first write's): created
+    stray.mkdir()
+    (stray / "part-0.parquet").write_bytes(b"not read")
+    write_delta(spark.createDataFrame([(7,)], "id long"), str(stray))
+    assert [tuple(r) for r in read_delta(spark, str(stray)).collect()] == [(7,)]
+    (tmp_path / "empty" / "_delta_log").mkdir(parents=True)       # a log with no commit: overwritten
+    write_delta(spark.createDataFrame([(8,)], "id long"), str(tmp_path / "empty"))
+    assert [r["operationParameters"]["mode"] for r in DeltaTable.forPath(spark, str(tmp_path / "empty")).history()
+            .collect()] == ["Overwrite"]
     monkeypatch.setattr(storage, "has_delta_log", lambda spark, path: False)   # the table appears in between
     with pytest.raises(Exception, match="already exist"):       # DELTA_PATH_EXISTS
         write_delta(spark.createDataFrame([(9.0,)], "x double"), path)

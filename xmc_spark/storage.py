@@ -193,7 +193,8 @@ def _plain_parquet(spark):
 
 
 def write_delta(df: DataFrame, path: str, run_key: Optional[str] = None, where: Optional[str] = None) -> None:
-    """Overwrite a Delta table in one commit: a failed write leaves the previous version intact.
+    """Create a Delta table, or overwrite it in one commit: a failed write leaves the previous
+    version intact (a table with no ``_delta_log`` yet is created: :func:`_write_delta`).
 
     With ``run_key`` the table is partitioned by ``run_key`` and only that key's rows are
     replaced (further narrowed by the SQL predicate ``where``, e.g. ``stage = 'tree'``).
@@ -208,9 +209,9 @@ def _write_delta(df: DataFrame, path: str, run_key: Optional[str], where: Option
     if run_key is None:
         if not has_delta_log(df.sparkSession, path):
             # a new table is created, not overwritten: an overwrite first lists the files of the
-            # table it replaces (one Spark query over the empty log, ~0.2 s a write in a warm JVM,
-            # more in a cold one); a table another writer creates meanwhile makes this write fail
-            # (the mode's own check, or Delta's commit of version 0): never overwritten unseen
+            # table it replaces (one Spark query over the empty log, ~0.2 s a write in a warm
+            # JVM); if another writer's table appears meanwhile, this write fails (the mode's own
+            # check, DELTA_PATH_EXISTS, or Delta's commit of version 0, DELTA_PROTOCOL_CHANGED)
             df.write.format("delta").mode("errorifexists").save(path)
             return
         df.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
@@ -260,11 +261,16 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
 
 
 def has_delta_log(spark: SparkSession, path: str) -> bool:
-    """Whether ``path`` holds a Delta log (a table, or the start of one); True when the store
-    cannot be asked (the caller then treats the table as there)."""
+    """Whether ``path`` holds a Delta log (a table, or the start of one), as the session's own
+    Hadoop file system sees it; True when that cannot be asked (Spark Connect, whose client may
+    not see the server's paths at all, or a store that fails): the caller then treats the table
+    as there."""
+    fs = hadoop_fs(spark, path)
+    if fs is None:
+        return True
     try:
-        return path_kind(spark, path.rstrip("/") + "/_delta_log") is not None
-    except Exception:  # noqa: BLE001 - a store neither Hadoop nor pyarrow can reach from here
+        return bool(fs[0].exists(spark.sparkContext._jvm.org.apache.hadoop.fs.Path(fs[1], "_delta_log")))
+    except Exception:  # noqa: BLE001 - a store Hadoop cannot reach from here
         return True
 
 
