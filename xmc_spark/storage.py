@@ -265,11 +265,11 @@ def has_delta_log(spark: SparkSession, path: str) -> bool:
     Hadoop file system sees it; True when that cannot be asked (Spark Connect, whose client may
     not see the server's paths at all, or a store that fails): the caller then treats the table
     as there."""
-    fs = hadoop_fs(spark, path)
+    fs = hadoop_fs(spark, path.rstrip("/") + "/_delta_log")
     if fs is None:
         return True
     try:
-        return bool(fs[0].exists(spark.sparkContext._jvm.org.apache.hadoop.fs.Path(fs[1], "_delta_log")))
+        return bool(fs[0].exists(fs[1]))
     except Exception:  # noqa: BLE001 - a store Hadoop cannot reach from here
         return True
 
