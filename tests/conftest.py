@@ -62,6 +62,19 @@ def executed_plan(df) -> str:
     return df._jdf.queryExecution().executedPlan().toString()
 
 
+def stage_tasks(spark, fn, group: str = "xmc-test-stage-tasks"):
+    """(fn's result, the task count of every stage of the jobs ``fn`` ran), on classic Spark."""
+    sc = spark.sparkContext
+    sc.setJobGroup(group, group)
+    try:
+        out = fn()
+    finally:
+        sc.setJobGroup(None, None)
+    st = sc.statusTracker()
+    infos = [st.getStageInfo(s) for j in st.getJobIdsForGroup(group) for s in st.getJobInfo(j).stageIds]
+    return out, [i.numTasks for i in infos if i is not None]
+
+
 def spark_params(warehouse: str):
     """The tests' Spark settings (the ``spark`` fixture's), on a local master or the Connect one."""
     from xmc_spark.params import SparkParams

@@ -157,3 +157,17 @@ def test_session_settings_restore_and_survive_a_refusal(spark, monkeypatch, capl
         kept = compat.partitioned_checkpoint(spark.range(50).withColumnRenamed("id", "k"), 3, "k")
     assert "could not set spark.sql.adaptive.enabled=false" in caplog.text
     assert sorted(r["k"] for r in kept.collect()) == list(range(50)) and spark.conf.get(key) == before
+
+
+def test_sized_partitions_follow_the_rows_between_the_parallelism_and_the_shuffle_partitions(spark):
+    """TASK_ROWS rows a task, at least the default parallelism, at most the shuffle partitions
+    (none when 'auto'); the bounds read from the session by default."""
+    per = compat.TASK_ROWS
+    assert compat.sized_partitions(spark, 0, bounds=(2, 64)) == 2
+    assert compat.sized_partitions(spark, 3 * per, bounds=(2, 64)) == 3
+    assert compat.sized_partitions(spark, 3 * per + 1, bounds=(2, 64)) == 4
+    assert compat.sized_partitions(spark, 1000 * per, bounds=(2, 64)) == 64
+    assert compat.sized_partitions(spark, 1000 * per, bounds=(2, None)) == 1000
+    assert compat.sized_partitions(spark, 10, per_task=1, bounds=(2, 64)) == 10
+    dp = compat.default_parallelism(spark)
+    assert compat.sized_partitions(spark, 1) == min(dp, compat.shuffle_partitions(spark))

@@ -30,9 +30,10 @@ that ``repartition(n, col)`` or a ``groupBy`` over n shuffle partitions sends to
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Generic, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -176,6 +177,23 @@ def shuffle_partitions(spark) -> int:
     return n if n is not None else int(default_parallelism(spark))
 
 
+TASK_ROWS = 1 << 16      # rows a task of a small shuffle sized by :func:`sized_partitions` reads
+
+
+def sized_partitions(spark, rows: float, per_task: int = TASK_ROWS,
+                     bounds: Optional[Tuple[int, Optional[int]]] = None) -> int:
+    """Partitions for a shuffle of about ``rows`` rows: ``per_task`` a task, at least the default
+    parallelism, at most ``spark.sql.shuffle.partitions`` (no most when the platform sets it to
+    ``auto``); ``bounds``: those two, read once by a caller sizing many shuffles. Every task
+    reports its metrics to the driver (5-10 KB each), so a shuffle whose rows are few (a count
+    per label, a test set's join) runs the tasks its rows need, not the shuffle partitions
+    (which adaptive execution would coalesce, and not when that is off), while a task's rows
+    stay bounded as the input grows (up to that cap)."""
+    lo, hi = bounds if bounds is not None else (max(1, int(default_parallelism(spark))), shuffle_partitions_set(spark))
+    k = max(lo, math.ceil(max(rows, 1) / per_task))
+    return max(1, k if hi is None else min(hi, k))
+
+
 def spark_hash_int(values) -> np.ndarray:
     """Spark SQL's ``hash()`` of int values (Murmur3 x86_32, seed 42), the hash
     ``repartition(n, col)`` takes modulo n (``pmod``) to choose an int column's partition."""
@@ -253,6 +271,18 @@ class session_settings:
             except Exception as e:  # noqa: BLE001 - never hide the error that ended the block
                 log.warning("could not restore %s=%s after %s (%s)", k, v, self.purpose, e)
         return False
+
+
+def scratch_root(spark, scratch: Optional[str]) -> Optional[str]:
+    """A folder the driver and every task see, for files the tasks share (the distributed solver's
+    vectors, the search's top layers): ``scratch`` (the pipeline passes ``<run folder>/_scratch``),
+    else in local mode the machine's temp folder; None on a cluster without one."""
+    if scratch:
+        return scratch
+    if str(conf_value(spark, "spark.master", "") or "").startswith("local"):
+        import tempfile
+        return tempfile.gettempdir()
+    return None
 
 
 def partitioned_checkpoint(df, n_parts: int, *keys: str):

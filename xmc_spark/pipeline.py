@@ -24,7 +24,7 @@ import scipy.sparse as sp
 from pyspark.sql import functions as F
 
 from . import prime_model
-from .arrow_utils import list_offsets_values, local_frame, to_arrow
+from .arrow_utils import list_offsets_values, local_frame, to_arrow, to_pandas
 from .compat import shuffle_partitions
 from .config import dump_params
 from .kernels.tree import Forest, TreeIndex
@@ -128,7 +128,7 @@ def commit_tree(tables: Tables, tree, n_labels: int, params: PipelineParams):
     each); its version is recorded as read (a listing of its log, no Spark job)."""
     tables.write("tree", tree)
     tables.note_read("tree")
-    index = tree_index(tree.toPandas(), n_labels, params)   # O(labels)
+    index = tree_index(to_pandas(tree), n_labels, params)   # O(labels)
     log.info("tree: %d leaves, depth %d", len(index.leaves), index.depth)
     return index
 
@@ -180,8 +180,8 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
             tables.write("matcher", label_clusters.matcher(samples, model, tp.clusters.beam_size))
             current = spark.createDataFrame(slots_frame(index))
-            slots = label_clusters.project(samples, tables.read("matcher"), current, copies,
-                                           ensemble=isinstance(index, Forest)).toPandas()
+            slots = to_pandas(label_clusters.project(samples, tables.read("matcher"), current, copies,
+                                                     ensemble=isinstance(index, Forest)))
             tables.write("clusters", spark.createDataFrame(slots))
             index = slots_index(slots, index)
             for ix in getattr(index, "trees", [index]):
@@ -211,11 +211,11 @@ def train_weights(samples, index: TreeIndex, tables: Tables, n_features: int, tp
     # concurrent commit (run-keyed tables, storage.write_delta) trains the grouped nodes again,
     # while the distributed solver's weights are already checkpointed
     tables.write("weights", w)
-    return model_from_weights(tables.read("weights"), index, n_features, tp, pred)
+    return model_from_weights(tables.read("weights"), index, n_features, tp, pred, tables.scratch)
 
 
 def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrainParams,
-                       pred: PredictParams):
+                       pred: PredictParams, scratch: Optional[str] = None):
     """The model of a weights table: an :class:`XMCModel` (collected to the driver, broadcast
     to predict) when its weights fit ``predict.max_broadcast_mb``, else a
     :class:`~.stages.sharded.ShardedModel` (of an ensemble, a :class:`~.stages.sharded.ShardedEnsemble`)
@@ -225,7 +225,8 @@ def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrai
     if nbytes > sharded.broadcast_bound(weights, pred):
         log.info("model weights %.1f MB > the broadcast bound %.1f MB: kept sharded on the executors",
                  nbytes / 2 ** 20, sharded.broadcast_bound(weights, pred) / 2 ** 20)
-        return sharded.sharded_model(index, weights, n_features, tp.train.bias, tp.normalize, pred, tree_bytes)
+        return sharded.sharded_model(index, weights, n_features, tp.train.bias, tp.normalize, pred, tree_bytes,
+                                     scratch)
     n_cols = n_features + (1 if tp.train.bias > 0 else 0)
     node_w, slot_w = weights_to_columns(to_arrow(weights), n_cols)
     if isinstance(index, Forest):
@@ -236,9 +237,9 @@ def model_from_weights(weights, index: TreeIndex, n_features: int, tp: ModelTrai
 
 def model_from_tables(tables: Tables, n_features: int, n_labels: int, params: PipelineParams) -> XMCModel:
     """The model a train stage left in ``tables`` (``slots`` + ``weights``)."""
-    index = tree_index(tables.read("slots").toPandas(), n_labels, params)
+    index = tree_index(to_pandas(tables.read("slots")), n_labels, params)
     return model_from_weights(tables.read("weights"), index, n_features, ModelTrainParams.from_pipeline(params),
-                              params.predict)
+                              params.predict, tables.scratch)
 
 
 # ---- the stages (see registry.STAGES) -------------------------------------------------------
@@ -390,14 +391,14 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
             f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree, label_counts)
         bound = split_across.split_bound(train_df, params.tree, info.n_features, info.n_labels, label_counts,
                                          row_nnz=_row_nnz(info))
-        tree = label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
-                              f_tilde=ft, split_bound=bound).toPandas()
+        tree = to_pandas(label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
+                                        f_tilde=ft, split_bound=bound))
         index = tree_index(tree, info.n_labels, params)
         w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch,
                               n_samples=n_samples, label_counts=label_counts,
                               row_nnz=_row_nnz(info)).localCheckpoint()
         fit.last = (emb, tree)          # the latest model's PIFA (packed) and tree (eagle.refine_keep_tree)
-        return model_from_weights(w, index, info.n_features, tp, params.predict)
+        return model_from_weights(w, index, info.n_features, tp, params.predict, scratch)
     fit.last = None
     return fit
 
@@ -501,7 +502,7 @@ def train_stage(ctx: StageContext) -> StageResult:
     if version is not None and version == tables.pins.get("tree"):
         tables.note_read("tree")                  # the version it pins, recorded as read (MLflow tags)
     else:
-        index = tree_index(tables.read("tree").toPandas(), ing.n_labels, params)
+        index = tree_index(to_pandas(tables.read("tree")), ing.n_labels, params)
     counts = ctx.memo.get("label_counts")
     counts = counts if counts is not None else evaluation.label_counts(samples, ing.n_labels)
     model = train_classifiers(samples, index, tables, ing.n_features, ModelTrainParams.from_pipeline(params),
@@ -726,17 +727,17 @@ def evaluate_stage(ctx: StageContext) -> StageResult:
     ing, tables = ctx.dataset, ctx.tables
     model = ctx.memo.get("model")
     if model is None:                              # the slots, not the weights
-        depth = tree_index(tables.read("slots").toPandas(), ing.n_labels, ctx.params).label_depth()
+        depth = tree_index(to_pandas(tables.read("slots")), ing.n_labels, ctx.params).label_depth()
         counts = evaluation.label_counts(tables.read("train"), ing.n_labels)
     else:
         depth, counts = model.label_depth(), model.label_counts
         tables.note_read("slots")
     with ctx.timer.stage("evaluate"):
         m = evaluation.run(tables.read("predictions"), tables.read("test"), counts, ing.n_train,
-                           ctx.params.eval, label_depth=depth)
+                           ctx.params.eval, label_depth=depth, n_rows=ing.n_test)
         if reranked(ctx.records):                                             # the tree's own, beside
             m.update(tree_metrics(tables.read("tree_predictions"), tables.read("test"), counts, ing.n_train,
-                                  ctx.params, depth))
+                                  ctx.params, depth, ing.n_test))
         metrics = {k: round(v, 4) for k, v in m.items()}
         names, values = zip(*sorted(metrics.items())) if metrics else ((), ())
         tables.write("metrics", local_frame(ctx.spark, {"metric": pa.array(names, pa.string()),
@@ -751,9 +752,10 @@ def reranked(records) -> bool:
             or records.get("knn", {}).get("knn.mode", "off") != "off")
 
 
-def tree_metrics(tree_predictions, test, counts, n_train: int, params: PipelineParams, depth) -> Dict[str, float]:
+def tree_metrics(tree_predictions, test, counts, n_train: int, params: PipelineParams, depth,
+                 n_rows: Optional[int] = None) -> Dict[str, float]:
     """P@k, nDCG@k, PSP@k, recall@k and depth@k of the tree alone, as ``tree_<metric>``."""
-    m = evaluation.run(tree_predictions, test, counts, n_train, params.eval, label_depth=depth)
+    m = evaluation.run(tree_predictions, test, counts, n_train, params.eval, label_depth=depth, n_rows=n_rows)
     return {f"tree_{k}": v for k, v in m.items()}
 
 
@@ -920,9 +922,10 @@ def predict(spark, model, data: str, out: str, params: PipelineParams, knn_info:
         n_train = int(model.meta.get("n_train", info.n_samples))
         counts = model.label_counts if model.label_counts is not None else evaluation.label_counts(df, model.n_labels)
         m = evaluation.run(tables.read("predictions"), df, counts, n_train, params.eval,
-                           label_depth=model.label_depth())
+                           label_depth=model.label_depth(), n_rows=info.n_samples)
         if isinstance(model, prime_model.PrimedModel) or knn_info is not None:
-            m.update(tree_metrics(tables.read("tree_predictions"), df, counts, n_train, params, model.label_depth()))
+            m.update(tree_metrics(tables.read("tree_predictions"), df, counts, n_train, params, model.label_depth(),
+                                  info.n_samples))
         result.update({k: round(v, 4) for k, v in m.items()})
     (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))
     return result

@@ -3,7 +3,7 @@ training (beyond the training label space) count as misses, with the propensity 
 import numpy as np
 import pytest
 
-from tests.conftest import executed_plan
+from tests.conftest import executed_plan, stage_tasks
 from xmc_spark.params import EvalParams
 from xmc_spark.stages import evaluation
 
@@ -60,3 +60,34 @@ def test_predictions_are_joined_shuffled_never_broadcast(spark, tmp_path):
     assert "ShuffledHashJoin" in plan and "BroadcastExchange" not in plan
     assert "BroadcastExchange" in executed_plan(test.join(preds, "sample_id", "left"))
     assert sorted((r["sample_id"], r["pred_labels"]) for r in joined.collect()) == [(0, [0, 1]), (1, []), (2, [1])]
+
+
+def test_small_shuffles_take_the_tasks_their_rows_need(spark, tmp_path):
+    """With 64 shuffle partitions and no adaptive coalescing, the join of a test set whose rows
+    are known goes into the partitions that many rows need (here the default parallelism), and
+    the label counts' reduce runs in as few tasks: each task reports its metrics to the driver.
+    The answers are those of the unsized join and a brute-force count."""
+    import re
+
+    from pyspark.sql import functions as F
+    spark.createDataFrame([(i, [i % 3]) for i in range(20)], TEST).write.parquet(str(tmp_path / "t"))
+    spark.createDataFrame([(i, [i % 3, 4]) for i in range(0, 20, 2)], PRED).write.parquet(str(tmp_path / "p"))
+    test, preds = spark.read.parquet(str(tmp_path / "t")), spark.read.parquet(str(tmp_path / "p"))
+    k = spark.sparkContext.defaultParallelism
+    keys = ("spark.sql.shuffle.partitions", "spark.sql.adaptive.coalescePartitions.enabled")
+    old = {key: spark.conf.get(key) for key in keys}
+    try:
+        spark.conf.set("spark.sql.shuffle.partitions", "64")
+        spark.conf.set("spark.sql.adaptive.coalescePartitions.enabled", "false")
+        sized = evaluation.with_predictions(test, preds, n_rows=20)
+        got = sorted(map(tuple, sized.collect()))
+        assert re.search(rf"Coalesce {k}\b", executed_plan(sized)) and sized.rdd.getNumPartitions() == k
+        assert got == sorted(map(tuple, evaluation.with_predictions(test, preds).collect()))
+        assert got[:2] == [(0, [0], [0, 4]), (1, [1], [])]
+        counts, tasks = stage_tasks(spark, lambda: evaluation.rows_per_label(
+            test.select(F.explode("label_idx").alias("label_idx")), 5), "label-counts")
+        assert tasks and max(tasks) <= k, tasks
+        assert counts.tolist() == [7, 7, 6, 0, 0]
+    finally:
+        for key, value in old.items():
+            spark.conf.set(key, value)

@@ -282,3 +282,29 @@ def test_counting_labels_of_a_file_without_samples(spark, tmp_path):
     f.write_text("0 5 4\n")
     with pytest.raises(IngestError, match="no samples"):
         ingest.read_samples(spark, str(f), IngestParams(), count_labels=True)
+
+
+def test_a_table_s_id_check_runs_a_reduce_task_per_input_split(spark, tmp_path):
+    """With 64 shuffle partitions and no adaptive coalescing, the uniqueness check of a
+    many-file table's ids shuffles into a partition per input split (at least the default
+    parallelism), not into 64, and still finds an id repeated across files."""
+    from tests.conftest import stage_tasks
+    schema = "sample_id long, feature_idx array<int>, feature_val array<double>, label_idx array<int>"
+    ok, dup = str(tmp_path / "ok"), str(tmp_path / "dup")
+    spark.createDataFrame([(i, [i % 5], [1.0], [i % 3]) for i in range(30)], schema).repartition(3).write.parquet(ok)
+    spark.createDataFrame([(i % 29, [0], [1.0], [0]) for i in range(30)], schema).repartition(3).write.parquet(dup)
+    keys = ("spark.sql.shuffle.partitions", "spark.sql.adaptive.coalescePartitions.enabled")
+    old = {key: spark.conf.get(key) for key in keys}
+    try:
+        spark.conf.set("spark.sql.shuffle.partitions", "64")
+        spark.conf.set("spark.sql.adaptive.coalescePartitions.enabled", "false")
+        want = max(spark.sparkContext.defaultParallelism, spark.read.parquet(ok).rdd.getNumPartitions())
+        (_, info), tasks = stage_tasks(spark, lambda: ingest.read_samples(spark, ok, IngestParams()))
+        assert (info.n_samples, info.n_features, info.n_labels) == (30, 5, 3)
+        assert tasks and max(tasks) <= want < 64, tasks
+        with pytest.raises(IngestError, match=r"duplicate sample_id 0 \(2 rows\)"):
+            ingest.read_samples(spark, dup, IngestParams())
+        assert spark.conf.get("spark.sql.shuffle.partitions") == "64"     # restored
+    finally:
+        for key, value in old.items():
+            spark.conf.set(key, value)

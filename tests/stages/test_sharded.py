@@ -53,6 +53,42 @@ def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group
         np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
 
 
+@pytest.mark.parametrize("shared", ["files", "broadcast"])
+def test_top_layers_reach_the_tasks_through_files_not_the_driver(spark, problem, models, tmp_path, monkeypatch,
+                                                                  shared):
+    """The top layers' weights are written by the tasks that hold them into a folder under the
+    model's scratch folder, read there by the search's tasks and removed after the search: the
+    driver collects none of them. Without a scratch folder (a cluster given none) they are
+    collected and broadcast. Both answer as the broadcast model."""
+    samples, Xl, _ = problem
+    model = models["plain"]
+    labels, scores = model.predict(Xl, beam_size=3, topk=4)
+    scratch = tmp_path / "scratch"
+    sm = dataclasses.replace(as_sharded(spark, model, "default"), scratch=str(scratch))
+    collected, removed = [], []
+    real_to_arrow, real_remove = sharded.to_arrow, sharded._TopFiles.remove
+    monkeypatch.setattr(sharded, "to_arrow", lambda df: collected.append(df.columns) or real_to_arrow(df))
+
+    def remove(self):
+        removed.append(sorted(p.name for p in (scratch / self.folder.rsplit("/", 1)[-1]).iterdir()))
+        real_remove(self)
+    monkeypatch.setattr(sharded._TopFiles, "remove", remove)
+    if shared == "broadcast":
+        monkeypatch.setattr(sharded, "scratch_root", lambda spark, scratch: None)
+    rows = _rows(sharded.predict(samples, sm, beam_size=3, topk=4))
+    for r, lab, sc in zip(rows, labels, scores):
+        assert r["pred_labels"] == [int(x) for x in lab if x >= 0]
+        np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
+    assert len(rows) == Xl.shape[0]
+    if shared == "files":
+        assert collected == [], collected
+        assert len(removed) == 1 and removed[0] and all(re.fullmatch(r"part-\d{5}\.arrow", n) for n in removed[0])
+        assert list(scratch.iterdir()) == []          # the search's folder is gone
+    else:
+        assert collected == [["layer", "pos", "w_idx", "w_val"]] and removed == []
+        assert not scratch.exists()
+
+
 def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, models, tmp_path):
     """The rows' features rejoin each layer's beam by a shuffle, never a broadcast: a small input
     table (here every table is small) would otherwise be broadcast, its rows passing through the

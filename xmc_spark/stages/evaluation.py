@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -10,7 +10,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_offsets_values, to_arrow
-from ..compat import never_broadcast, share
+from ..compat import never_broadcast, share, sized_partitions
 from ..kernels import metrics as M
 from ..kernels.sparse import csr_from_lists
 from ..params import EvalParams
@@ -23,8 +23,9 @@ def label_counts(samples: DataFrame, n_labels: int) -> np.ndarray:
 
 def rows_per_label(rows: DataFrame, n_labels: int) -> np.ndarray:
     """Rows per ``label_idx`` value (n_labels ints), from one small job: O(labels) rows to the
-    driver, as one Arrow table."""
-    per = to_arrow(rows.groupBy("label_idx").count())
+    driver, as one Arrow table, from the tasks that O(labels) rows need
+    (:func:`~..compat.sized_partitions`)."""
+    per = to_arrow(rows.groupBy("label_idx").count().coalesce(sized_partitions(rows.sparkSession, n_labels)))
     counts = np.zeros(n_labels, dtype=np.int64)
     if per.num_rows:
         counts[per.column("label_idx").to_numpy().astype(np.int64)] = per.column("count").to_numpy()
@@ -49,7 +50,7 @@ def unseen_labels(train_counts: np.ndarray, test: DataFrame) -> Dict[str, int]:
                                               "n": pa.array(np.concatenate([c, [rows]]), pa.int64())})
 
     per = to_arrow(test.select("label_idx").mapInArrow(unseen, "label long, n long").groupBy("label").agg(
-        F.sum("n").alias("n")))
+        F.sum("n").alias("n")).coalesce(sized_partitions(test.sparkSession, len(train_counts))))
     seen.unpersist()
     label, n = (per.column(c).to_numpy().astype(np.int64) for c in ("label", "n"))
     labels = label >= 0                          # the label -1 counts the rows having an unseen label
@@ -69,17 +70,23 @@ def unseen_from_counts(train_counts: np.ndarray, test_counts: np.ndarray, rows_w
             "test_unseen_positives": int(test_counts[miss].sum()), "test_rows_with_unseen": int(rows_with_unseen)}
 
 
-def with_predictions(test: DataFrame, predictions: DataFrame) -> DataFrame:
+def with_predictions(test: DataFrame, predictions: DataFrame, n_rows: Optional[int] = None) -> DataFrame:
     """(sample_id, label_idx, pred_labels) of every test row, [] where it has no prediction; the
-    predictions are shuffled to the join, never broadcast (:func:`~..compat.never_broadcast`)."""
+    predictions are shuffled to the join, never broadcast (:func:`~..compat.never_broadcast`).
+    ``n_rows`` (the test rows, when known): the join's partitions are read by the tasks that many
+    rows need (:func:`~..compat.sized_partitions`; a coalesce: a repartition of both sides would
+    be raised back to ``spark.sql.shuffle.partitions`` by the planner)."""
     joined = test.select("sample_id", "label_idx").join(
         never_broadcast(predictions.select("sample_id", "pred_labels")), "sample_id", "left")
+    if n_rows is not None:
+        joined = joined.coalesce(sized_partitions(test.sparkSession, n_rows))
     return joined.withColumn("pred_labels", F.coalesce("pred_labels", F.array().cast("array<int>")))
 
 
 def run(predictions: DataFrame, test: DataFrame, train_label_counts: np.ndarray, n_train: int,
-        params: EvalParams, label_depth: np.ndarray | None = None) -> Dict[str, float]:
-    """P@k, nDCG@k, PSP@k, recall@k (percent) and, given leaf depths, expected depth@k.
+        params: EvalParams, label_depth: np.ndarray | None = None, n_rows: Optional[int] = None) -> Dict[str, float]:
+    """P@k, nDCG@k, PSP@k, recall@k (percent) and, given leaf depths, expected depth@k;
+    ``n_rows``: the test rows, when known (see :func:`with_predictions`).
 
     The label space is max(len(train_label_counts), largest test label + 1) (found per batch):
     a test label never seen in training has count 0 (see :func:`~..kernels.metrics.propensities`)
@@ -114,7 +121,7 @@ def run(predictions: DataFrame, test: DataFrame, train_label_counts: np.ndarray,
             total = M.add_sums(total, s)
         yield pa.RecordBatch.from_arrays([pa.array([json.dumps(total)])], names=["sums"])
 
-    parts = with_predictions(test, predictions).mapInArrow(sums, "sums string").collect()
+    parts = with_predictions(test, predictions, n_rows).mapInArrow(sums, "sums string").collect()
     total: Dict[str, float] = {}
     for r in parts:
         total = M.add_sums(total, json.loads(r["sums"]))

@@ -36,6 +36,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_array, list_offsets_values, to_arrow
+from ..compat import is_connect, session_settings, sized_partitions
 from ..kernels.sparse import csr_from_lists, normalize_lists
 from ..params import IngestParams
 from ..progress import worker_progress
@@ -620,9 +621,14 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
     err = _error_sql(d, L, first=_table_errors(raw.columns))
     ok = _table_ok(raw.columns, d, L)
     checked = raw.selectExpr("*", f"CASE WHEN NOT coalesce({ok}, false) THEN {err} END AS _err")
+    settings = {}
     if one_split(spark, path):
         checked = checked.coalesce(1)          # a small file: one task, no shuffle
-    with _read_errors(path):
+    elif not is_connect(spark):
+        # the ids' uniqueness (a shuffle of one row per id) in a reduce task per input split,
+        # between the default parallelism and the shuffle partitions, not in all of those
+        settings["spark.sql.shuffle.partitions"] = str(sized_partitions(spark, checked.rdd.getNumPartitions(), 1))
+    with _read_errors(path), session_settings(spark, settings, "the ids' uniqueness check"):
         stats = checked.agg(*[F.expr(e) for e in (
             "count(1) AS n", "count(sample_id) AS n_ids", "count(DISTINCT sample_id) AS n_distinct",
             "min(CASE WHEN _err IS NOT NULL THEN struct(sample_id, _err) END) AS err",

@@ -111,6 +111,7 @@ from ..compat import (
     default_parallelism,
     never_broadcast,
     partition_keys,
+    scratch_root,
     session_settings,
     share,
     shuffle_partitions,
@@ -962,18 +963,6 @@ def _unpack_matrix(p) -> np.ndarray:
     M = np.zeros(shape)
     M[r] = v
     return M
-
-
-def scratch_root(spark, scratch: Optional[str]) -> Optional[str]:
-    """Where the solver keeps its vectors above ``train.tron_driver_mb``: ``scratch`` (the
-    pipeline passes ``<run folder>/_scratch``), else in local mode the machine's temp folder;
-    None on a cluster without one (the vectors then stay on the driver)."""
-    if scratch:
-        return scratch
-    if str(conf_value(spark, "spark.master", "") or "").startswith("local"):
-        import tempfile
-        return tempfile.gettempdir()
-    return None
 
 
 def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, n_features: int,

@@ -6,7 +6,9 @@ DataFrame ``(is_leaf, key, w_idx, w_val)``.
 
 Beam search (:func:`predict`, :func:`matcher`) first takes the top layers whose weights fit
 the broadcast bound together (:func:`top_layers`) in one pass over the rows, those layers' weights
-shared with the tasks (:func:`_top_beam`, the broadcast kernel), then runs one tree layer per step,
+shared with the tasks (:func:`_top_beam`, the broadcast kernel; written to files under a scratch
+folder by the tasks that hold them, so that none pass through the driver), then runs one tree
+layer per step,
 with the arithmetic of :func:`~xmc_spark.kernels.beam_search.beam_search`:
 
 1. each (sample, beam node) row is grouped with the weights of that node's children — a
@@ -34,6 +36,7 @@ whose weights DataFrame the tasks read part by part.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import uuid
@@ -62,8 +65,10 @@ from ..compat import (
     is_connect,
     never_broadcast,
     partitioned_checkpoint,
+    scratch_root,
     share,
     shuffle_partitions_set,
+    sized_partitions,
 )
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
@@ -83,6 +88,9 @@ from ..model import (
 from ..params import PredictParams
 from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA
+from ..storage import StorageError, client_fs
+
+log = logging.getLogger("xmc_spark.predict")
 
 GROUP_ROWS = 20000               # rows of one (parent, salt) group: bounds a task's share of a layer
 SEARCH_TASK_ROWS = 1 << 16       # rows (sample x candidate) a task of the search's own shuffles reads
@@ -103,6 +111,7 @@ class ShardedModel:
     meta: dict = field(default_factory=dict)
     label_counts: Optional[np.ndarray] = None
     nbytes: int = 0
+    scratch: Optional[str] = None      # a folder every task sees, for the search's shared files (compat.scratch_root)
     # caches of the weights above, built on first use; not init fields, so that
     # ``dataclasses.replace(model, weights=...)`` starts without them
     layer_bytes: Optional[np.ndarray] = field(default=None, repr=False, init=False)   # per layer
@@ -180,14 +189,16 @@ def tree_weights(weights: DataFrame, t: int) -> DataFrame:
 
 
 def sharded_model(index, weights: DataFrame, n_features: int, bias: float, normalize: bool,
-                  pred_params: PredictParams, tree_bytes: Dict[int, int]):
+                  pred_params: PredictParams, tree_bytes: Dict[int, int], scratch: Optional[str] = None):
     """A :class:`ShardedModel` of a tree, or a :class:`ShardedEnsemble` of a forest (its
     weights split by tree with no job: each member filters the same DataFrame); ``tree_bytes``:
-    :func:`tree_nbytes` of ``weights``."""
+    :func:`tree_nbytes` of ``weights``; ``scratch``: see :attr:`ShardedModel.scratch`."""
     if not isinstance(index, Forest):
-        return ShardedModel(index, weights, n_features, bias, normalize, pred_params, nbytes=sum(tree_bytes.values()))
+        return ShardedModel(index, weights, n_features, bias, normalize, pred_params, nbytes=sum(tree_bytes.values()),
+                            scratch=scratch)
     return ShardedEnsemble([ShardedModel(ix, tree_weights(weights, t), n_features, bias, normalize, pred_params,
-                                         nbytes=tree_bytes.get(t, 0)) for t, ix in enumerate(index.trees)])
+                                         nbytes=tree_bytes.get(t, 0), scratch=scratch)
+                            for t, ix in enumerate(index.trees)])
 
 
 def members(model) -> list:
@@ -209,14 +220,10 @@ def search_bounds(spark) -> Tuple[int, Optional[int]]:
 
 def search_partitions(spark, rows: float, bounds: Optional[Tuple[int, Optional[int]]] = None) -> int:
     """Partitions of one of the sharded search's own shuffles (a layer's cogroup, the merge of its
-    candidates) that carries about ``rows`` rows: ``SEARCH_TASK_ROWS`` a task, at least the
-    default parallelism, at most ``spark.sql.shuffle.partitions`` (:func:`search_bounds`). Each
-    task of a layer starts a Python worker pass and reports its metrics to the driver, so a fixed
-    partition count (the shuffle partitions, without adaptive coalescing) costs per task what
-    small inputs do not need, while a task's rows stay bounded as n grows (up to that cap)."""
-    lo, hi = bounds if bounds is not None else search_bounds(spark)
-    k = max(lo, math.ceil(max(rows, 1) / SEARCH_TASK_ROWS))
-    return max(1, k if hi is None else min(hi, k))
+    candidates) that carries about ``rows`` rows: ``SEARCH_TASK_ROWS`` a task, between the
+    default parallelism and ``spark.sql.shuffle.partitions`` (:func:`search_bounds`,
+    :func:`~..compat.sized_partitions`): each task of a layer also starts a Python worker pass."""
+    return sized_partitions(spark, rows, SEARCH_TASK_ROWS, bounds if bounds is not None else search_bounds(spark))
 
 
 def _mean_fan(child_ptr: np.ndarray) -> float:
@@ -325,23 +332,91 @@ def top_layers(model: ShardedModel, n_layers: int, budget: float) -> int:
     return int(np.searchsorted(np.cumsum(layer_nbytes(model)[:n_layers]), budget, side="right"))
 
 
-def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) -> DataFrame:
-    """(sample_id, beam) after the first ``t0`` layers, as :func:`_beam`'s merge keeps it (top
-    ``beam_size`` of struct(neg score, prank, pos), ties by parent rank then position): those
-    layers' weights (at most the broadcast bound) are collected, shared with the tasks, and each
-    batch of rows is searched by the broadcast kernel (:func:`~..kernels.beam_search.beam_layers`)."""
-    shape = tree_layers(model.index)
-    n_cols = model.n_features + (1 if model.bias > 0 else 0)
-    rows = to_arrow(_placed_of(model).where(F.col("layer") < t0))   # <= the bound
+def _top_columns(rows: pa.Table, layers: list, n_cols: int) -> list:
+    """The broadcast kernel's layers (child_ptr, d x keys weights, through) of the top layers'
+    weights rows (layer, pos, w_idx, w_val); ``layers``: :func:`~..model.tree_layers`' first ones."""
     layer = rows.column("layer").to_numpy()
-    layers = []
-    for t in range(t0):
+    out = []
+    for t, (keys, child_ptr, through) in enumerate(layers):
         part = rows.filter(pa.array(layer == t))
         off, idx = list_offsets_values(part, "w_idx")
         _, val = list_offsets_values(part, "w_val")
-        keys, child_ptr, through = shape.layers[t]
-        layers.append((child_ptr, _columns(off, idx, val, part.column("pos").to_numpy(), len(keys), n_cols), through))
-    shared = share(feats, layers, name="the top layers of the model")
+        out.append((child_ptr, _columns(off, idx, val, part.column("pos").to_numpy(), len(keys), n_cols), through))
+    return out
+
+
+TOP_ROWS = pa.schema([("layer", pa.int32()), ("pos", pa.int64()), ("w_idx", pa.list_(pa.int32())),
+                      ("w_val", pa.list_(pa.float32()))])
+_TOP_CACHE: Dict[str, list] = {}      # a Python worker's top layers, of the last search it served
+
+
+class _TopFiles:
+    """The top layers' weights in Arrow files that the tasks holding them wrote under a scratch
+    folder every task sees (one per input partition, ``part-<partition>.arrow``); ``.value``, as a
+    broadcast's, gives the broadcast kernel's layers, read once per Python worker."""
+
+    def __init__(self, folder: str, layers: list, n_cols: int):
+        self.folder, self.layers, self.n_cols = folder, layers, n_cols
+
+    def write(self, batches):
+        """A task's share of the rows as one file (named by its partition: a retried or
+        speculative attempt writes the same file, whole or not at all)."""
+        from pyspark import TaskContext
+        t = pa.Table.from_batches([b for b in batches if b.num_rows], schema=TOP_ROWS)
+        if t.num_rows:
+            fs, root = client_fs(self.folder)
+            fs.create_dir(root, recursive=True)
+            path = f"{root}/part-{TaskContext.get().partitionId():05d}.arrow"
+            local = fs.type_name == "local"
+            target = f"{path}.tmp-{uuid.uuid4().hex}" if local else path
+            with fs.open_output_stream(target) as f, pa.ipc.new_file(f, TOP_ROWS) as w:
+                w.write_table(t)
+            if local:
+                fs.move(target, path)
+        yield pa.RecordBatch.from_pydict({"n": pa.array([t.num_rows], pa.int64())})
+
+    @property
+    def value(self) -> list:
+        if self.folder not in _TOP_CACHE:
+            import pyarrow.fs as pafs
+            fs, root = client_fs(self.folder)
+            names = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+                           if i.base_name.startswith("part-") and i.base_name.endswith(".arrow"))
+            tables = []
+            for name in names:
+                with fs.open_input_file(name) as f:
+                    tables.append(pa.ipc.open_file(f).read_all())
+            rows = pa.concat_tables(tables) if tables else TOP_ROWS.empty_table()
+            _TOP_CACHE.clear()                 # one search's layers at a time
+            _TOP_CACHE[self.folder] = _top_columns(rows, self.layers, self.n_cols)
+        return _TOP_CACHE[self.folder]
+
+    def remove(self) -> None:
+        try:
+            fs, root = client_fs(self.folder)
+            fs.delete_dir(root)
+        except (OSError, StorageError) as e:   # a folder already gone, a store refusing the delete
+            log.warning("could not remove the search's top layers at %s: %s", self.folder, e)
+
+
+def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) -> DataFrame:
+    """(sample_id, beam) after the first ``t0`` layers, as :func:`_beam`'s merge keeps it (top
+    ``beam_size`` of struct(neg score, prank, pos), ties by parent rank then position), computed
+    here (checkpointed). Each batch of rows is searched by the broadcast kernel
+    (:func:`~..kernels.beam_search.beam_layers`) with those layers' weights (at most the broadcast
+    bound) shared with the tasks: written into files by the tasks that hold them, under a scratch
+    folder every task sees (:func:`~..compat.scratch_root`; the model's ``scratch``), and removed
+    after the search, so that no weights pass through the driver; without such a folder (a
+    cluster given none), collected and broadcast."""
+    layers = list(tree_layers(model.index).layers[:t0])
+    n_cols = model.n_features + (1 if model.bias > 0 else 0)
+    rows = _placed_of(model).where(F.col("layer") < t0).select("layer", "pos", "w_idx", "w_val")   # TOP_ROWS
+    root = scratch_root(feats.sparkSession, model.scratch)
+    if root is None:
+        shared = share(feats, _top_columns(to_arrow(rows), layers, n_cols),   # <= the bound
+                       name="the top layers of the model")
+    else:
+        shared = _TopFiles(f"{root}/top-layers-{uuid.uuid4().hex}", layers, n_cols)
     n_features, bias, post = model.n_features, model.bias, model.pred_params.post_processor
 
     def search(batches):
@@ -361,7 +436,14 @@ def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) ->
                                              names=["sample_id", "beam"])
             worker_progress("predict (top layers)", rows=b.num_rows)
 
-    return feats.mapInArrow(search, "sample_id long, beam array<struct<neg: double, prank: int, pos: long>>")
+    beam = feats.mapInArrow(search, "sample_id long, beam array<struct<neg: double, prank: int, pos: long>>")
+    if root is None:
+        return beam.localCheckpoint()
+    try:
+        rows.mapInArrow(shared.write, "n long").collect()      # O(partitions) rows: each task's count
+        return beam.localCheckpoint()
+    finally:
+        shared.remove()
 
 
 def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int, n: int,
@@ -406,7 +488,7 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     top = None
     if t0:
         # checkpointed as every layer's beam: later plans do not carry the shared layers
-        top = _top_beam(feats, model, t0, beam_size).localCheckpoint()
+        top = _top_beam(feats, model, t0, beam_size)
         cur = rejoin(top) if t0 < n_layers else None
     else:
         # prank: the parent's rank in its row's beam; ties in score are broken by it, then by the
