@@ -211,3 +211,19 @@ def test_copy_segments_moves_each_row_to_its_place():
     _copy_segments(src, starts, lengths, dest, out)
     want = np.concatenate([src[7:10], src[3:7], src[0:3]])
     np.testing.assert_array_equal(out, want)
+
+
+def test_a_compressed_collect_gives_the_same_table_and_restores_the_setting(spark):
+    """to_arrow(compress=True) sets Spark's Arrow codec for its own query only; the table is the
+    uncompressed one's."""
+    from pyspark.sql import functions as F
+
+    from xmc_spark.arrow_utils import ARROW_CODEC, to_arrow, to_pandas
+    df = spark.range(0, 5000, numPartitions=3).select((F.col("id") % 97).cast("int").alias("label_idx"),
+                                                      (F.col("id") * 3).alias("n"))
+    before = spark.conf.get(ARROW_CODEC)
+    assert before == "none"
+    plain, packed = to_arrow(df), to_arrow(df, compress=True)
+    assert packed.equals(plain) and packed.num_rows == 5000
+    assert spark.conf.get(ARROW_CODEC) == before
+    assert to_pandas(df).equals(df.toPandas())

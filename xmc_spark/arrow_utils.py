@@ -243,14 +243,14 @@ def cogrouped_apply(left, right, keys, func: Callable[[pa.Table, pa.Table], pa.T
 ARROW_CODEC = "spark.sql.execution.arrow.compression.codec"    # Spark >= 4.2 (an unknown key before: no effect)
 
 
-def to_arrow(df) -> pa.Table:
-    """Collect a DataFrame as one Arrow table (``toArrow`` on Spark >= 4, else via pandas). On
-    classic Spark the tasks send their Arrow batches compressed (zstd; pyarrow reads them as
-    they are), set for this query only: Python UDFs' input is compressed under the same setting,
-    which the collects' small queries can afford and the pipeline's big ones should not pay. A
-    label count or a tree comes to the driver in a quarter to a half of its bytes."""
+def to_arrow(df, compress: bool = False) -> pa.Table:
+    """Collect a DataFrame as one Arrow table (``toArrow`` on Spark >= 4, else via pandas).
+    ``compress`` (classic Spark): the tasks send their Arrow batches compressed (zstd; pyarrow
+    reads them as they are), set for this query only, for a result of O(labels) rows from a query
+    with no Python UDF: Spark compresses the input of the query's Python UDFs under the same
+    setting. Measured at 1M: a label count's 1.2 MB came as 0.33 MB, the tree's 1.65 MB as 0.43 MB."""
     if hasattr(df, "toArrow"):
-        if is_connect(df):
+        if not compress or is_connect(df):
             return df.toArrow()
         with session_settings(df.sparkSession, {ARROW_CODEC: "zstd"}, "a compressed collect"):
             return df.toArrow()
@@ -258,8 +258,9 @@ def to_arrow(df) -> pa.Table:
 
 
 def to_pandas(df):
-    """Collect a DataFrame (O(labels) rows: a tree, counts) as pandas, through :func:`to_arrow`."""
-    return to_arrow(df).to_pandas()
+    """Collect a DataFrame of O(labels) rows read from a table or a checkpoint (a tree, its
+    slots) as pandas, compressed on the way (:func:`to_arrow`)."""
+    return to_arrow(df, compress=True).to_pandas()
 
 
 def local_frame(spark, columns, schema: Optional[str] = None):

@@ -194,6 +194,16 @@ def sized_partitions(spark, rows: float, per_task: int = TASK_ROWS,
     return max(1, k if hi is None else min(hi, k))
 
 
+def small_result(df, rows: float):
+    """``df`` (a shuffle's output of about ``rows`` rows: a count per label, a test set's join) read
+    by the tasks that many rows need (:func:`sized_partitions`; a coalesce of the shuffle's
+    partitions, each still aggregated or joined on its own), on classic Spark; on Spark Connect as
+    it is (sizing it could cost a job of its own there, :func:`default_parallelism`)."""
+    if is_connect(df):
+        return df
+    return df.coalesce(sized_partitions(df.sparkSession, rows))
+
+
 def spark_hash_int(values) -> np.ndarray:
     """Spark SQL's ``hash()`` of int values (Murmur3 x86_32, seed 42), the hash
     ``repartition(n, col)`` takes modulo n (``pmod``) to choose an int column's partition."""

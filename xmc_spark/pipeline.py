@@ -180,8 +180,8 @@ def train_classifiers(samples, index: TreeIndex, tables: Tables, n_features: int
         with timer.stage("clusters" if r == 0 else f"clusters_{r + 1}"):
             tables.write("matcher", label_clusters.matcher(samples, model, tp.clusters.beam_size))
             current = spark.createDataFrame(slots_frame(index))
-            slots = to_pandas(label_clusters.project(samples, tables.read("matcher"), current, copies,
-                                                     ensemble=isinstance(index, Forest)))
+            slots = label_clusters.project(samples, tables.read("matcher"), current, copies,
+                                           ensemble=isinstance(index, Forest)).toPandas()
             tables.write("clusters", spark.createDataFrame(slots))
             index = slots_index(slots, index)
             for ix in getattr(index, "trees", [index]):

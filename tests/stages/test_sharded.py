@@ -53,29 +53,35 @@ def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group
         np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("shared", ["files", "broadcast"])
+@pytest.mark.parametrize("shared", ["files", "broadcast", "unusable"])
 def test_top_layers_reach_the_tasks_through_files_not_the_driver(spark, problem, models, tmp_path, monkeypatch,
-                                                                  shared):
+                                                                  caplog, shared):
     """The top layers' weights are written by the tasks that hold them into a folder under the
     model's scratch folder, read there by the search's tasks and removed after the search: the
-    driver collects none of them. Without a scratch folder (a cluster given none) they are
-    collected and broadcast. Both answer as the broadcast model."""
+    driver collects none of them. Without a scratch folder (a cluster given none), or with one the
+    tasks cannot write (here: below a file), they are collected and broadcast. All three answer as
+    the broadcast model."""
     samples, Xl, _ = problem
     model = models["plain"]
     labels, scores = model.predict(Xl, beam_size=3, topk=4)
     scratch = tmp_path / "scratch"
+    if shared == "unusable":
+        scratch.write_text("a file, not a folder")
+        scratch = scratch / "below"
     sm = dataclasses.replace(as_sharded(spark, model, "default"), scratch=str(scratch))
     collected, removed = [], []
     real_to_arrow, real_remove = sharded.to_arrow, sharded._TopFiles.remove
     monkeypatch.setattr(sharded, "to_arrow", lambda df: collected.append(df.columns) or real_to_arrow(df))
 
     def remove(self):
-        removed.append(sorted(p.name for p in (scratch / self.folder.rsplit("/", 1)[-1]).iterdir()))
+        folder = scratch / self.folder.rsplit("/", 1)[-1]
+        removed.append(sorted(p.name for p in folder.iterdir()) if folder.is_dir() else None)
         real_remove(self)
     monkeypatch.setattr(sharded._TopFiles, "remove", remove)
     if shared == "broadcast":
         monkeypatch.setattr(sharded, "scratch_root", lambda spark, scratch: None)
-    rows = _rows(sharded.predict(samples, sm, beam_size=3, topk=4))
+    with caplog.at_level("WARNING", logger="xmc_spark.predict"):
+        rows = _rows(sharded.predict(samples, sm, beam_size=3, topk=4))
     for r, lab, sc in zip(rows, labels, scores):
         assert r["pred_labels"] == [int(x) for x in lab if x >= 0]
         np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
@@ -84,9 +90,36 @@ def test_top_layers_reach_the_tasks_through_files_not_the_driver(spark, problem,
         assert collected == [], collected
         assert len(removed) == 1 and removed[0] and all(re.fullmatch(r"part-\d{5}\.arrow", n) for n in removed[0])
         assert list(scratch.iterdir()) == []          # the search's folder is gone
+        assert "collected and broadcast" not in caplog.text
     else:
-        assert collected == [["layer", "pos", "w_idx", "w_val"]] and removed == []
-        assert not scratch.exists()
+        assert collected == [["layer", "pos", "w_idx", "w_val"]]
+        assert removed == ([] if shared == "broadcast" else [None])
+        assert ("could not be shared through" in caplog.text) == (shared == "unusable")
+
+
+def test_top_layer_files_are_checked_against_what_their_tasks_wrote(tmp_path):
+    """A search task reads exactly the files the writing tasks reported, with their row counts: a
+    missing or short file (a scratch folder the tasks do not share) is an error, not an empty layer."""
+    import pyarrow as pa
+
+    from xmc_spark.storage import StorageError
+    files = sharded._TopFiles(str(tmp_path / "top"), [], 3)
+    files.expect([{"part": 0, "n": 0}])
+    assert files.value == []                          # no rows anywhere: nothing to read
+    files = sharded._TopFiles(str(tmp_path / "top2"), [], 3)
+    files.expect([{"part": 3, "n": 2}, {"part": 5, "n": 0}])
+    with pytest.raises(StorageError, match=r"part-00003\.arrow: the search's top layers cannot be read"):
+        _ = files.value
+    (tmp_path / "top2").mkdir()
+    one = pa.table({"layer": pa.array([0], pa.int32()), "pos": pa.array([0], pa.int64()),
+                    "w_idx": pa.array([[0]], pa.list_(pa.int32())), "w_val": pa.array([[1.0]], pa.list_(pa.float32()))})
+    with pa.OSFile(str(tmp_path / "top2" / "part-00003.arrow"), "wb") as f, pa.ipc.new_file(f, sharded.TOP_ROWS) as w:
+        w.write_table(one.cast(sharded.TOP_ROWS))
+    with pytest.raises(StorageError, match=r"1 rows where its task wrote 2"):
+        _ = files.value
+    files.remove()
+    assert not (tmp_path / "top2").exists()
+    files.remove()                                    # gone already: no error
 
 
 def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, models, tmp_path):

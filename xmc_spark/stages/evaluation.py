@@ -10,7 +10,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_offsets_values, to_arrow
-from ..compat import never_broadcast, share, sized_partitions
+from ..compat import never_broadcast, share, small_result
 from ..kernels import metrics as M
 from ..kernels.sparse import csr_from_lists
 from ..params import EvalParams
@@ -23,9 +23,9 @@ def label_counts(samples: DataFrame, n_labels: int) -> np.ndarray:
 
 def rows_per_label(rows: DataFrame, n_labels: int) -> np.ndarray:
     """Rows per ``label_idx`` value (n_labels ints), from one small job: O(labels) rows to the
-    driver, as one Arrow table, from the tasks that O(labels) rows need
-    (:func:`~..compat.sized_partitions`)."""
-    per = to_arrow(rows.groupBy("label_idx").count().coalesce(sized_partitions(rows.sparkSession, n_labels)))
+    driver, as one compressed Arrow table, from the tasks that O(labels) rows need
+    (:func:`~..compat.small_result`)."""
+    per = to_arrow(small_result(rows.groupBy("label_idx").count(), n_labels), compress=True)
     counts = np.zeros(n_labels, dtype=np.int64)
     if per.num_rows:
         counts[per.column("label_idx").to_numpy().astype(np.int64)] = per.column("count").to_numpy()
@@ -49,8 +49,8 @@ def unseen_labels(train_counts: np.ndarray, test: DataFrame) -> Dict[str, int]:
             yield pa.RecordBatch.from_pydict({"label": pa.array(np.concatenate([u, [-1]]), pa.int64()),
                                               "n": pa.array(np.concatenate([c, [rows]]), pa.int64())})
 
-    per = to_arrow(test.select("label_idx").mapInArrow(unseen, "label long, n long").groupBy("label").agg(
-        F.sum("n").alias("n")).coalesce(sized_partitions(test.sparkSession, len(train_counts))))
+    per = to_arrow(small_result(test.select("label_idx").mapInArrow(unseen, "label long, n long")
+                                .groupBy("label").agg(F.sum("n").alias("n")), len(train_counts)))
     seen.unpersist()
     label, n = (per.column(c).to_numpy().astype(np.int64) for c in ("label", "n"))
     labels = label >= 0                          # the label -1 counts the rows having an unseen label
@@ -74,12 +74,12 @@ def with_predictions(test: DataFrame, predictions: DataFrame, n_rows: Optional[i
     """(sample_id, label_idx, pred_labels) of every test row, [] where it has no prediction; the
     predictions are shuffled to the join, never broadcast (:func:`~..compat.never_broadcast`).
     ``n_rows`` (the test rows, when known): the join's partitions are read by the tasks that many
-    rows need (:func:`~..compat.sized_partitions`; a coalesce: a repartition of both sides would
-    be raised back to ``spark.sql.shuffle.partitions`` by the planner)."""
+    rows need (:func:`~..compat.small_result`; a coalesce: a repartition of both sides would be
+    raised back to ``spark.sql.shuffle.partitions`` by the planner)."""
     joined = test.select("sample_id", "label_idx").join(
         never_broadcast(predictions.select("sample_id", "pred_labels")), "sample_id", "left")
     if n_rows is not None:
-        joined = joined.coalesce(sized_partitions(test.sparkSession, n_rows))
+        joined = small_result(joined, n_rows)
     return joined.withColumn("pred_labels", F.coalesce("pred_labels", F.array().cast("array<int>")))
 
 

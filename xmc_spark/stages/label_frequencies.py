@@ -15,7 +15,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_offsets_values, to_arrow
-from ..compat import share, sized_partitions
+from ..compat import share, small_result
 from ..kernels import frequencies as K
 from ..params import TreeParams
 
@@ -35,8 +35,8 @@ def _sum_vector(labels: DataFrame, n_labels: int, fn) -> np.ndarray:
         nz = np.flatnonzero(acc)
         yield pa.RecordBatch.from_pydict({"label_idx": pa.array(nz, pa.int64()), "mass": pa.array(acc[nz])})
 
-    t = to_arrow(labels.mapInArrow(part, _VEC_SCHEMA).groupBy("label_idx").agg(F.sum("mass").alias("mass"))
-                 .coalesce(sized_partitions(labels.sparkSession, n_labels)))    # O(labels) rows: as many tasks
+    t = to_arrow(small_result(labels.mapInArrow(part, _VEC_SCHEMA).groupBy("label_idx")
+                              .agg(F.sum("mass").alias("mass")), n_labels))
     out = np.zeros(n_labels)
     out[t.column("label_idx").to_numpy().astype(np.int64)] = t.column("mass").to_numpy()
     return out

@@ -48,6 +48,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import scipy.sparse as sp
+from py4j.protocol import Py4JJavaError
+from pyarrow.fs import FileType
+from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
@@ -352,40 +355,60 @@ _TOP_CACHE: Dict[str, list] = {}      # a Python worker's top layers, of the las
 
 class _TopFiles:
     """The top layers' weights in Arrow files that the tasks holding them wrote under a scratch
-    folder every task sees (one per input partition, ``part-<partition>.arrow``); ``.value``, as a
-    broadcast's, gives the broadcast kernel's layers, read once per Python worker."""
+    folder every task sees (one per input partition with rows, ``part-<partition>.arrow``);
+    ``.value``, as a broadcast's, gives the broadcast kernel's layers, read once per Python worker
+    and checked against what the writing tasks reported (:meth:`expect`)."""
 
     def __init__(self, folder: str, layers: list, n_cols: int):
         self.folder, self.layers, self.n_cols = folder, layers, n_cols
+        self.parts: Dict[int, int] = {}          # partition -> rows its file holds
 
     def write(self, batches):
-        """A task's share of the rows as one file (named by its partition: a retried or
-        speculative attempt writes the same file, whole or not at all)."""
+        """A task's share of the rows as one file, named by its partition (a retried attempt
+        writes the same file; on a local file system through a renamed temporary file, on an
+        object store as one object, so that a reader never sees half of it)."""
         from pyspark import TaskContext
-        t = pa.Table.from_batches([b for b in batches if b.num_rows], schema=TOP_ROWS)
+        batches = [b for b in batches if b.num_rows]
+        t = pa.Table.from_batches(batches).cast(TOP_ROWS) if batches else TOP_ROWS.empty_table()
+        part = TaskContext.get().partitionId()
         if t.num_rows:
             fs, root = client_fs(self.folder)
             fs.create_dir(root, recursive=True)
-            path = f"{root}/part-{TaskContext.get().partitionId():05d}.arrow"
+            path = self._path(root, part)
             local = fs.type_name == "local"
             target = f"{path}.tmp-{uuid.uuid4().hex}" if local else path
             with fs.open_output_stream(target) as f, pa.ipc.new_file(f, TOP_ROWS) as w:
                 w.write_table(t)
             if local:
                 fs.move(target, path)
-        yield pa.RecordBatch.from_pydict({"n": pa.array([t.num_rows], pa.int64())})
+        yield pa.RecordBatch.from_pydict({"part": pa.array([part], pa.int32()),
+                                          "n": pa.array([t.num_rows], pa.int64())})
+
+    def expect(self, reports) -> None:
+        """The writing job's (part, n) rows: the files :attr:`value` must find, with those rows."""
+        self.parts = {int(r["part"]): int(r["n"]) for r in reports if r["n"]}
+
+    @staticmethod
+    def _path(root: str, part: int) -> str:
+        return f"{root}/part-{part:05d}.arrow"
 
     @property
     def value(self) -> list:
         if self.folder not in _TOP_CACHE:
-            import pyarrow.fs as pafs
             fs, root = client_fs(self.folder)
-            names = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-                           if i.base_name.startswith("part-") and i.base_name.endswith(".arrow"))
             tables = []
-            for name in names:
-                with fs.open_input_file(name) as f:
-                    tables.append(pa.ipc.open_file(f).read_all())
+            for part, n in sorted(self.parts.items()):
+                path = self._path(root, part)
+                try:
+                    with fs.open_input_file(path) as f:
+                        t = pa.ipc.open_file(f).read_all()
+                except (OSError, pa.ArrowInvalid) as e:
+                    raise StorageError(f"{path}: the search's top layers cannot be read here ({e}): the scratch "
+                                       "folder must be one the driver and every executor share") from None
+                if t.num_rows != n:
+                    raise StorageError(f"{path}: {t.num_rows} rows where its task wrote {n}: the scratch folder "
+                                       "must be one the driver and every executor share")
+                tables.append(t)
             rows = pa.concat_tables(tables) if tables else TOP_ROWS.empty_table()
             _TOP_CACHE.clear()                 # one search's layers at a time
             _TOP_CACHE[self.folder] = _top_columns(rows, self.layers, self.n_cols)
@@ -394,8 +417,9 @@ class _TopFiles:
     def remove(self) -> None:
         try:
             fs, root = client_fs(self.folder)
-            fs.delete_dir(root)
-        except (OSError, StorageError) as e:   # a folder already gone, a store refusing the delete
+            if fs.get_file_info(root).type != FileType.NotFound:
+                fs.delete_dir(root)
+        except (OSError, StorageError) as e:   # a store refusing the delete
             log.warning("could not remove the search's top layers at %s: %s", self.folder, e)
 
 
@@ -406,44 +430,48 @@ def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) ->
     (:func:`~..kernels.beam_search.beam_layers`) with those layers' weights (at most the broadcast
     bound) shared with the tasks: written into files by the tasks that hold them, under a scratch
     folder every task sees (:func:`~..compat.scratch_root`; the model's ``scratch``), and removed
-    after the search, so that no weights pass through the driver; without such a folder (a
-    cluster given none), collected and broadcast."""
+    after the search, so that no weights pass through the driver. Without such a folder (a
+    cluster given none), or when the tasks cannot use it (a job fails), collected and broadcast."""
     layers = list(tree_layers(model.index).layers[:t0])
     n_cols = model.n_features + (1 if model.bias > 0 else 0)
     rows = _placed_of(model).where(F.col("layer") < t0).select("layer", "pos", "w_idx", "w_val")   # TOP_ROWS
-    root = scratch_root(feats.sparkSession, model.scratch)
-    if root is None:
-        shared = share(feats, _top_columns(to_arrow(rows), layers, n_cols),   # <= the bound
-                       name="the top layers of the model")
-    else:
-        shared = _TopFiles(f"{root}/top-layers-{uuid.uuid4().hex}", layers, n_cols)
     n_features, bias, post = model.n_features, model.bias, model.pred_params.post_processor
 
-    def search(batches):
-        for b in batches:
-            if not b.num_rows:
-                continue
-            t = pa.Table.from_batches([b])
-            X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
-            nodes, scores = beam_layers(X, shared.value, beam_size, post)
-            ok = nodes >= 0
-            entries = pa.StructArray.from_arrays(
-                [pa.array(-scores[ok]), pa.array(np.zeros(int(ok.sum()), np.int32)), pa.array(nodes[ok])],
-                names=["neg", "prank", "pos"])
-            off = np.concatenate([[0], np.cumsum(ok.sum(axis=1))]).astype(np.int32)
-            yield pa.RecordBatch.from_arrays([t.column("sample_id").combine_chunks(),
-                                              pa.ListArray.from_arrays(pa.array(off), entries)],
-                                             names=["sample_id", "beam"])
-            worker_progress("predict (top layers)", rows=b.num_rows)
+    def searched(shared) -> DataFrame:
+        def search(batches):
+            for b in batches:
+                if not b.num_rows:
+                    continue
+                t = pa.Table.from_batches([b])
+                X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
+                nodes, scores = beam_layers(X, shared.value, beam_size, post)
+                ok = nodes >= 0
+                entries = pa.StructArray.from_arrays(
+                    [pa.array(-scores[ok]), pa.array(np.zeros(int(ok.sum()), np.int32)), pa.array(nodes[ok])],
+                    names=["neg", "prank", "pos"])
+                off = np.concatenate([[0], np.cumsum(ok.sum(axis=1))]).astype(np.int32)
+                yield pa.RecordBatch.from_arrays([t.column("sample_id").combine_chunks(),
+                                                  pa.ListArray.from_arrays(pa.array(off), entries)],
+                                                 names=["sample_id", "beam"])
+                worker_progress("predict (top layers)", rows=b.num_rows)
 
-    beam = feats.mapInArrow(search, "sample_id long, beam array<struct<neg: double, prank: int, pos: long>>")
-    if root is None:
-        return beam.localCheckpoint()
-    try:
-        rows.mapInArrow(shared.write, "n long").collect()      # O(partitions) rows: each task's count
-        return beam.localCheckpoint()
-    finally:
-        shared.remove()
+        # the function is pickled here, with what ``shared`` holds by then
+        return feats.mapInArrow(search, "sample_id long, beam array<struct<neg: double, prank: int, pos: long>>"
+                                ).localCheckpoint()
+
+    root = scratch_root(feats.sparkSession, model.scratch)
+    if root is not None:
+        files = _TopFiles(f"{root}/top-layers-{uuid.uuid4().hex}", layers, n_cols)
+        try:
+            files.expect(rows.mapInArrow(files.write, "part int, n long").collect())   # O(partitions) rows
+            return searched(files)
+        except (Py4JJavaError, PySparkException) as e:
+            log.warning("predict: the top layers could not be shared through %s (%s); collected and broadcast "
+                        "instead", root, str(e).strip().splitlines()[0][:300])
+        finally:
+            files.remove()
+    return searched(share(feats, _top_columns(to_arrow(rows), layers, n_cols),   # <= the bound
+                          name="the top layers of the model"))
 
 
 def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int, n: int,
@@ -539,6 +567,7 @@ def _scorer(model: ShardedModel, child_ptr: np.ndarray, through: np.ndarray, lab
     n_features, bias, post = model.n_features, model.bias, model.pred_params.post_processor
 
     def score(left: pa.Table, right: pa.Table) -> pa.Table:
+        _TOP_CACHE.clear()          # a search's top layers, read in this worker (_TopFiles), are done with
         if left.num_rows == 0:
             return pa.table({"sample_id": pa.array([], pa.int64()), "prank": pa.array([], pa.int32()),
                              "pos": pa.array([], pa.int64()), "score": pa.array([], pa.float64())})
