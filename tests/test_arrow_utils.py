@@ -213,17 +213,20 @@ def test_copy_segments_moves_each_row_to_its_place():
     np.testing.assert_array_equal(out, want)
 
 
-def test_a_compressed_collect_gives_the_same_table_and_restores_the_setting(spark):
-    """to_arrow(compress=True) sets Spark's Arrow codec for its own query only; the table is the
-    uncompressed one's."""
+def test_a_compressed_collect_gives_the_same_table_and_restores_the_setting(spark, monkeypatch):
+    """to_arrow(compress=True) runs its query under Spark's zstd Arrow codec and restores the
+    setting after; the table is the uncompressed one's."""
     from pyspark.sql import functions as F
 
     from xmc_spark.arrow_utils import ARROW_CODEC, to_arrow, to_pandas
     df = spark.range(0, 5000, numPartitions=3).select((F.col("id") % 97).cast("int").alias("label_idx"),
                                                       (F.col("id") * 3).alias("n"))
-    before = spark.conf.get(ARROW_CODEC)
-    assert before == "none"
+    before = spark.conf.get(ARROW_CODEC, "none")
+    seen, real = [], type(df).toArrow
+    monkeypatch.setattr(type(df), "toArrow",
+                        lambda self: seen.append(spark.conf.get(ARROW_CODEC, "none")) or real(self))
     plain, packed = to_arrow(df), to_arrow(df, compress=True)
+    assert seen == [before, "zstd"] and before != "zstd"
     assert packed.equals(plain) and packed.num_rows == 5000
-    assert spark.conf.get(ARROW_CODEC) == before
-    assert to_pandas(df).equals(df.toPandas())
+    assert spark.conf.get(ARROW_CODEC, "none") == before
+    assert to_pandas(df).equals(df.toPandas()) and seen[-1] == "zstd"

@@ -248,7 +248,7 @@ def to_arrow(df, compress: bool = False) -> pa.Table:
     ``compress`` (classic Spark): the tasks send their Arrow batches compressed (zstd; pyarrow
     reads them as they are), set for this query only, for a result of O(labels) rows from a query
     with no Python UDF: Spark compresses the input of the query's Python UDFs under the same
-    setting. Measured at 1M: a label count's 1.2 MB came as 0.33 MB, the tree's 1.65 MB as 0.43 MB."""
+    setting. Measured at 1M (the jobs' task results): a label count 1.52 -> 0.35 MB, the tree 1.65 -> 0.43 MB."""
     if hasattr(df, "toArrow"):
         if not compress or is_connect(df):
             return df.toArrow()

@@ -903,6 +903,7 @@ def predict(spark, model, data: str, out: str, params: PipelineParams, knn_info:
         index = knn.saved_index(spark, knn_info)
     model.pred_params = dataclasses.replace(model.pred_params, search=params.predict.search)
     tables = Tables(spark, Path(out) / "tables")
+    sharded.use_scratch(model.tree if isinstance(model, prime_model.PrimedModel) else model, tables.scratch)
     ing = dataclasses.replace(params.ingest, normalize=model.normalize)   # rows as the model was trained
     info = ingest.run(spark, data, tables.path("input"), ing, expect_features=model.n_features,
                       expect_labels=model.n_labels)

@@ -1,6 +1,7 @@
 """A model kept as a weights DataFrame predicts, matches and saves like the broadcast model."""
 import dataclasses
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -53,14 +54,15 @@ def test_sharded_prediction_equals_broadcast(spark, problem, models, kind, group
         np.testing.assert_allclose(r["pred_scores"], sc[lab >= 0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("shared", ["files", "broadcast", "unusable"])
+@pytest.mark.parametrize("shared", ["files", "broadcast", "unusable", "unshared"])
 def test_top_layers_reach_the_tasks_through_files_not_the_driver(spark, problem, models, tmp_path, monkeypatch,
                                                                   caplog, shared):
     """The top layers' weights are written by the tasks that hold them into a folder under the
     model's scratch folder, read there by the search's tasks and removed after the search: the
-    driver collects none of them. Without a scratch folder (a cluster given none), or with one the
-    tasks cannot write (here: below a file), they are collected and broadcast. All three answer as
-    the broadcast model."""
+    driver collects none of them. Without a scratch folder (a cluster given none), with one the
+    tasks cannot write (here: below a file), or one whose files the search's tasks do not find
+    (here: removed before the search, as on a folder the executors do not share), they are
+    collected and broadcast, with a warning. All four answer as the broadcast model."""
     samples, Xl, _ = problem
     model = models["plain"]
     labels, scores = model.predict(Xl, beam_size=3, topk=4)
@@ -80,6 +82,14 @@ def test_top_layers_reach_the_tasks_through_files_not_the_driver(spark, problem,
     monkeypatch.setattr(sharded._TopFiles, "remove", remove)
     if shared == "broadcast":
         monkeypatch.setattr(sharded, "scratch_root", lambda spark, scratch: None)
+    if shared == "unshared":
+        real_expect = sharded._TopFiles.expect
+
+        def expect(self, reports):
+            real_expect(self, reports)
+            assert self.parts
+            shutil.rmtree(scratch / self.folder.rsplit("/", 1)[-1])
+        monkeypatch.setattr(sharded._TopFiles, "expect", expect)
     with caplog.at_level("WARNING", logger="xmc_spark.predict"):
         rows = _rows(sharded.predict(samples, sm, beam_size=3, topk=4))
     for r, lab, sc in zip(rows, labels, scores):
@@ -94,7 +104,10 @@ def test_top_layers_reach_the_tasks_through_files_not_the_driver(spark, problem,
     else:
         assert collected == [["layer", "pos", "w_idx", "w_val"]]
         assert removed == ([] if shared == "broadcast" else [None])
-        assert ("could not be shared through" in caplog.text) == (shared == "unusable")
+        assert "collected and broadcast" in caplog.text
+        assert ("could not be shared through" in caplog.text) == (shared != "broadcast")
+        if shared == "unshared":
+            assert "cannot be read" in caplog.text
 
 
 def test_top_layer_files_are_checked_against_what_their_tasks_wrote(tmp_path):

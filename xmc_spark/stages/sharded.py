@@ -39,6 +39,7 @@ import functools
 import logging
 import math
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,6 +205,15 @@ def sharded_model(index, weights: DataFrame, n_features: int, bias: float, norma
                             for t, ix in enumerate(index.trees)])
 
 
+def use_scratch(model, scratch: str) -> None:
+    """Give a sharded model (every member of a sharded ensemble) without a scratch folder this one
+    (:attr:`ShardedModel.scratch`: a loaded model predicting into a run folder); other models
+    are left as they are."""
+    if isinstance(model, (ShardedModel, ShardedEnsemble)):
+        for _, m in members(model):
+            m.scratch = m.scratch or scratch
+
+
 def members(model) -> list:
     """(tree, ShardedModel) of a sharded model or ensemble."""
     return list(enumerate(model.members)) if isinstance(model, ShardedEnsemble) else [(0, model)]
@@ -350,7 +360,11 @@ def _top_columns(rows: pa.Table, layers: list, n_cols: int) -> list:
 
 TOP_ROWS = pa.schema([("layer", pa.int32()), ("pos", pa.int64()), ("w_idx", pa.list_(pa.int32())),
                       ("w_val", pa.list_(pa.float32()))])
-_TOP_CACHE: Dict[str, list] = {}      # a Python worker's top layers, of the last search it served
+# a Python worker's top layers, of the last search it served: dropped when the next layer's cogroup
+# runs in that worker (:func:`_scorer`) or the next search replaces them; a matcher whose inner
+# layers all fit the bound keeps them there until then (at most the broadcast bound)
+_TOP_CACHE: Dict[str, list] = {}
+_UNREADABLE = "the search's top layers cannot be read"
 
 
 class _TopFiles:
@@ -403,11 +417,11 @@ class _TopFiles:
                     with fs.open_input_file(path) as f:
                         t = pa.ipc.open_file(f).read_all()
                 except (OSError, pa.ArrowInvalid) as e:
-                    raise StorageError(f"{path}: the search's top layers cannot be read here ({e}): the scratch "
+                    raise StorageError(f"{path}: {_UNREADABLE} here ({e}): the scratch "
                                        "folder must be one the driver and every executor share") from None
                 if t.num_rows != n:
-                    raise StorageError(f"{path}: {t.num_rows} rows where its task wrote {n}: the scratch folder "
-                                       "must be one the driver and every executor share")
+                    raise StorageError(f"{path}: {_UNREADABLE}: {t.num_rows} rows where its task wrote {n}: the "
+                                       "scratch folder must be one the driver and every executor share")
                 tables.append(t)
             rows = pa.concat_tables(tables) if tables else TOP_ROWS.empty_table()
             _TOP_CACHE.clear()                 # one search's layers at a time
@@ -460,18 +474,32 @@ def _top_beam(feats: DataFrame, model: ShardedModel, t0: int, beam_size: int) ->
                                 ).localCheckpoint()
 
     root = scratch_root(feats.sparkSession, model.scratch)
-    if root is not None:
-        files = _TopFiles(f"{root}/top-layers-{uuid.uuid4().hex}", layers, n_cols)
+    if root is None:
+        log.warning("predict: no scratch folder that every executor sees (the model's scratch): the top layers "
+                    "(%d layers) are collected and broadcast", t0)
+    else:
+        files, written = _TopFiles(f"{root}/top-layers-{uuid.uuid4().hex}", layers, n_cols), False
         try:
             files.expect(rows.mapInArrow(files.write, "part int, n long").collect())   # O(partitions) rows
+            written = True
             return searched(files)
         except (Py4JJavaError, PySparkException) as e:
+            # the tasks could not write the files, or not read them: any other failure is the search's own
+            if written and _UNREADABLE not in str(e):
+                raise
             log.warning("predict: the top layers could not be shared through %s (%s); collected and broadcast "
-                        "instead", root, str(e).strip().splitlines()[0][:300])
+                        "instead", root, _cause(e))
         finally:
             files.remove()
     return searched(share(feats, _top_columns(to_arrow(rows), layers, n_cols),   # <= the bound
                           name="the top layers of the model"))
+
+
+def _cause(e: Exception) -> str:
+    """The last line of a Spark failure that names an error (its root cause), else its first."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.search(r"\w+(Error|Exception)\b", ln) and "py4j" not in ln.lower()]
+    return (named[-1] if named else lines[0] if lines else type(e).__name__)[:300]
 
 
 def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int, group_rows: int, n: int,
@@ -748,7 +776,8 @@ def chunked_nbytes(folder: Path, param: dict) -> int:
 def load(spark, folder: str):
     """A chunked model folder as a :class:`ShardedModel`: the tree on the driver, the weights
     read by tasks, one part file each (nothing of the weights passes through the driver); an
-    ensemble folder of chunked members as a :class:`ShardedEnsemble`."""
+    ensemble folder of chunked members as a :class:`ShardedEnsemble` (:func:`use_scratch` gives
+    them a scratch folder)."""
     folder = Path(folder)
     param, index, label_counts = read_header(folder)
     if param["format_version"] == ENSEMBLE_VERSION:     # every member chunked (each checked below)
