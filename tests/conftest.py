@@ -63,16 +63,21 @@ def executed_plan(df) -> str:
 
 
 def stage_tasks(spark, fn, group: str = "xmc-test-stage-tasks"):
-    """(fn's result, the task count of every stage of the jobs ``fn`` ran), on classic Spark."""
+    """(fn's result, the task count of every stage that ran tasks in the jobs ``fn`` ran), on
+    classic Spark. Skipped stages are left out: past ``spark.ui.retainedStages`` in a long test
+    session Spark's status store evicts them first (their info is then None)."""
     sc = spark.sparkContext
     sc.setJobGroup(group, group)
     try:
         out = fn()
     finally:
-        sc.setJobGroup(None, None)
+        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
+            sc.setLocalProperty(key, None)
+    sc._jsc.sc().listenerBus().waitUntilEmpty()        # the tracker has every job's and task's end
     st = sc.statusTracker()
-    infos = [st.getStageInfo(s) for j in st.getJobIdsForGroup(group) for s in st.getJobInfo(j).stageIds]
-    return out, [i.numTasks for i in infos if i is not None]
+    jobs = [st.getJobInfo(j) for j in st.getJobIdsForGroup(group)]
+    infos = [st.getStageInfo(s) for j in jobs if j is not None for s in j.stageIds]
+    return out, [i.numTasks for i in infos if i is not None and i.numCompletedTasks > 0]
 
 
 def spark_params(warehouse: str):

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.conftest import executed_plan
+from tests.conftest import executed_plan, stage_tasks
 from tests.stages.conftest import as_sharded, ensemble_frame, weights_frame
 from xmc_spark.model import ModelTrainParams, XMCModel, is_chunked
 from xmc_spark.params import ClustersParams, TreeParams
@@ -199,27 +199,23 @@ def test_the_size_aggregates_end_in_one_task(spark, models):
     and no adaptive coalescing their aggregates still end in one task, not 64 (each task returns
     its metrics to the driver)."""
     model = models["overlap"]
-    sc = spark.sparkContext
     old = {key: spark.conf.get(key) for key in ("spark.sql.shuffle.partitions",
                                                 "spark.sql.adaptive.coalescePartitions.enabled")}
     try:
         spark.conf.set("spark.sql.shuffle.partitions", "64")
         spark.conf.set("spark.sql.adaptive.coalescePartitions.enabled", "false")
-        sc.setJobGroup("xmc-size-aggregates", "the size aggregates")
-        sm = as_sharded(spark, model)
-        nbytes = sharded.layer_nbytes(sm), sharded.tree_nbytes(sm.weights)
+
+        def sizes():
+            sm = as_sharded(spark, model)
+            return sharded.layer_nbytes(sm), sharded.tree_nbytes(sm.weights)
+        nbytes, tasks = stage_tasks(spark, sizes, "xmc-size-aggregates")
     finally:
-        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
-            sc.setLocalProperty(key, None)
         for key, value in old.items():
             spark.conf.set(key, value)
     layers, _ = model.layers()
     np.testing.assert_array_equal(nbytes[0], [8 * W.nnz for _, W, _ in layers])
     assert nbytes[1] == {0: int(sum(nbytes[0]))}
-    sc._jsc.sc().listenerBus().waitUntilEmpty()        # the status tracker has every task's end
-    st = sc.statusTracker()
-    stages = {s for j in st.getJobIdsForGroup("xmc-size-aggregates") for s in st.getJobInfo(j).stageIds}
-    tasks = sorted(st.getStageInfo(s).numTasks for s in stages)
+    tasks = sorted(tasks)
     # the checkpoint's and the aggregates' input stages, and each aggregate's end in one task
     assert len(tasks) >= 4 and tasks.count(1) >= 2 and tasks[-1] < 64, tasks
 
