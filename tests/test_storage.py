@@ -166,3 +166,23 @@ def test_a_new_table_is_created_then_overwritten(spark, tmp_path, monkeypatch):
     with pytest.raises(Exception, match="already exist"):       # DELTA_PATH_EXISTS
         write_delta(spark.createDataFrame([(9.0,)], "x double"), path)
     assert [tuple(r) for r in read_delta(spark, path).collect()] == [(2.5,)] and table_version(spark, path) == 1
+
+
+def test_write_whole_leaves_the_file_whole_or_absent(tmp_path):
+    """On a local file system the file appears only complete (a renamed temporary file); a write
+    that fails leaves no file under the name."""
+    import pyarrow.fs as pafs
+
+    from xmc_spark.storage import write_whole
+    fs = pafs.LocalFileSystem()
+    write_whole(fs, str(tmp_path / "a"), lambda f: f.write(b"abc"))
+    assert (tmp_path / "a").read_bytes() == b"abc"
+
+    def fail(f):
+        f.write(b"half")
+        raise RuntimeError("stop")
+    with pytest.raises(RuntimeError, match="stop"):
+        write_whole(fs, str(tmp_path / "b"), fail)
+    assert not (tmp_path / "b").exists()
+    # only the temporary file is left (a run folder's scratch is removed whole)
+    assert [p.name.startswith("b.tmp-") for p in tmp_path.iterdir() if p.name.startswith("b")] == [True]

@@ -13,9 +13,10 @@ import random
 import re
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -258,6 +259,19 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
     if run_key is None:
         return df
     return df.filter(F.col(RUN_KEY) == check_run_key(run_key)).drop(RUN_KEY)
+
+
+def write_whole(fs, path: str, write: Callable) -> None:
+    """Write ``path`` through the pyarrow file system ``fs`` whole or not at all (``write`` gets
+    the output stream): on a local file system a temporary file renamed into place, so that a
+    retried or speculative attempt never leaves a reader half a file; an object store makes an
+    object visible only when it is complete."""
+    local = fs.type_name == "local"
+    target = f"{path}.tmp-{uuid.uuid4().hex}" if local else path
+    with fs.open_output_stream(target) as f:
+        write(f)
+    if local:
+        fs.move(target, path)
 
 
 def has_delta_log(spark: SparkSession, path: str) -> bool:

@@ -92,7 +92,7 @@ from ..model import (
 from ..params import PredictParams
 from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA
-from ..storage import StorageError, client_fs
+from ..storage import StorageError, client_fs, write_whole
 
 log = logging.getLogger("xmc_spark.predict")
 
@@ -388,13 +388,11 @@ class _TopFiles:
         if t.num_rows:
             fs, root = client_fs(self.folder)
             fs.create_dir(root, recursive=True)
-            path = self._path(root, part)
-            local = fs.type_name == "local"
-            target = f"{path}.tmp-{uuid.uuid4().hex}" if local else path
-            with fs.open_output_stream(target) as f, pa.ipc.new_file(f, TOP_ROWS) as w:
-                w.write_table(t)
-            if local:
-                fs.move(target, path)
+
+            def arrow_file(f):
+                with pa.ipc.new_file(f, TOP_ROWS) as w:
+                    w.write_table(t)
+            write_whole(fs, self._path(root, part), arrow_file)
         yield pa.RecordBatch.from_pydict({"part": pa.array([part], pa.int32()),
                                           "n": pa.array([t.num_rows], pa.int64())})
 

@@ -49,7 +49,7 @@ from pyspark.sql import functions as F
 from ..arrow_utils import grouped_apply, list_array, list_offsets_values, to_arrow
 from ..compat import default_parallelism, task_slots
 from ..kernels import tron
-from ..storage import client_fs
+from ..storage import client_fs, write_whole
 
 log = logging.getLogger("xmc_spark.train")
 BLOCK = 1 << 16                 # doubles per file (512 KiB)
@@ -102,17 +102,11 @@ class _Files:
         return self._cache[name]
 
     def save(self, fs, job: int, name: str, g: int, fb: int, block: np.ndarray) -> None:
-        """Write a block whole or not at all: on a file system, a temporary file renamed into
-        place (a speculative or retried attempt never leaves a half-written block to a reader);
-        an object store makes an object visible only when it is complete."""
+        """Write a block whole or not at all (:func:`~..storage.write_whole`: a speculative or
+        retried attempt never leaves a half-written block to a reader)."""
         fs.create_dir(version_dir(self.base, name, g, job), recursive=True)
-        path = self.path(job, name, g, fb)
-        local = fs.type_name == "local"
-        target = f"{path}.tmp-{uuid.uuid4().hex}" if local else path
-        with fs.open_output_stream(target) as f:
-            f.write(np.ascontiguousarray(block, np.float64).tobytes())
-        if local:
-            fs.move(target, path)
+        data = np.ascontiguousarray(block, np.float64).tobytes()
+        write_whole(fs, self.path(job, name, g, fb), lambda f: f.write(data))
 
     def stored(self, fs, terms, g: int, fb: int, sub: np.ndarray) -> np.ndarray:
         """sum coef x block of the node's classifiers ``sub`` (coefficients per global
