@@ -65,7 +65,11 @@ def executed_plan(df) -> str:
 def stage_tasks(spark, fn, group: str = "xmc-test-stage-tasks"):
     """(fn's result, the task count of every stage that ran tasks in the jobs ``fn`` ran), on
     classic Spark. Skipped stages are left out: past ``spark.ui.retainedStages`` in a long test
-    session Spark's status store evicts them first (their info is then None)."""
+    session Spark's status store evicts them first (their info is then None). Each call's job
+    group is its own (``group`` and a fresh suffix): the status tracker keeps a group's earlier
+    jobs."""
+    import uuid
+    group = f"{group}-{uuid.uuid4().hex}"
     sc = spark.sparkContext
     sc.setJobGroup(group, group)
     try:

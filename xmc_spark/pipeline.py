@@ -73,8 +73,10 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
     frequency stage a pass; with ``row_nnz`` (mean non-zeros of a training row, from ingest's
     count) they size ``tree.max_split_labels = auto`` without a job."""
     spark = samples.sparkSession
+    # the combine's tasks sized by the partials' estimated non-zeros (with ingest's counts)
     emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
-                              n_buckets=shuffle_partitions(spark), packed=True)
+                              n_buckets=shuffle_partitions(spark), packed=True,
+                              partials_nnz=label_embedding.partials_nnz(label_counts, row_nnz))
     # Without the table the embedding is part of the tree's plan (the chained levels read it once;
     # the level-by-level path caches its own join). With it, the rows are packed and kept (the
     # write's job fills the cache): the tree grows from the rows just written, without reading the

@@ -255,7 +255,12 @@ def test_the_check_job_counts_labels_as_the_written_table_has_them(spark, tmp_pa
         np.testing.assert_array_equal(info.label_counts, want)
         seen = np.arange(10) % 3 != 0                       # labels 0, 3, 6, 9 and 10, 11 (past it) unseen
         df2, info2 = ingest.read_samples(spark, str(f), p, seen_labels=seen)
-        np.testing.assert_array_equal(info2.label_counts, want)
+        unseen = np.ones(12, np.bool_)
+        unseen[:10] = ~seen
+        np.testing.assert_array_equal(info2.label_counts, np.where(unseen, want, 0))   # the unseen ones only
+        _, info3 = ingest.read_samples(spark, str(f), p, count_labels=True, seen_labels=seen)
+        np.testing.assert_array_equal(info3.label_counts, want)                           # asked: all of them
+        assert info3.rows_with_unseen == info2.rows_with_unseen
         expect = evaluation.unseen_labels(seen.astype(np.int64), df2)
         assert expect["test_rows_with_unseen"] > 0
         assert evaluation.unseen_from_counts(seen.astype(np.int64), info2.label_counts,
@@ -275,6 +280,33 @@ def test_counting_labels_keeps_the_range_check(spark, tmp_path, label):
     for kw in ({"count_labels": True}, {"seen_labels": np.ones(4, np.bool_)}):
         with pytest.raises(IngestError, match=rf":3: label id {label} out of range \[0, 4\)"):
             ingest.read_samples(spark, str(f), IngestParams(), **kw)
+
+
+@pytest.mark.parametrize("ask", ["count_labels", "seen_labels"])
+def test_the_label_counts_run_the_reduce_tasks_their_labels_need(spark, tmp_path, ask):
+    """With 64 shuffle partitions and no adaptive coalescing, the check job that counts a text
+    file's labels (its declared 12) reads them in as many tasks as the input's splits or the
+    default parallelism, not in 64 nearly empty ones, and its counts stay those of the rows."""
+    from tests.conftest import stage_tasks
+    from xmc_spark.stages import evaluation
+
+    f = tmp_path / "data.txt"
+    f.write_text("\n".join(["90 30 12"] + [f"{i % 12},{(i + 5) % 12} {i % 30}:1" for i in range(90)]) + "\n")
+    from xmc_spark.compat import session_settings
+    keys = {"spark.sql.shuffle.partitions": "64", "spark.sql.adaptive.coalescePartitions.enabled": "false",
+            "spark.sql.files.maxPartitionBytes": "256"}
+    with session_settings(spark, keys, "the test"):
+        splits = _partitions(ingest.text_lines(spark, str(f)))
+        want = max(spark.sparkContext.defaultParallelism, splits)
+        kw = {"count_labels": True} if ask == "count_labels" else {"seen_labels": np.ones(6, np.bool_)}
+        (df, info), tasks = stage_tasks(spark, lambda: ingest.read_samples(spark, str(f), IngestParams(), **kw))
+        assert splits > 1 and tasks and max(tasks) <= want < 64, (splits, tasks)
+        counts = evaluation.label_counts(df, 12)
+        if ask == "count_labels":
+            np.testing.assert_array_equal(info.label_counts, counts)
+        else:                                   # labels 6-11 are unseen: only theirs are counted
+            np.testing.assert_array_equal(info.label_counts, np.r_[np.zeros(6, np.int64), counts[6:]])
+        assert counts.sum() == 180 and info.label_counts[6:].sum() > 0
 
 
 def test_counting_labels_of_a_file_without_samples(spark, tmp_path):

@@ -111,6 +111,38 @@ def test_each_bucket_gets_a_partition_of_its_own(problem, spark):
     np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("combines", [1, 3])
+def test_estimated_partials_size_the_combine(problem, spark, combines):
+    """With 64 shuffle partitions and no adaptive coalescing, partials estimated at ``combines``
+    tasks' worth of non-zeros are summed in that many tasks (at least the default parallelism),
+    each bucket in a partition of its own, not in 64; the embeddings stay the kernel's."""
+    from pyspark.sql import functions as F
+
+    from tests.conftest import stage_tasks
+    from xmc_spark.compat import session_settings
+    samples, Xl, Yl = problem
+    keys = {"spark.sql.shuffle.partitions": "64", "spark.sql.adaptive.coalescePartitions.enabled": "false"}
+    with session_settings(spark, keys, "the test"):
+        emb = label_embedding.run(samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=64,
+                                  partials_nnz=combines * label_embedding.COMBINE_NNZ)
+        rows, tasks = stage_tasks(spark, lambda: emb.withColumn("pid", F.spark_partition_id()).collect())
+    want = max(combines, spark.sparkContext.defaultParallelism)
+    assert tasks and max(tasks) <= max(want, samples.rdd.getNumPartitions()) < 64, tasks
+    where = {}
+    for r in rows:
+        where.setdefault(r["label_idx"] % want, set()).add(r["pid"])
+    assert len(where) == want and all(len(p) == 1 for p in where.values())
+    assert len(set.union(*where.values())) == want
+    Z = to_csr(rows, "emb_idx", "emb_val", D, id_col="label_idx")
+    np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_partials_estimate_is_memberships_times_row_non_zeros():
+    assert label_embedding.partials_nnz(np.array([3, 0, 2]), 4.5) == 22.5
+    assert label_embedding.partials_nnz(None, 4.5) is None
+    assert label_embedding.partials_nnz(np.array([1]), None) is None
+
+
 def test_packed_embeddings_are_the_rows_of_the_table(problem, spark):
     """packed=True gives the same rows with their lists as bytes, in batches cut by non-zeros:
     unpacked, the rows of the list output (up to the order of the shuffle's partials: float32

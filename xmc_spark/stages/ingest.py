@@ -36,7 +36,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from ..arrow_utils import list_array, list_offsets_values, to_arrow
-from ..compat import is_connect, session_settings, sized_partitions
+from ..compat import is_connect, session_settings, sized_partitions, small_result
 from ..kernels.sparse import csr_from_lists, normalize_lists
 from ..params import IngestParams
 from ..progress import worker_progress
@@ -54,7 +54,8 @@ class DatasetInfo:
     n_features: int
     n_labels: int
     n_rows_merged_features: int = 0   # rows listing a feature index twice (their values were summed)
-    # per label, the rows carrying it (n_labels long), when the check job counted them (count_labels)
+    # per label, the rows carrying it (n_labels long), when the check job counted them (count_labels;
+    # with seen_labels alone, of the labels outside them only, 0 for the others)
     label_counts: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
     rows_with_unseen: Optional[int] = None   # rows with a label outside seen_labels, when given
     n_nonzeros: Optional[int] = None   # feature entries of all rows as written (a repeated index counted twice)
@@ -181,10 +182,13 @@ class Lines:
     aggregate over ``coalesce(1)``), checked to have seen one partition, else redone by partition.
     With ``by_label`` the job also counts the rows of each label, and ``parts`` are dicts decoded
     from JSON (longs, booleans, strings and structs of them, the aggregates used here, come back
-    unchanged), else Rows."""
+    unchanged), else Rows; ``n_labels`` (when every counted label is known to be below it) sizes
+    that job's reduce side: its O(labels + partitions) rows are read by the tasks they need
+    (:func:`~..compat.small_result`), not by ``spark.sql.shuffle.partitions`` tasks, nearly all
+    empty where adaptive execution does not coalesce them, each reporting its metrics."""
 
     def __init__(self, df: DataFrame, one_split: bool = False, count: str = "count(1)", by_label: bool = False,
-                 **aggs: str):
+                 n_labels: Optional[int] = None, **aggs: str):
         exprs = [f"{count} AS _n", "min(_mid) AS _m0", *[f"{c} AS {k}" for k, c in aggs.items()]]
         parts = None
         # with by_label: the labels of the rows whose _label is set, and their counts
@@ -200,6 +204,8 @@ class Lines:
             # Python Rows they cost 16-26 us a label (1.3 s for 50K labels, 16-23 s for 1M), as
             # columns a copy
             agg = df.groupBy("_pid", "_label").agg(*[F.expr(e) for e in exprs])
+            if n_labels:
+                agg = small_result(agg, n_labels)          # (and a row per input partition)
             names = [c for c in agg.columns if c != "_label"]
             # narrow rows: a label's id and count, a partition's aggregates as one JSON string
             rows = to_arrow(agg.select(F.col("_label").cast("int").alias("_label"), "_n", F.when(
@@ -489,7 +495,9 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
 
     ``count_labels``: the same job counts the rows carrying each label (a row's labels counted
     once, as the samples table keeps them: :meth:`Lines.label_counts`); ``seen`` (a boolean
-    vector over labels) also counts the rows with a label it does not hold (``unseen``)."""
+    vector over labels) also counts the rows with a label it does not hold (``unseen``), and
+    without ``count_labels`` counts the rows of those labels only (all that the unseen labels'
+    report needs: the other labels' counts would come to the driver for nothing)."""
     from ..compat import share
     from ..kernels.metrics import unseen as unseen_rows
     from ..kernels.text_parse import parse_lines
@@ -512,6 +520,10 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
                 u, c = np.unique(Y.indices, return_counts=True)
                 if known is not None:
                     unseen = unseen_rows(Y.indptr, Y.indices, known)[1]
+                    if not count_labels:                      # only the unseen labels' counts are asked
+                        new = u >= len(known)
+                        new[~new] = ~known[u[~new]]
+                        u, c = u[new], c[new]
             pid = b.column("_pid")[0].as_py()
             yield pa.RecordBatch.from_pydict({
                 "_pid": pa.array([pid], pa.int32()),
@@ -524,7 +536,7 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
                 "unseen": pa.array([unseen], pa.int64()),
                 "nnz": pa.array([int(fp[-1])], pa.int64()),
                 "_label": pa.array([None], pa.int64())})
-            if u is not None:
+            if u is not None and len(u):
                 none = pa.nulls(len(u), pa.int64())
                 yield pa.RecordBatch.from_pydict({
                     "_pid": pa.nulls(len(u), pa.int32()), "_mid": none, "n": pa.array(c, pa.int64()),
@@ -538,7 +550,9 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
         summary = text_lines(spark, path, f"{is_data} AS _data", blank_as=blank_as) \
             .select("value", "_pid", "_mid", "_data") \
             .mapInArrow(screen, FAST_SCHEMA)
-        lines = Lines(summary, one_split(spark, path), count="sum(n)", by_label=by_label, bad="sum(bad)",
+        # the counted labels are below L, else the range check rejects the fast path's result
+        lines = Lines(summary, one_split(spark, path), count="sum(n)", by_label=by_label, n_labels=L,
+                      bad="sum(bad)",
                       max_label="max(max_label)", max_feature="max(max_feature)", n_rep="sum(n_rep)",
                       unseen="sum(unseen)", nnz="sum(nnz)",
                       rep="min(CASE WHEN rep IS NOT NULL THEN struct(rep AS mid, true AS value) END)")
@@ -668,7 +682,9 @@ def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Opti
     ``count_labels``: where the check job can (plain XC or svmlight text), it also counts the
     rows carrying each label (``info.label_counts``, as :func:`~.evaluation.label_counts` of the
     written table); ``seen_labels`` (a boolean vector over labels): likewise the rows having a
-    label it does not hold (``info.rows_with_unseen``). Otherwise both stay None."""
+    label it does not hold (``info.rows_with_unseen``), and, without ``count_labels``,
+    ``info.label_counts`` counts the rows of those unseen labels only (0 for every seen label:
+    :func:`~.evaluation.unseen_from_counts` needs no more). Otherwise both stay None."""
     first = None
     if fmt is None:
         fmt, first = _detect(spark, path)

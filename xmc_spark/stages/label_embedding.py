@@ -14,6 +14,7 @@ what the label tree reads (:func:`unpacked` turns them into the table's rows).""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +30,7 @@ from ..arrow_utils import (
     grouped_apply,
     unpack_rows,
 )
-from ..compat import partition_keys
+from ..compat import is_connect, partition_keys, sized_partitions
 from ..kernels.label_embedding import label_sums, pifa_partial
 from ..params import EmbeddingParams
 from ..schemas import EMBEDDING_SCHEMA
@@ -42,6 +43,8 @@ PACK_NNZ = 4 << 20          # non-zeros of a packed partial record (32 MB of ind
 # tree's tasks read: Spark hands list columns to Python number by number, bytes whole
 PACKED_SCHEMA = "label_idx int, emb_idx binary, emb_val binary"
 PACKED_BATCH_NNZ = 1 << 26  # non-zeros of one packed batch (256 MiB of indices: below a binary array's 2 GiB)
+# partial non-zeros a combine task is sized for, when their count is estimated (run's partials_nnz)
+COMBINE_NNZ = 1 << 22
 PACKED_ARROW = pa.schema([("label_idx", pa.int32()), ("emb_idx", pa.binary()), ("emb_val", pa.binary())])
 
 
@@ -81,7 +84,7 @@ def _pack(bucket: int, rows: np.ndarray, acc: sp.csr_matrix, pack_nnz: int):
 
 def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_labels: int,
         n_buckets: int = 8, block_bytes: int = BLOCK_BYTES, pack_nnz: int = PACK_NNZ,
-        packed: bool = False, batch_nnz: int = PACKED_BATCH_NNZ) -> DataFrame:
+        packed: bool = False, batch_nnz: int = PACKED_BATCH_NNZ, partials_nnz: Optional[float] = None) -> DataFrame:
     """(label_idx, emb_idx, emb_val): L2-normalized Y^T X rows, labels with no sample omitted;
     with ``packed``, each row's two lists packed as bytes (:data:`PACKED_SCHEMA`, what the label
     tree reads; :func:`unpacked` gives the table's rows), in batches cut at ``batch_nnz`` non-zeros.
@@ -96,8 +99,19 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
     key :func:`~..compat.partition_keys` gives b: with ``n_buckets`` shuffle partitions (what the
     pipeline passes, :func:`~..compat.shuffle_partitions`) each bucket gets a partition of its own,
     where the buckets' own ids collided (three of four in one partition at n = 4), so no combine
-    task holds several buckets unless adaptive execution merges adjacent partitions."""
+    task holds several buckets unless adaptive execution merges adjacent partitions.
+
+    ``partials_nnz`` (an estimate of the partials' non-zeros, at most the sum over the samples of
+    labels x non-zeros, :func:`partials_nnz`), on classic Spark: the buckets are as many as that
+    many non-zeros need at :data:`COMBINE_NNZ` a task (:func:`~..compat.sized_partitions`: at
+    least the default parallelism, at most ``n_buckets`` and the shuffle partitions), each shuffled
+    into a partition of its own. A small set's combine then runs a few tasks, not 64 nearly empty
+    ones each reporting its metrics to the driver (no adaptive execution to coalesce them), and a
+    combine task's share of the partials stays bounded as the set grows."""
     normalize_y = params.normalize_y
+    sized = partials_nnz is not None and not is_connect(samples)
+    if sized:
+        n_buckets = min(n_buckets, sized_partitions(samples.sparkSession, partials_nnz, COMBINE_NNZ))
     keys = partition_keys(n_buckets)
 
     def partial(batches):
@@ -138,7 +152,20 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
         return pa.Table.from_batches(batches, PACKED_ARROW) if batches else PACKED_ARROW.empty_table()
 
     parts = samples.select("feature_idx", "feature_val", "label_idx").mapInArrow(partial, PARTIAL_SCHEMA)
+    if sized:               # (the grouping keeps this partitioning: no second shuffle)
+        parts = parts.repartition(n_buckets, "bucket")
     return grouped_apply(parts, ["bucket"], combine, PACKED_SCHEMA if packed else EMBEDDING_SCHEMA)
+
+
+def partials_nnz(label_counts, row_nnz: Optional[float]) -> Optional[float]:
+    """The PIFA partials' non-zeros, estimated from ingest's counts: the rows' label memberships
+    (``label_counts``' sum) times the mean non-zeros of a row ``row_nnz``. The partials hold at
+    most the sum over the rows of labels x non-zeros (no two rows of a task sharing a label and a
+    feature), which this equals when a row's labels and non-zeros are not correlated; None
+    without either count."""
+    if label_counts is None or row_nnz is None:
+        return None
+    return float(np.sum(label_counts)) * float(row_nnz)
 
 
 def _unpack(batches):
