@@ -309,6 +309,33 @@ def test_the_label_counts_run_the_reduce_tasks_their_labels_need(spark, tmp_path
         assert counts.sum() == 180 and info.label_counts[6:].sum() > 0
 
 
+def test_packed_label_counts_round_trip():
+    """A task's (label, count) rows, in any order and over batches, come back as the same pairs
+    from its one packed row (labels up to the int range, counts past it); partition rows pass as
+    they are; a task with no label row packs none."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(5)
+    ids = rng.choice(2 ** 31 - 1, 500, replace=False)
+    ids[0] = 2 ** 31 - 2
+    ns = rng.integers(1, 2 ** 40, 500)
+
+    def batch(lab, n, part):
+        return pa.RecordBatch.from_arrays([pa.array(lab, pa.int32()), pa.array(n, pa.int64()),
+                                           pa.array(part, pa.string())], names=["_label", "_n", "_part"])
+    batches = [batch(ids[:200], ns[:200], [None] * 200), batch([None], [7], ['{"_pid": 0}']),
+               batch(ids[200:], ns[200:], [None] * 300)]
+    out = pa.Table.from_batches(list(ingest._packed_counts(iter(batches))))
+    assert out.column("_part").drop_null().to_pylist() == ['{"_pid": 0}']
+    assert out.column("_k").drop_null().to_pylist() == [500]
+    got_ids, got_ns = ingest.unpacked_counts(out)
+    order = np.argsort(ids)
+    np.testing.assert_array_equal(got_ids, ids[order])
+    np.testing.assert_array_equal(got_ns, ns[order])
+    none = pa.Table.from_batches(list(ingest._packed_counts(iter([batch([None], [3], ['{"_pid": 1}'])]))))
+    assert none.num_rows == 1 and [len(a) for a in ingest.unpacked_counts(none)] == [0, 0]
+
+
 def test_counting_labels_of_a_file_without_samples(spark, tmp_path):
     f = tmp_path / "none.txt"
     f.write_text("0 5 4\n")
