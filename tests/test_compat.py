@@ -159,6 +159,14 @@ def test_session_settings_restore_and_survive_a_refusal(spark, monkeypatch, capl
     assert sorted(r["k"] for r in kept.collect()) == list(range(50)) and spark.conf.get(key) == before
 
 
+@pytest.mark.parametrize("adaptive,coalesce,want", [("true", "true", True), ("false", "true", False),
+                                                     ("true", "false", False), ("TRUE ", "True", True)])
+def test_coalescing_needs_adaptive_execution_and_its_coalescing(spark, adaptive, coalesce, want):
+    keys = {"spark.sql.adaptive.enabled": adaptive, "spark.sql.adaptive.coalescePartitions.enabled": coalesce}
+    with compat.session_settings(spark, keys, "the test"):
+        assert compat.coalescing(spark) is want
+
+
 def test_sized_partitions_follow_the_rows_between_the_parallelism_and_the_shuffle_partitions(spark):
     """TASK_ROWS rows a task, at least the default parallelism, at most the shuffle partitions
     (none when 'auto'); the bounds read from the session by default."""

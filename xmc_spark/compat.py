@@ -194,6 +194,14 @@ def sized_partitions(spark, rows: float, per_task: int = TASK_ROWS,
     return max(1, k if hi is None else min(hi, k))
 
 
+def coalescing(spark) -> bool:
+    """Whether adaptive execution coalesces small shuffle partitions (``spark.sql.adaptive.enabled``
+    and ``spark.sql.adaptive.coalescePartitions.enabled``, both on by default): a shuffle sized
+    by its own partition count (``repartition(n, ...)``) is then left as it is."""
+    return all(str(conf_value(spark, k, "true")).strip().lower() == "true"
+               for k in ("spark.sql.adaptive.enabled", "spark.sql.adaptive.coalescePartitions.enabled"))
+
+
 def small_result(df, rows: float):
     """``df`` (a shuffle's output of about ``rows`` rows: a count per label, a test set's join) read
     by the tasks that many rows need (:func:`sized_partitions`; a coalesce of the shuffle's

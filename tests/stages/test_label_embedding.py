@@ -137,6 +137,26 @@ def test_estimated_partials_size_the_combine(problem, spark, combines):
     np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
 
 
+def test_with_adaptive_coalescing_the_estimate_is_not_used(problem, spark):
+    """Where adaptive execution coalesces the grouping's shuffle by its real sizes, an estimate
+    changes nothing: the same tasks as without one (an explicit partition count would forbid the
+    coalescing), and the kernel's embeddings."""
+    from tests.conftest import stage_tasks
+    from xmc_spark.compat import coalescing, session_settings
+    samples, Xl, Yl = problem
+    keys = {"spark.sql.shuffle.partitions": "64", "spark.sql.adaptive.enabled": "true",
+            "spark.sql.adaptive.coalescePartitions.enabled": "true"}
+    with session_settings(spark, keys, "the test"):
+        assert coalescing(spark)
+        runs = [stage_tasks(spark, lambda nnz=nnz: label_embedding.run(
+            samples, EmbeddingParams(), n_features=D, n_labels=L, n_buckets=64, partials_nnz=nnz).collect())
+            for nnz in (None, 7 * label_embedding.COMBINE_NNZ)]
+    # (used, the estimate would make a stage of 7 tasks: one per bucket)
+    assert max(runs[1][1]) == max(runs[0][1]) < 7, (runs[0][1], runs[1][1])
+    Z = to_csr(runs[1][0], "emb_idx", "emb_val", D, id_col="label_idx")
+    np.testing.assert_allclose(Z.toarray(), pifa(Xl, Yl).toarray(), rtol=1e-5, atol=1e-6)
+
+
 def test_the_partials_estimate_is_memberships_times_row_non_zeros():
     assert label_embedding.partials_nnz(np.array([3, 0, 2]), 4.5) == 22.5
     assert label_embedding.partials_nnz(None, 4.5) is None

@@ -183,9 +183,11 @@ class Lines:
     With ``by_label`` the job also counts the rows of each label, and ``parts`` are dicts decoded
     from JSON (longs, booleans, strings and structs of them, the aggregates used here, come back
     unchanged), else Rows; ``n_labels`` (when every counted label is known to be below it) sizes
-    that job's reduce side: its O(labels + partitions) rows are read by the tasks they need
+    that job's reduce side on classic Spark: its input, at most a row per label of each input
+    partition (the map side's partial sums), is read by the tasks that many rows need
     (:func:`~..compat.small_result`), not by ``spark.sql.shuffle.partitions`` tasks, nearly all
-    empty where adaptive execution does not coalesce them, each reporting its metrics."""
+    empty where adaptive execution does not coalesce them, each reporting its metrics; each
+    task's label rows come back packed (:func:`_packed_counts`)."""
 
     def __init__(self, df: DataFrame, one_split: bool = False, count: str = "count(1)", by_label: bool = False,
                  n_labels: Optional[int] = None, **aggs: str):
@@ -265,7 +267,7 @@ def _packed_counts(batches):
         label = b.column("_label")
         part = pc.is_null(label)
         if pc.any(part).as_py():
-            p = pc.filter(b.column("_part"), part)
+            p = pc.filter(b.column("_part"), part).cast(pa.string())    # (a large_string with large var types)
             yield pa.RecordBatch.from_arrays([p, pa.nulls(len(p), pa.int32()), pa.nulls(len(p), pa.binary()),
                                               pa.nulls(len(p), pa.binary())], names=["_part", "_k", "_ids", "_ns"])
         keep = pc.invert(part)

@@ -30,7 +30,7 @@ from ..arrow_utils import (
     grouped_apply,
     unpack_rows,
 )
-from ..compat import is_connect, partition_keys, sized_partitions
+from ..compat import coalescing, is_connect, partition_keys, sized_partitions
 from ..kernels.label_embedding import label_sums, pifa_partial
 from ..params import EmbeddingParams
 from ..schemas import EMBEDDING_SCHEMA
@@ -101,15 +101,17 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
     where the buckets' own ids collided (three of four in one partition at n = 4), so no combine
     task holds several buckets unless adaptive execution merges adjacent partitions.
 
-    ``partials_nnz`` (an estimate of the partials' non-zeros, at most the sum over the samples of
-    labels x non-zeros, :func:`partials_nnz`), on classic Spark: the buckets are as many as that
-    many non-zeros need at :data:`COMBINE_NNZ` a task (:func:`~..compat.sized_partitions`: at
-    least the default parallelism, at most ``n_buckets`` and the shuffle partitions), each shuffled
-    into a partition of its own. A small set's combine then runs a few tasks, not 64 nearly empty
-    ones each reporting its metrics to the driver (no adaptive execution to coalesce them), and a
-    combine task's share of the partials stays bounded as the set grows."""
+    ``partials_nnz`` (an estimate of the partials' non-zeros, :func:`partials_nnz`), on classic
+    Spark with adaptive execution not coalescing partitions (:func:`~..compat.coalescing`): the
+    buckets are as many as that many non-zeros need at :data:`COMBINE_NNZ` a task
+    (:func:`~..compat.sized_partitions`: at least the default parallelism, at most ``n_buckets``
+    and the shuffle partitions), each shuffled into a partition of its own. A small set's combine
+    then runs a few tasks, not the shuffle partitions' nearly empty ones each reporting its
+    metrics to the driver, and a combine task's share of the partials stays bounded as the set
+    grows. Where adaptive execution coalesces, it sizes the grouping's shuffle by its real bytes,
+    which an explicit partition count would forbid: the estimate is not used."""
     normalize_y = params.normalize_y
-    sized = partials_nnz is not None and not is_connect(samples)
+    sized = partials_nnz is not None and not is_connect(samples) and not coalescing(samples.sparkSession)
     if sized:
         n_buckets = min(n_buckets, sized_partitions(samples.sparkSession, partials_nnz, COMBINE_NNZ))
     keys = partition_keys(n_buckets)
