@@ -66,17 +66,18 @@ def weights_to_columns(t: pa.Table, n_cols: int):
 
 
 def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: PipelineParams, timer: StageTimer,
-              label_counts=None, row_nnz: Optional[float] = None):
+              label_counts=None, row_nnz: Optional[float] = None, label_nnz: Optional[int] = None):
     """PIFA label embeddings, label frequencies (interpolated splits only) and the label tree;
     writes ``tree`` (and ``label_embeddings`` with ``embedding.write_table``); returns (TreeIndex,
     frequency facts). ``label_counts`` (training label frequencies), when given, spare the
     frequency stage a pass; with ``row_nnz`` (mean non-zeros of a training row, from ingest's
-    count) they size ``tree.max_split_labels = auto`` without a job."""
+    count) they size ``tree.max_split_labels = auto`` without a job; ``label_nnz`` (ingest's sum
+    over the rows of labels x non-zeros), else those two, size the embedding's combine."""
     spark = samples.sparkSession
     # the combine's tasks sized by the partials' estimated non-zeros (with ingest's counts)
     emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
                               n_buckets=shuffle_partitions(spark), packed=True,
-                              partials_nnz=label_embedding.partials_nnz(label_counts, row_nnz))
+                              partials_nnz=label_embedding.partials_nnz(label_counts, row_nnz, label_nnz))
     # Without the table the embedding is part of the tree's plan (the chained levels read it once;
     # the level-by-level path caches its own join). With it, the rows are packed and kept (the
     # write's job fills the cache): the tree grows from the rows just written, without reading the
@@ -273,6 +274,7 @@ def ingest_stage(ctx: StageContext) -> StageResult:
             tables.write("test", test_df)
     facts = {"train": ctx.train, "test": ctx.test, "aggregated": agg is not None, "n_train": info.n_samples,
              "n_features": info.n_features, "n_labels": info.n_labels, "n_train_nonzeros": info.n_nonzeros,
+             "n_train_label_nonzeros": info.n_label_nonzeros,
              "n_test": tinfo.n_samples if tinfo else None, **(agg.stats if agg is not None else {})}
     if agg is not None:
         ctx.memo["aggregated"] = agg
@@ -451,7 +453,7 @@ def tree_stage(ctx: StageContext) -> StageResult:
             log.info("tree: EAGLE's round model kept a tree grown with other tree/embedding settings (or "
                      "eagle.refine_keep_tree is off now): growing one")
         index, facts = grow_tree(samples, ctx.tables, ing.n_features, ing.n_labels, ctx.params, ctx.timer, counts,
-                                 row_nnz=_row_nnz(ing))
+                                 row_nnz=_row_nnz(ing), label_nnz=ing.n_train_label_nonzeros)
     ctx.memo["label_counts"] = counts
     # the index of the tree table's version just committed: the train stage of this process takes it
     ctx.memo["tree_index"] = (ctx.tables.reads.get("tree"), index)

@@ -109,6 +109,8 @@ class Dataset:
     n_labels: int                  # training label space (a test set may name more: unseen labels)
     n_test: Optional[int] = None
     n_train_nonzeros: Optional[int] = None   # feature entries of the training rows, when ingest counted them
+    # sum over the training rows of labels x feature entries (the PIFA partials' bound), when counted
+    n_train_label_nonzeros: Optional[int] = None
 
     @classmethod
     def from_record(cls, rec: Dict[str, Any]) -> Dataset:

@@ -27,6 +27,7 @@ def test_repeated_feature_indices_are_sorted_and_summed(spark, tmp_path, caplog,
         np.testing.assert_array_equal(info.label_counts, [2, 2, 0, 0])
     assert info.n_rows_merged_features == 2
     assert info.n_nonzeros == 7                  # the entries as written (the tree's auto split bound)
+    assert info.n_label_nonzeros == 2 * 1 + 1 * 3 + 1 * 3   # labels x entries, as written (the PIFA bound)
     assert [r[:2] for r in rows] == [(0, [4]), (1, [1, 3]), (2, [0, 2])]
     np.testing.assert_allclose(rows[1][2], np.array([2, 3]) / np.sqrt(13), rtol=1e-6)   # 3:1 + 3:2 = 3:3
     np.testing.assert_allclose(rows[2][2], [1, 0], rtol=1e-6)                          # 2:1 + 2:-1 = 2:0
@@ -41,25 +42,26 @@ def test_repeated_feature_indices_in_a_table(spark, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="xmc_spark.ingest"):
         df, info = ingest.read_samples(spark, str(p), IngestParams(normalize=False))
         rows = _rows(df)
-    assert info.n_rows_merged_features == 1 and info.n_nonzeros == 4
+    assert info.n_rows_merged_features == 1 and info.n_nonzeros == 4 and info.n_label_nonzeros == 4
     assert rows == [(7, [0, 2], [4.0, 3.0], [1]), (9, [1], [5.0], [0])]
     assert f"{p}: 1 row(s) list a feature index more than once (the first: sample_id 7)" in caplog.text
 
 
 def test_clean_input_merges_nothing(spark, tmp_path, caplog, monkeypatch):
     f = tmp_path / "ok.txt"
-    f.write_text("2 5 4\n0 1:1 3:2\n1 0:1\n")
+    f.write_text("2 5 4\n0,2 1:1 3:2\n1 0:1\n")
     with caplog.at_level(logging.WARNING, logger="xmc_spark.ingest"):
         _, info = ingest.read_samples(spark, str(f), IngestParams())
     assert info.n_rows_merged_features == 0 and "more than once" not in caplog.text
-    assert info.n_nonzeros == 3
+    assert info.n_nonzeros == 3 and info.n_label_nonzeros == 2 * 2 + 1 * 1
 
     def sql_path(*a, **k):        # the numba parser declines: the SQL checks and parser read the file
         seen.append(1)
 
     seen = []
     monkeypatch.setattr(ingest, "_fast_lines", sql_path)
-    assert ingest.read_samples(spark, str(f), IngestParams())[1].n_nonzeros == 3 and seen
+    info = ingest.read_samples(spark, str(f), IngestParams())[1]
+    assert (info.n_nonzeros, info.n_label_nonzeros) == (3, 5) and seen
 
 
 @pytest.mark.connect

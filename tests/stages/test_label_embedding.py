@@ -158,6 +158,9 @@ def test_with_adaptive_coalescing_the_estimate_is_not_used(problem, spark):
 
 
 def test_the_partials_estimate_is_memberships_times_row_non_zeros():
+    """Ingest's sum of labels x non-zeros when it has one, else the memberships times a row's mean."""
+    assert label_embedding.partials_nnz(np.array([3, 0, 2]), 4.5, 40) == 40.0
+    assert label_embedding.partials_nnz(None, None, 40) == 40.0
     assert label_embedding.partials_nnz(np.array([3, 0, 2]), 4.5) == 22.5
     assert label_embedding.partials_nnz(None, 4.5) is None
     assert label_embedding.partials_nnz(np.array([1]), None) is None

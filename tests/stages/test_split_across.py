@@ -222,7 +222,10 @@ def test_bibtex_with_big_splits_grows_the_reference_tree(bibtex, tmp_path, spark
     assert got == leaf
     m = json.loads((out / "metrics.json").read_text())
     from xmc_spark.local_io import read_xc
-    assert m["n_train_nonzeros"] == read_xc(str(bibtex / "train.txt"))[0].nnz     # ingest's count, a run fact
+    X, Y = read_xc(str(bibtex / "train.txt"))
+    assert m["n_train_nonzeros"] == X.nnz     # ingest's count, a run fact
+    # and the sum over the rows of labels x non-zeros (the PIFA combine's bound)
+    assert m["n_train_label_nonzeros"] == int(np.diff(Y.indptr) @ np.diff(X.indptr)) > X.nnz
     for k in ("p@1", "p@3", "p@5"):
         assert abs(m[k] - ref[k]) <= 0.3, (k, m[k], ref[k])
 

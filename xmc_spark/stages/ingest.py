@@ -59,6 +59,8 @@ class DatasetInfo:
     label_counts: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
     rows_with_unseen: Optional[int] = None   # rows with a label outside seen_labels, when given
     n_nonzeros: Optional[int] = None   # feature entries of all rows as written (a repeated index counted twice)
+    # sum over the rows of labels x feature entries, as written: the most non-zeros the PIFA partials hold
+    n_label_nonzeros: Optional[int] = None
 
 
 def _detect(spark: SparkSession, path: str):
@@ -492,7 +494,8 @@ def read_text(spark: SparkSession, path: str, fmt: str, params: IngestParams,
                       max_label=f"max(CASE WHEN {is_data} THEN array_max(label_idx) END)",
                       max_feature=f"max(CASE WHEN {is_data} THEN array_max(feature_idx) END)",
                       n_rep=f"count(CASE WHEN {rep} THEN 1 END)", rep=first_where(rep, "true"),
-                      nnz=f"sum(CASE WHEN {is_data} THEN size(feature_idx) END)")
+                      nnz=f"sum(CASE WHEN {is_data} THEN size(feature_idx) END)",
+                      lnz=f"sum(CASE WHEN {is_data} THEN CAST(size(label_idx) AS BIGINT) * size(feature_idx) END)")
     bad = lines.first("err")
     if bad is not None:
         raise IngestError(f"{path}:{bad[0]}: {bad[1]}")
@@ -517,12 +520,13 @@ def _info(path: str, fmt: str, lines: Lines, header_n: Optional[int], d: Optiona
     if n_rep:
         log.warning("%s:%d: %d line(s) list a feature index more than once (the first here); "
                     "their values are summed", path, lines.first("rep")[0], n_rep)
-    return DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep), n_nonzeros=int(sum(lines.values("nnz"))))
+    return DatasetInfo(path, fmt, n, int(d), int(L), int(n_rep), n_nonzeros=int(sum(lines.values("nnz"))),
+                       n_label_nonzeros=int(sum(lines.values("lnz"))))
 
 
 # ---- the fast path: numba over each Arrow batch of lines ----------------------------------------
 FAST_SCHEMA = ("_pid int, _mid long, n long, bad long, max_label long, max_feature long, n_rep long, "
-               "rep long, unseen long, nnz long, _label long")
+               "rep long, unseen long, nnz long, lnz long, _label long")
 
 
 def _line_bytes(col: pa.Array):
@@ -581,13 +585,14 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
                 "rep": pa.array([int(mid[rep].min()) if rep.any() else None], pa.int64()),
                 "unseen": pa.array([unseen], pa.int64()),
                 "nnz": pa.array([int(fp[-1])], pa.int64()),
+                "lnz": pa.array([int(np.diff(lp).astype(np.int64) @ np.diff(fp).astype(np.int64))], pa.int64()),
                 "_label": pa.array([None], pa.int64())})
             if u is not None and len(u):
                 none = pa.nulls(len(u), pa.int64())
                 yield pa.RecordBatch.from_pydict({
                     "_pid": pa.nulls(len(u), pa.int32()), "_mid": none, "n": pa.array(c, pa.int64()),
                     "bad": none, "max_label": none, "max_feature": none, "n_rep": none, "rep": none,
-                    "unseen": none, "nnz": none, "_label": pa.array(u, pa.int64())})
+                    "unseen": none, "nnz": none, "lnz": none, "_label": pa.array(u, pa.int64())})
             worker_progress("ingest (check)", rows=b.num_rows)
 
     try:
@@ -600,7 +605,7 @@ def _fast_lines(spark: SparkSession, path: str, is_data: str, one_based: bool, d
         lines = Lines(summary, one_split(spark, path), count="sum(n)", by_label=by_label, n_labels=L,
                       bad="sum(bad)",
                       max_label="max(max_label)", max_feature="max(max_feature)", n_rep="sum(n_rep)",
-                      unseen="sum(unseen)", nnz="sum(nnz)",
+                      unseen="sum(unseen)", nnz="sum(nnz)", lnz="sum(lnz)",
                       rep="min(CASE WHEN rep IS NOT NULL THEN struct(rep AS mid, true AS value) END)")
     finally:
         if shared is not None:
@@ -696,6 +701,7 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
             f"count(CASE WHEN {_REPEATED} THEN 1 END) AS n_rep",
             f"min(CASE WHEN {_REPEATED} THEN sample_id END) AS rep",
             "sum(size(feature_idx)) AS nnz",
+            "sum(CAST(greatest(size(label_idx), 0) AS BIGINT) * size(feature_idx)) AS lnz",
         )]).first()
     if stats["n"] == 0:
         raise IngestError(f"{path}: the table has no rows")
@@ -713,7 +719,7 @@ def read_table(spark: SparkSession, path: str, fmt: str, params: IngestParams,
                     "their values are summed", path, stats["n_rep"], stats["rep"])
     return (_finish(df, params.normalize),
             DatasetInfo(path, fmt, int(stats["n"]), int(d), int(L), int(stats["n_rep"]),
-                        n_nonzeros=int(stats["nnz"] or 0)))
+                        n_nonzeros=int(stats["nnz"] or 0), n_label_nonzeros=int(stats["lnz"] or 0)))
 
 
 def read_samples(spark: SparkSession, path: str, params: IngestParams, fmt: Optional[str] = None,

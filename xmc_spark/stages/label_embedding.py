@@ -159,12 +159,14 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
     return grouped_apply(parts, ["bucket"], combine, PACKED_SCHEMA if packed else EMBEDDING_SCHEMA)
 
 
-def partials_nnz(label_counts, row_nnz: Optional[float]) -> Optional[float]:
-    """The PIFA partials' non-zeros, estimated from ingest's counts: the rows' label memberships
-    (``label_counts``' sum) times the mean non-zeros of a row ``row_nnz``. The partials hold at
-    most the sum over the rows of labels x non-zeros (no two rows of a task sharing a label and a
-    feature), which this equals when a row's labels and non-zeros are not correlated; None
-    without either count."""
+def partials_nnz(label_counts, row_nnz: Optional[float], label_nnz: Optional[int] = None) -> Optional[float]:
+    """The most non-zeros the PIFA partials hold, from ingest's counts: the sum over the rows of
+    labels x non-zeros (``label_nnz``, reached when no two rows of a task share a label and a
+    feature); without it, estimated as the rows' label memberships (``label_counts``' sum) times
+    the mean non-zeros of a row ``row_nnz``, which is that sum when a row's labels and non-zeros
+    are not correlated (and less when longer rows carry more labels); None without any."""
+    if label_nnz is not None:
+        return float(label_nnz)
     if label_counts is None or row_nnz is None:
         return None
     return float(np.sum(label_counts)) * float(row_nnz)
