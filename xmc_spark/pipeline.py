@@ -74,7 +74,7 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
     count) they size ``tree.max_split_labels = auto`` without a job; ``label_nnz`` (ingest's sum
     over the rows of labels x non-zeros), else those two, size the embedding's combine."""
     spark = samples.sparkSession
-    # the combine's tasks sized by the partials' estimated non-zeros (with ingest's counts)
+    # the combine's tasks sized by ingest's bound on the partials' non-zeros (else its estimate)
     emb = label_embedding.run(samples, params.embedding, n_features=n_features, n_labels=n_labels,
                               n_buckets=shuffle_partitions(spark), packed=True,
                               partials_nnz=label_embedding.partials_nnz(label_counts, row_nnz, label_nnz))

@@ -43,7 +43,7 @@ PACK_NNZ = 4 << 20          # non-zeros of a packed partial record (32 MB of ind
 # tree's tasks read: Spark hands list columns to Python number by number, bytes whole
 PACKED_SCHEMA = "label_idx int, emb_idx binary, emb_val binary"
 PACKED_BATCH_NNZ = 1 << 26  # non-zeros of one packed batch (256 MiB of indices: below a binary array's 2 GiB)
-# partial non-zeros a combine task is sized for, when their count is estimated (run's partials_nnz)
+# partial non-zeros a combine task is sized for, when their count is bounded (run's partials_nnz)
 COMBINE_NNZ = 1 << 22
 PACKED_ARROW = pa.schema([("label_idx", pa.int32()), ("emb_idx", pa.binary()), ("emb_val", pa.binary())])
 
@@ -101,7 +101,7 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
     where the buckets' own ids collided (three of four in one partition at n = 4), so no combine
     task holds several buckets unless adaptive execution merges adjacent partitions.
 
-    ``partials_nnz`` (an estimate of the partials' non-zeros, :func:`partials_nnz`), on classic
+    ``partials_nnz`` (the most non-zeros the partials hold, or an estimate: :func:`partials_nnz`), on classic
     Spark with adaptive execution not coalescing partitions (:func:`~..compat.coalescing`): the
     buckets are as many as that many non-zeros need at :data:`COMBINE_NNZ` a task
     (:func:`~..compat.sized_partitions`: at least the default parallelism, at most ``n_buckets``
@@ -109,7 +109,7 @@ def run(samples: DataFrame, params: EmbeddingParams, *, n_features: int, n_label
     then runs a few tasks, not the shuffle partitions' nearly empty ones each reporting its
     metrics to the driver, and a combine task's share of the partials stays bounded as the set
     grows. Where adaptive execution coalesces, it sizes the grouping's shuffle by its real bytes,
-    which an explicit partition count would forbid: the estimate is not used."""
+    which an explicit partition count would forbid: ``partials_nnz`` is not used."""
     normalize_y = params.normalize_y
     sized = partials_nnz is not None and not is_connect(samples) and not coalescing(samples.sparkSession)
     if sized:
