@@ -265,6 +265,12 @@ def test_node_costs_and_unit_placement():
     np.testing.assert_array_equal(keys, node_training.partition_keys(3)[[2, 1, 0]])
     units, keys, n_parts = node_training.unit_placement(ix, 2, np.zeros(0, np.int64), 1, counts, 15)
     assert len(units) == 7 and n_parts == min(7, node_training.SPREAD)
+    # fewer units with work than partitions: one partition each, none left empty
+    units, keys, n_parts = node_training.unit_placement(ix, 1, np.zeros(0, np.int64), 8, counts, 15)
+    assert n_parts == 3
+    np.testing.assert_array_equal(keys, node_training.partition_keys(3)[[2, 1, 0]])
+    units, keys, n_parts = node_training.unit_placement(ix, 1, np.array([0, 1, 2]), 8, counts, 15)
+    assert n_parts == 1                          # every unit big: one (empty) partition, not eight
     # a leaf of unseen labels still counts one row; counts that miss labels fall back to ones
     zero = np.array([5, 1, 1, 1, 2, 2, 0, 0])
     np.testing.assert_array_equal(node_training.node_costs(ix, zero)[1][-1], 1 * 2)
