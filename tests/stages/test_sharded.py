@@ -502,3 +502,24 @@ def test_search_partitions_follow_the_rows_not_the_shuffle_partitions(spark, pro
         for key, value in old.items():
             spark.conf.set(key, value)
     assert counts[default_rows] == {dp} and counts[1] == {64}, counts
+
+
+def test_placed_weights_are_looked_up_without_a_broadcast(spark, models):
+    """The weights' (layer, parent position, position) come from the tree's place table shared
+    with a vectorized UDF: the same rows as the broadcast join (Spark Connect's path), a key the
+    tree does not have null in both, and no broadcast (whose side Spark collects through the
+    driver) in the plan."""
+    from pyspark.sql import functions as F
+
+    sm = as_sharded(spark, models["overlap"])
+    extra = sm.weights.where(~F.col("is_leaf")).limit(1).withColumn("key", F.lit(10 ** 9).cast("long"))
+    slot = sm.weights.where(F.col("is_leaf")).limit(1).withColumn("key", F.lit(-1).cast("long"))
+    weights = sm.weights.unionByName(extra).unionByName(slot)
+    placed, shared = sharded._placed(weights, sm.index)
+    assert "Broadcast" not in executed_plan(placed)
+    joined = sharded._placed_by_join(weights, sharded._place_table(sm.index))
+    cols = ["key", "layer", "ppos", "pos"]
+    got, want = (sorted(tuple(r) for r in df.select(*cols, F.size("w_idx")).collect()) for df in (placed, joined))
+    shared.unpersist()
+    assert got == want and len(got) == sm.weights.count() + 2
+    assert sum(r[1] is None for r in got) == 2 and len({r[1] for r in got}) == len(models["overlap"].layers()[0]) + 1
