@@ -265,7 +265,7 @@ def test_node_costs_and_unit_placement():
     np.testing.assert_array_equal(keys, node_training.partition_keys(3)[[2, 1, 0]])
     units, keys, n_parts = node_training.unit_placement(ix, 2, np.zeros(0, np.int64), 1, counts, 15)
     assert len(units) == 7 and n_parts == min(7, node_training.SPREAD)
-    # fewer units with work than partitions: one partition each, none left empty
+    # fewer units with work than partitions: one partition each, none left empty by the count
     units, keys, n_parts = node_training.unit_placement(ix, 1, np.zeros(0, np.int64), 8, counts, 15)
     assert n_parts == 3
     np.testing.assert_array_equal(keys, node_training.partition_keys(3)[[2, 1, 0]])

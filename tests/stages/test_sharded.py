@@ -154,8 +154,8 @@ def test_sharded_prediction_joins_rows_without_a_broadcast(spark, problem, model
     assert models["plain"].index.depth >= 2 and ("ShuffledHashJoin", "sample_id") in joins, joins
     assert not [j for j in joins if j[0].startswith("Broadcast")], joins
     assert "FileScan" not in plan and "Scan ExistingRDD" in plan
-    # the one broadcast, the tree's (is_leaf, key) -> place table (O(nodes + slots)) joined to the
-    # weights, ran once, when the placed weights were kept
+    # the placed weights (the tree's (is_leaf, key) -> place table looked up in the tasks) were
+    # computed once, when they were kept
     assert "Scan ExistingRDD" in executed_plan(sm.placed)
 
 
@@ -512,14 +512,19 @@ def test_placed_weights_are_looked_up_without_a_broadcast(spark, models):
     from pyspark.sql import functions as F
 
     sm = as_sharded(spark, models["overlap"])
-    extra = sm.weights.where(~F.col("is_leaf")).limit(1).withColumn("key", F.lit(10 ** 9).cast("long"))
-    slot = sm.weights.where(F.col("is_leaf")).limit(1).withColumn("key", F.lit(-1).cast("long"))
-    weights = sm.weights.unionByName(extra).unionByName(slot)
+    one = sm.weights.orderBy("is_leaf", "key")
+    extra = one.where(~F.col("is_leaf")).limit(1).withColumn("key", F.lit(10 ** 9).cast("long"))
+    slot = one.where(F.col("is_leaf")).limit(1).withColumn("key", F.lit(-1).cast("long"))
+    # a null is_leaf with a real node's key is no key of the tree either (the join leaves it null)
+    null = one.where(~F.col("is_leaf")).limit(1).withColumn("is_leaf", F.lit(None).cast("boolean"))
+    weights = sm.weights.unionByName(extra).unionByName(slot).unionByName(null)
     placed, shared = sharded._placed(weights, sm.index)
     assert "Broadcast" not in executed_plan(placed)
     joined = sharded._placed_by_join(weights, sharded._place_table(sm.index))
+    assert placed.schema == joined.schema
     cols = ["key", "layer", "ppos", "pos"]
-    got, want = (sorted(tuple(r) for r in df.select(*cols, F.size("w_idx")).collect()) for df in (placed, joined))
+    got, want = (sorted((tuple(r) for r in df.select(*cols, F.size("w_idx")).collect()),
+                        key=lambda r: tuple(-1 if v is None else v for v in r)) for df in (placed, joined))
     shared.unpersist()
-    assert got == want and len(got) == sm.weights.count() + 2
-    assert sum(r[1] is None for r in got) == 2 and len({r[1] for r in got}) == len(models["overlap"].layers()[0]) + 1
+    assert got == want and len(got) == sm.weights.count() + 3
+    assert sum(r[1] is None for r in got) == 3 and len({r[1] for r in got}) == len(models["overlap"].layers()[0]) + 1

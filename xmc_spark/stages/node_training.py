@@ -269,19 +269,21 @@ def lpt_ranks(costs: np.ndarray, n_parts: int) -> np.ndarray:
 
 def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None, n_samples: Optional[int] = None,
                    top: bool = False):
-    """(training units sorted, the ``part`` key of each, the number of partitions): units spread
-    by :func:`lpt_ranks` of their summed :func:`node_costs` over one partition per unit with work,
-    up to :data:`SPREAD` x ``n_parts`` (never an empty one: fewer units than ``n_parts`` get fewer
-    partitions, as an explicit repartition's empty tasks are not coalesced and each returns its
-    metrics to the driver), keyed by :func:`partition_keys` so that ``repartition(partitions,
-    "part")`` puts each where it was placed. The estimate (rows x classifiers) underrates the top
-    nodes' classifiers, which take ~3x the time per row and classifier of a leaf's on the 500K
-    synthetic set: with 8 partitions for its 31 units a partition the estimate put last ran 22 s,
-    from 71 s into a 93 s job. Finer partitions leave the estimate less to get wrong; each costs a task (~0.1-0.3 s
-    measured), hence the cap. Big nodes (units of their own, above the cut: trained across
-    partitions, their records dropped before the grouping) weigh nothing and take no partition.
-    ``top``: the nodes above the cut are one unit per tree (:func:`merged_top`), their costs
-    weighted by :data:`TOP_WEIGHT` as there (that unit is the job's longest). O(nodes) on the driver."""
+    """(training units sorted, the ``part`` key of each, the number of partitions): units spread by
+    :func:`lpt_ranks` of their summed :func:`node_costs` over one partition per unit with work, up
+    to :data:`SPREAD` x ``n_parts`` (none left empty by the count: fewer units than ``n_parts`` get
+    fewer partitions, as an explicit repartition's empty tasks are not coalesced and each returns
+    its metrics to the driver; a unit no sample reaches, counted a row by the estimate, still takes
+    one, and with every unit big one partition stays), keyed by :func:`partition_keys` so that
+    ``repartition(partitions, "part")`` puts each where it was placed. The estimate (rows x
+    classifiers) underrates the top nodes' classifiers, which take ~3x the time per row and
+    classifier of a leaf's on the 500K synthetic set: with 8 partitions for its 31 units a partition
+    the estimate put last ran 22 s, from 71 s into a 93 s job. Finer partitions leave the estimate
+    less to get wrong; each costs a task (~0.1-0.3 s measured), hence the cap. Big nodes (units of
+    their own, above the cut: trained across partitions, their records dropped before the grouping)
+    weigh nothing and take no partition. ``top``: the nodes above the cut are one unit per tree
+    (:func:`merged_top`), their costs weighted by :data:`TOP_WEIGHT` as there (that unit is the
+    job's longest). O(nodes) on the driver."""
     nodes, cost = node_costs(index, label_counts, n_samples)
     is_big = np.isin(nodes, np.asarray(big, np.int64))
     cost = np.where(is_big, 0.0, cost)

@@ -298,8 +298,8 @@ def _place_table(index: TreeIndex):
     """The tree's (is_leaf, key) -> (layer, ppos, pos) table as arrays, O(nodes + slots): the
     internal nodes' keys sorted with their layer, parent position and own position, then each
     slot's (the slot is the key) position and parent position, and the slots' layer."""
-    _, node, (slot_pos, slot_parent) = _placement(index)
-    return node, (slot_pos, slot_parent[slot_pos]), len(tree_layers(index).layers) - 1
+    shape, node, (slot_pos, slot_parent) = _placement(index)
+    return node, (slot_pos, slot_parent[slot_pos]), len(shape.layers) - 1
 
 
 def place_of(table, is_leaf: np.ndarray, key: np.ndarray):
@@ -334,7 +334,10 @@ def _placed(weights: DataFrame, index: TreeIndex):
 
     @F.pandas_udf("layer int, ppos long, pos long")
     def place(is_leaf: pd.Series, key: pd.Series) -> pd.DataFrame:
-        layer, ppos, pos = place_of(shared.value, is_leaf.to_numpy(bool), key.to_numpy(np.int64))
+        known = (is_leaf.notna() & key.notna()).to_numpy()       # a null is no key of the tree
+        layer, ppos, pos = place_of(shared.value, is_leaf.fillna(False).to_numpy(bool),
+                                    key.fillna(-1).to_numpy(np.int64))
+        layer[~known] = -1
         return pd.DataFrame({"layer": layer, "ppos": ppos, "pos": pos})
 
     known = F.col("p.layer") >= 0
@@ -363,9 +366,11 @@ def _placed_of(model: ShardedModel) -> DataFrame:
     its layer from there instead of scanning the whole weights table again."""
     if model.placed is None:
         placed, shared = _placed(model.weights, model.index)
-        model.placed = placed.localCheckpoint()
-        if shared is not None:
-            shared.unpersist()
+        try:
+            model.placed = placed.localCheckpoint()
+        finally:
+            if shared is not None:
+                shared.unpersist()
     return model.placed
 
 
