@@ -186,3 +186,71 @@ def test_write_whole_leaves_the_file_whole_or_absent(tmp_path):
     assert not (tmp_path / "b").exists()
     # only the temporary file is left (a run folder's scratch is removed whole)
     assert [p.name.startswith("b.tmp-") for p in tmp_path.iterdir() if p.name.startswith("b")] == [True]
+
+
+def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path):
+    """Version 0 of a table without run keys is read as the Parquet files its log entry adds: the
+    rows and column types of Delta's own read, no Delta file index in the plan, stray files in the
+    folder not read; later versions go through Delta, and version 0 still reads as it was."""
+    from tests.conftest import executed_plan
+    from xmc_spark.storage import created_files
+    path = str(tmp_path / "t")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "part-stray.parquet").write_bytes(b"not a table's file")
+    df = spark.range(1000).select("id", F.array((F.col("id") % 7).cast("int")).alias("ids"),
+                                  (F.col("id") / 3).cast("float").alias("x"))
+    write_delta(df.repartition(3), path)
+    schema, files = created_files(spark, path)
+    assert len(files) == 3 and all(f.startswith(path + "/part-") and "stray" not in f for f in files)
+    fast = read_delta(spark, path, version=0)
+    delta = spark.read.format("delta").option("versionAsOf", 0).load(path)
+    plan = executed_plan(fast)
+    assert "InMemoryFileIndex" in plan and "DeltaFileIndex" not in plan and "Tahoe" not in plan, plan
+    assert [(f.name, f.dataType) for f in fast.schema] == [(f.name, f.dataType) for f in delta.schema]
+    assert sorted(map(tuple, fast.collect())) == sorted(map(tuple, delta.collect()))
+    write_delta(df.limit(5), path)                                   # version 1: Delta's read
+    assert "InMemoryFileIndex" not in executed_plan(read_delta(spark, path, version=1))
+    assert read_delta(spark, path, version=1).count() == 5 and read_delta(spark, path, version=0).count() == 1000
+    keyed = str(tmp_path / "k")
+    write_delta(df, keyed, run_key="r1")                             # partitioned: Delta's read
+    assert created_files(spark, keyed) is None and read_delta(spark, keyed, "r1", version=0).count() == 1000
+    assert created_files(spark, str(tmp_path / "none")) is None      # no log
+    t = Tables(spark, tmp_path / "root")                             # a run's own new table, unpinned
+    t.write("metrics", spark.createDataFrame([("p@1", 1.0)], "metric string, value double"))
+    assert "InMemoryFileIndex" in executed_plan(t.read("metrics")) and t.reads == {"metrics": 0}
+    assert [tuple(r) for r in t.read("metrics").collect()] == [("p@1", 1.0)]
+
+
+def test_plain_state_of_a_log_entry():
+    """Which first log entries read as plain Parquet: relative, unquoted file paths under the
+    table, the logical schema; partitions, column mapping, other reader features, deletion
+    vectors, actions beyond a creation's, absolute paths and glob characters go through Delta."""
+    import json
+
+    from xmc_spark.storage import plain_state
+    schema = json.dumps({"type": "struct", "fields": [{"name": "id", "type": "long", "nullable": True,
+                                                       "metadata": {}}]})
+
+    def entry(protocol=None, meta=None, adds=({"path": "part-0%20a.parquet", "partitionValues": {}},), extra=()):
+        actions = [{"commitInfo": {"operation": "WRITE"}},
+                   {"protocol": protocol or {"minReaderVersion": 1, "minWriterVersion": 2}},
+                   {"metaData": {"format": {"provider": "parquet"}, "schemaString": schema,
+                                 "partitionColumns": [], "configuration": {}, **(meta or {})}}]
+        actions += [{"add": a} for a in adds] + list(extra)
+        return "\n".join(json.dumps(a) for a in actions) + "\n"
+
+    got = plain_state(entry(), "/r/t/")
+    assert got[1] == ["/r/t/part-0 a.parquet"] and [f.name for f in got[0]] == ["id"]
+    features = {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["deletionVectors"]}
+    assert plain_state(entry(protocol=features), "/r/t") is not None
+    for bad in (entry(protocol={**features, "readerFeatures": ["columnMapping"]}),
+                entry(protocol={"minReaderVersion": 4}),
+                entry(meta={"configuration": {"delta.columnMapping.mode": "name"}}),
+                entry(meta={"partitionColumns": ["run_key"]}),
+                entry(adds=({"path": "k=1/p.parquet", "partitionValues": {"k": "1"}},)),
+                entry(adds=({"path": "p.parquet", "deletionVector": {"storageType": "u"}},)),
+                entry(adds=({"path": "s3://b/p.parquet"},)),
+                entry(adds=({"path": "p[1].parquet"},)),
+                entry(adds=()),
+                entry(extra=({"remove": {"path": "old.parquet"}},))):
+        assert plain_state(bad, "/r/t") is None, bad
