@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,7 +64,11 @@ def run_pecos(train: str, test: str, cores: int) -> dict:
 
 
 def run_xmc(train: str, test: str, out: Path, cores: int, extra, python: str = sys.executable) -> dict:
+    """One ``xmc-spark run`` into a fresh output folder (``out/run``, an earlier run's removed
+    first), as PECOS's model is made afresh: a run into an old folder overwrites its tables, a
+    different job (before 2026-12-04's sixth session this script measured that one)."""
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "run", ignore_errors=True)
     cmd = [python, "-m", "xmc_spark.cli", "run", "--train", train, "--test", test, "--out", str(out / "run"),
            "--set", f"spark.master=local[{cores}]", "--set", "mlflow.enabled=false", *extra]
     t = time.perf_counter()

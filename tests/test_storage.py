@@ -215,10 +215,19 @@ def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path):
     write_delta(df, keyed, run_key="r1")                             # partitioned: Delta's read
     assert created_files(spark, keyed) is None and read_delta(spark, keyed, "r1", version=0).count() == 1000
     assert created_files(spark, str(tmp_path / "none")) is None      # no log
+    spark.conf.set("spark.sql.sources.parallelPartitionDiscovery.threshold", "2")
+    try:                                 # more files than Spark lists without a job: Delta's read
+        assert created_files(spark, path) is None
+    finally:
+        spark.conf.unset("spark.sql.sources.parallelPartitionDiscovery.threshold")
     t = Tables(spark, tmp_path / "root")                             # a run's own new table, unpinned
     t.write("metrics", spark.createDataFrame([("p@1", 1.0)], "metric string, value double"))
     assert "InMemoryFileIndex" in executed_plan(t.read("metrics")) and t.reads == {"metrics": 0}
     assert [tuple(r) for r in t.read("metrics").collect()] == [("p@1", 1.0)]
+    k = Tables(spark, tmp_path / "keyed_root", "r1")                # a run key's table: Delta's read
+    k.write("metrics", spark.createDataFrame([("p@1", 2.0)], "metric string, value double"))
+    keyed_plan = executed_plan(k.read("metrics"))
+    assert "InMemoryFileIndex" not in keyed_plan and k.reads == {"metrics": 0}
 
 
 def test_plain_state_of_a_log_entry():
@@ -243,6 +252,16 @@ def test_plain_state_of_a_log_entry():
     assert got[1] == ["/r/t/part-0 a.parquet"] and [f.name for f in got[0]] == ["id"]
     features = {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["deletionVectors"]}
     assert plain_state(entry(protocol=features), "/r/t") is not None
+    assert plain_state(entry(protocol={"minReaderVersion": 2, "minWriterVersion": 5}), "/r/t") is not None
+    # of a field's metadata the read keeps what Delta's does (char/varchar, comments)
+    meta = json.dumps({"type": "struct", "fields": [{"name": "id", "type": "long", "nullable": True, "metadata": {
+        "comment": "c", "delta.generationExpression": "1", "__CHAR_VARCHAR_TYPE_STRING": "x"}}, {
+        "name": "s", "type": {"type": "struct", "fields": [{"name": "a", "type": "long", "nullable": True,
+                                                            "metadata": {"delta.identity.start": 1}}]},
+        "nullable": True, "metadata": {}}]})
+    fields = plain_state(entry(meta={"schemaString": meta}), "/r/t")[0].fields
+    assert fields[0].metadata == {"comment": "c", "__CHAR_VARCHAR_TYPE_STRING": "x"}
+    assert fields[1].dataType.fields[0].metadata == {}
     for bad in (entry(protocol={**features, "readerFeatures": ["columnMapping"]}),
                 entry(protocol={"minReaderVersion": 4}),
                 entry(meta={"configuration": {"delta.columnMapping.mode": "name"}}),
@@ -252,5 +271,11 @@ def test_plain_state_of_a_log_entry():
                 entry(adds=({"path": "s3://b/p.parquet"},)),
                 entry(adds=({"path": "p[1].parquet"},)),
                 entry(adds=()),
+                entry(adds=({"path": "/abs/p.parquet"},)),
+                entry(adds=({"path": "_hidden.parquet"},)),
+                entry(adds=({"path": "p.parquet"}, {"path": "p.parquet"})),
+                entry(meta={"format": {"provider": "parquet", "options": {"mergeSchema": "true"}}}),
+                entry(meta={"configuration": {"delta.coordinatedCommits.commitCoordinator-preview": "dynamodb"}}),
+                entry(protocol={**features, "writerFeatures": ["coordinatedCommits-preview"]}),
                 entry(extra=({"remove": {"path": "old.parquet"}},))):
         assert plain_state(bad, "/r/t") is None, bad

@@ -257,14 +257,16 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
     """A Delta table (at ``version``, Delta time travel, when given), one run key's rows.
 
     Version 0 of a table without run keys is read as the Parquet files its log entry adds, when
-    that entry alone says how (:func:`created_files`): the same files a Delta read of that version
-    scans, without Delta's state reconstruction, which computes every new version's file list in
-    Spark jobs (three small jobs and their planning: 0.3-3 s per table a fresh run writes and then
-    reads, ~5 s of a 200K run)."""
+    that entry alone says how (:func:`created_files`) and they are at most Spark's threshold for
+    listing files in a job (``spark.sql.sources.parallelPartitionDiscovery.threshold``, 32; each
+    file is also checked to exist): the same files a Delta read of that version scans, without
+    Delta's state reconstruction, which computes every new version's file list in Spark jobs
+    (three small jobs and their planning: 0.3-3 s per table a fresh run writes and then reads,
+    ~7 s of a 200K run)."""
     if run_key is None and version == 0:
         created = created_files(spark, path)
         if created is not None:
-            return spark.read.schema(created[0]).parquet(*created[1])
+            return _read_created(spark, created)
     reader = spark.read.format("delta")
     if version is not None:
         reader = reader.option("versionAsOf", int(version))
@@ -283,10 +285,9 @@ _GLOB = frozenset("{}[]*?\\")
 def created_files(spark: SparkSession, path: str) -> Optional[Tuple[T.StructType, List[str]]]:
     """(schema, data files) of version 0 of the Delta table at ``path``, read from its log entry
     (``_delta_log/00000000000000000000.json``: a table's first version is what that entry adds),
-    when those files read as plain Parquet give the table: no partition columns, no column
-    mapping, no reader feature beyond :data:`PLAIN_READER_FEATURES`, no deletion vector, relative
-    file paths, and a path Spark would not take for a glob; else None (and on Spark Connect, or
-    when the entry cannot be read), and the caller reads through Delta."""
+    when those files read as plain Parquet give the table (:func:`plain_state`) and are at most
+    Spark's threshold for listing files in a job; else None (and on Spark Connect, or when the
+    entry cannot be read), and the caller reads through Delta."""
     if any(c in _GLOB for c in path):
         return None
     fs = hadoop_fs(spark, f"{path.rstrip('/')}/_delta_log/{0:020d}.json")
@@ -299,13 +300,21 @@ def created_files(spark: SparkSession, path: str) -> Optional[Tuple[T.StructType
             text = spark.sparkContext._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
         finally:
             stream.close()
-        return plain_state(str(text), path)
+        created = plain_state(str(text), path)
     except Exception:  # noqa: BLE001 - no such entry (log cleanup), a store unreachable from here
         return None
+    limit = int(conf_value(spark, "spark.sql.sources.parallelPartitionDiscovery.threshold", "32") or 32)
+    return created if created is not None and len(created[1]) <= limit else None
 
 
 def plain_state(entry: str, path: str) -> Optional[Tuple[T.StructType, List[str]]]:
-    """:func:`created_files` of a version-0 log entry's text (newline-delimited actions)."""
+    """:func:`created_files` of a version-0 log entry's text (newline-delimited actions): the
+    schema (fields' metadata kept only for char/varchar types and comments, as Delta's read drops
+    the rest) and the files, when they read as plain Parquet give the table: no partition
+    columns, no column mapping, no reader feature beyond :data:`PLAIN_READER_FEATURES`, no
+    commit coordinator (whose later commits a listing may not see), no reader options, no
+    deletion vector, no action beyond a creation's, file paths relative, distinct, not hidden
+    from Spark's file index (``_``, ``.``) and not what Spark would take for a glob."""
     protocol = meta = None
     files: List[str] = []
     for line in entry.splitlines():
@@ -318,22 +327,48 @@ def plain_state(entry: str, path: str) -> Optional[Tuple[T.StructType, List[str]
             meta = action["metaData"]
         elif "add" in action:
             add = action["add"]
-            if add.get("deletionVector") or add.get("partitionValues") or ":" in add["path"]:
+            rel = unquote(add["path"])
+            if (add.get("deletionVector") or add.get("partitionValues") or ":" in rel or rel.startswith("/")
+                    or rel.rsplit("/", 1)[-1].startswith(("_", "."))):
                 return None
-            files.append(f"{path.rstrip('/')}/{unquote(add['path'])}")
+            files.append(f"{path.rstrip('/')}/{rel}")
         elif "commitInfo" not in action:          # remove, cdc, txn, domainMetadata...: not plain
             return None
-    if protocol is None or meta is None or not files:
+    if protocol is None or meta is None or not files or len(set(files)) < len(files):
         return None
     reader = int(protocol.get("minReaderVersion", 1))
     if reader > 3 or (reader == 3 and not set(protocol.get("readerFeatures") or ()) <= PLAIN_READER_FEATURES):
         return None
-    if ((meta.get("configuration") or {}).get("delta.columnMapping.mode", "none") != "none"
-            or meta.get("partitionColumns") or (meta.get("format") or {}).get("provider", "parquet") != "parquet"):
+    if any("coordinatedCommits" in f or "catalog" in f.lower() for f in protocol.get("writerFeatures") or ()):
+        return None
+    conf, fmt = meta.get("configuration") or {}, meta.get("format") or {}
+    if (conf.get("delta.columnMapping.mode", "none") != "none" or any("coordinatedCommits" in k for k in conf)
+            or meta.get("partitionColumns") or fmt.get("provider", "parquet") != "parquet" or fmt.get("options")):
         return None
     if any(c in _GLOB for f in files for c in f):
         return None
-    return T.StructType.fromJson(json.loads(meta["schemaString"])), files
+    return T.StructType.fromJson(_read_metadata(json.loads(meta["schemaString"]))), files
+
+
+_KEPT_METADATA = ("__CHAR_VARCHAR_TYPE_STRING", "comment")
+
+
+def _read_metadata(t):
+    """A schema's JSON with each field's metadata cut to what Delta's read keeps of it."""
+    if isinstance(t, dict):
+        if t.get("type") == "struct":
+            return {**t, "fields": [{**f, "type": _read_metadata(f["type"]),
+                                     "metadata": {k: v for k, v in (f.get("metadata") or {}).items()
+                                                  if k in _KEPT_METADATA}} for f in t["fields"]]}
+        if t.get("type") == "array":
+            return {**t, "elementType": _read_metadata(t["elementType"])}
+        if t.get("type") == "map":
+            return {**t, "keyType": _read_metadata(t["keyType"]), "valueType": _read_metadata(t["valueType"])}
+    return t
+
+
+def _read_created(spark: SparkSession, created) -> DataFrame:
+    return spark.read.schema(created[0]).parquet(*created[1])
 
 
 def write_whole(fs, path: str, write: Callable) -> None:
@@ -413,9 +448,13 @@ class Tables:
     def read(self, name: str) -> DataFrame:
         version = self.pins.get(name)
         self.reads[name] = version if version is not None else self.version(name)
-        # a table this run created and reads unpinned is at the version just listed: read as such
-        # (version 0 reads its files without Delta's state reconstruction: :func:`read_delta`)
-        df = read_delta(self.spark, self.path(name), self.run_key, 0 if self.reads[name] == 0 else version)
+        created = None
+        if version is None and self.run_key is None and self.reads[name] == 0:
+            # an unpinned table listed at its first version (a run's own new table) that reads as
+            # plain files is read as such (:func:`read_delta`); else, the latest through Delta
+            created = created_files(self.spark, self.path(name))
+        df = (_read_created(self.spark, created) if created is not None
+              else read_delta(self.spark, self.path(name), self.run_key, version))
         try:
             return check_table(df, name)
         except SchemaError as e:
