@@ -188,11 +188,12 @@ def test_write_whole_leaves_the_file_whole_or_absent(tmp_path):
     assert [p.name.startswith("b.tmp-") for p in tmp_path.iterdir() if p.name.startswith("b")] == [True]
 
 
-def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path):
+def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path, monkeypatch):
     """Version 0 of a table without run keys is read as the Parquet files its log entry adds: the
     rows and column types of Delta's own read, no Delta file index in the plan, stray files in the
     folder not read; later versions go through Delta, and version 0 still reads as it was."""
     from tests.conftest import executed_plan
+    from xmc_spark import storage
     from xmc_spark.storage import created_files
     path = str(tmp_path / "t")
     (tmp_path / "t").mkdir()
@@ -215,6 +216,9 @@ def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path):
     write_delta(df, keyed, run_key="r1")                             # partitioned: Delta's read
     assert created_files(spark, keyed) is None and read_delta(spark, keyed, "r1", version=0).count() == 1000
     assert created_files(spark, str(tmp_path / "none")) is None      # no log
+    monkeypatch.setattr(storage, "ENTRY_BYTES", 100)                  # an entry too big to read
+    assert created_files(spark, path) is None
+    monkeypatch.undo()
     spark.conf.set("spark.sql.sources.parallelPartitionDiscovery.threshold", "2")
     try:                                 # more files than Spark lists without a job: Delta's read
         assert created_files(spark, path) is None

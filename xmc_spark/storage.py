@@ -280,14 +280,16 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
 # schema (deletion vectors only as long as no file has one: checked per file)
 PLAIN_READER_FEATURES = frozenset({"deletionVectors", "timestampNtz", "v2Checkpoint", "vacuumProtocolCheck"})
 _GLOB = frozenset("{}[]*?\\")
+ENTRY_BYTES = 4 << 20        # a first log entry larger than this is not read into the driver
 
 
 def created_files(spark: SparkSession, path: str) -> Optional[Tuple[T.StructType, List[str]]]:
     """(schema, data files) of version 0 of the Delta table at ``path``, read from its log entry
     (``_delta_log/00000000000000000000.json``: a table's first version is what that entry adds),
     when those files read as plain Parquet give the table (:func:`plain_state`) and are at most
-    Spark's threshold for listing files in a job; else None (and on Spark Connect, or when the
-    entry cannot be read), and the caller reads through Delta."""
+    Spark's threshold for listing files in a job; else None (and on Spark Connect, when the entry
+    cannot be read, or when it is over :data:`ENTRY_BYTES`: the driver reads it whole), and the
+    caller reads through Delta."""
     if any(c in _GLOB for c in path):
         return None
     fs = hadoop_fs(spark, f"{path.rstrip('/')}/_delta_log/{0:020d}.json")
@@ -295,6 +297,8 @@ def created_files(spark: SparkSession, path: str) -> Optional[Tuple[T.StructType
         return None
     try:
         fs, hpath = fs
+        if fs.getFileStatus(hpath).getLen() > ENTRY_BYTES:   # a table of many files: Delta's read
+            return None
         stream = fs.open(hpath)
         try:
             text = spark.sparkContext._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
