@@ -273,8 +273,10 @@ def weights_nbytes(weights: DataFrame) -> int:
     return sum(tree_nbytes(weights).values())
 
 
-def _placement(index: TreeIndex):
-    """Layer shape plus, for every weight key, its layer and position: O(nodes + slots)."""
+def _place_table(index: TreeIndex):
+    """The tree's (is_leaf, key) -> (layer, ppos, pos) table as arrays, O(nodes + slots): the
+    internal nodes' keys sorted with their layer, parent position and own position, then each
+    slot's (the slot is the key) position and parent position, and the slots' layer."""
     shape = tree_layers(index)
     ids, layer, pos, parent = [], [], [], []
     for t, (keys, child_ptr, _) in enumerate(shape.layers[:-1]):
@@ -291,14 +293,6 @@ def _placement(index: TreeIndex):
     slot_pos = np.empty(len(slots), np.int64)
     slot_pos[slots] = np.arange(len(slots))
     slot_parent = np.repeat(np.arange(len(slot_ptr) - 1), np.diff(slot_ptr))
-    return shape, node, (slot_pos, slot_parent)
-
-
-def _place_table(index: TreeIndex):
-    """The tree's (is_leaf, key) -> (layer, ppos, pos) table as arrays, O(nodes + slots): the
-    internal nodes' keys sorted with their layer, parent position and own position, then each
-    slot's (the slot is the key) position and parent position, and the slots' layer."""
-    shape, node, (slot_pos, slot_parent) = _placement(index)
     return node, (slot_pos, slot_parent[slot_pos]), len(shape.layers) - 1
 
 
