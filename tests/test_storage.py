@@ -194,14 +194,14 @@ def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path, monk
     folder not read; later versions go through Delta, and version 0 still reads as it was."""
     from tests.conftest import executed_plan
     from xmc_spark import storage
-    from xmc_spark.storage import created_files
+    from xmc_spark.storage import version_files
     path = str(tmp_path / "t")
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "part-stray.parquet").write_bytes(b"not a table's file")
     df = spark.range(1000).select("id", F.array((F.col("id") % 7).cast("int")).alias("ids"),
                                   (F.col("id") / 3).cast("float").alias("x"))
     write_delta(df.repartition(3), path)
-    schema, files = created_files(spark, path)
+    schema, files = version_files(spark, path, 0)
     assert len(files) == 3 and all(f.startswith(path + "/part-") and "stray" not in f for f in files)
     fast = read_delta(spark, path, version=0)
     delta = spark.read.format("delta").option("versionAsOf", 0).load(path)
@@ -209,29 +209,89 @@ def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path, monk
     assert "InMemoryFileIndex" in plan and "DeltaFileIndex" not in plan and "Tahoe" not in plan, plan
     assert [(f.name, f.dataType) for f in fast.schema] == [(f.name, f.dataType) for f in delta.schema]
     assert sorted(map(tuple, fast.collect())) == sorted(map(tuple, delta.collect()))
-    write_delta(df.limit(5), path)                                   # version 1: Delta's read
-    assert "InMemoryFileIndex" not in executed_plan(read_delta(spark, path, version=1))
-    assert read_delta(spark, path, version=1).count() == 5 and read_delta(spark, path, version=0).count() == 1000
     keyed = str(tmp_path / "k")
-    write_delta(df, keyed, run_key="r1")                             # partitioned: Delta's read
-    assert created_files(spark, keyed) is None and read_delta(spark, keyed, "r1", version=0).count() == 1000
-    assert created_files(spark, str(tmp_path / "none")) is None      # no log
+    write_delta(df, keyed, run_key="r1")           # partitioned by run key: read as that key's files
+    assert version_files(spark, keyed, 0) is None and read_delta(spark, keyed, "r1", version=0).count() == 1000
+    assert "InMemoryFileIndex" in executed_plan(read_delta(spark, keyed, "r1", version=0))
+    assert version_files(spark, str(tmp_path / "none"), 0) is None   # no log
     monkeypatch.setattr(storage, "ENTRY_BYTES", 100)                  # an entry too big to read
-    assert created_files(spark, path) is None
+    assert version_files(spark, path, 0) is None
     monkeypatch.undo()
     spark.conf.set("spark.sql.sources.parallelPartitionDiscovery.threshold", "2")
     try:                                 # more files than Spark lists without a job: Delta's read
-        assert created_files(spark, path) is None
+        assert version_files(spark, path, 0) is None
     finally:
         spark.conf.unset("spark.sql.sources.parallelPartitionDiscovery.threshold")
     t = Tables(spark, tmp_path / "root")                             # a run's own new table, unpinned
     t.write("metrics", spark.createDataFrame([("p@1", 1.0)], "metric string, value double"))
     assert "InMemoryFileIndex" in executed_plan(t.read("metrics")) and t.reads == {"metrics": 0}
     assert [tuple(r) for r in t.read("metrics").collect()] == [("p@1", 1.0)]
-    k = Tables(spark, tmp_path / "keyed_root", "r1")                # a run key's table: Delta's read
+    k = Tables(spark, tmp_path / "keyed_root", "r1")                # a run key's table, unpinned
     k.write("metrics", spark.createDataFrame([("p@1", 2.0)], "metric string, value double"))
-    keyed_plan = executed_plan(k.read("metrics"))
-    assert "InMemoryFileIndex" not in keyed_plan and k.reads == {"metrics": 0}
+    assert "InMemoryFileIndex" in executed_plan(k.read("metrics")) and k.reads == {"metrics": 0}
+    assert [tuple(r) for r in k.read("metrics").collect()] == [("p@1", 2.0)]
+
+
+def _files_of(df) -> list:
+    """The files a read scans, as local paths (Delta's index says ``file:/x``, Spark's ``file:///x``)."""
+    from urllib.parse import urlparse
+    return sorted(urlparse(f).path for f in df.inputFiles())
+
+
+def test_later_versions_are_read_from_their_checksum_files(spark, tmp_path):
+    """A later version (an overwrite, a run key's partition replaced beside another key's) is read
+    as the files its checksum file lists: the files, rows and column types of Delta's read of that
+    version, no Delta file index in the plan; a version whose checksum file is gone, or lists no
+    files, goes through Delta with the same rows."""
+    from tests.conftest import executed_plan
+    from xmc_spark.storage import version_files
+
+    def delta_at(path, version, key=None):
+        df = spark.read.format("delta").option("versionAsOf", version).load(path)
+        return df if key is None else df.filter(F.col("run_key") == key).drop("run_key")
+
+    def same(fast, delta):
+        assert "InMemoryFileIndex" in executed_plan(fast), executed_plan(fast)
+        assert [(f.name, f.dataType) for f in fast.schema] == [(f.name, f.dataType) for f in delta.schema]
+        assert _files_of(fast) == _files_of(delta)
+        assert sorted(map(tuple, fast.collect())) == sorted(map(tuple, delta.collect()))
+
+    df = spark.range(300).select("id", F.array((F.col("id") % 7).cast("int")).alias("ids"),
+                                 (F.col("id") / 3).cast("float").alias("x"))
+    path = str(tmp_path / "t")
+    write_delta(df.repartition(3), path)
+    write_delta(df.where("id < 40").repartition(2), path)            # version 1: an overwrite
+    assert len(version_files(spark, path, 1)[1]) == 2
+    same(read_delta(spark, path, version=1), delta_at(path, 1))
+    same(read_delta(spark, path, version=0), delta_at(path, 0))      # the first version, as it was
+    keyed = str(tmp_path / "k")
+    write_delta(df.where("id < 100"), keyed, run_key="a")            # 0
+    write_delta(df.where("id >= 100").repartition(2), keyed, run_key="b")   # 1
+    write_delta(df.where("id < 10"), keyed, run_key="a")             # 2: a's rows replaced
+    for key, version in (("a", 2), ("b", 2), ("a", 1), ("a", 0), ("b", 1)):
+        same(read_delta(spark, keyed, key, version), delta_at(keyed, version, key))
+    assert read_delta(spark, keyed, "a", 2).count() == 10 and read_delta(spark, keyed, "a", 1).count() == 100
+    rows = "metric string, value double"                            # unpinned: the listed latest version
+    ta, tb = Tables(spark, tmp_path / "root", "a"), Tables(spark, tmp_path / "root", "b")
+    ta.write("metrics", spark.createDataFrame([("p@1", 1.0)], rows))
+    tb.write("metrics", spark.createDataFrame([("p@1", 2.0)], rows))
+    ta.write("metrics", spark.createDataFrame([("p@1", 3.0)], rows))
+    assert "InMemoryFileIndex" in executed_plan(tb.read("metrics")) and tb.reads == {"metrics": 2}
+    assert [tuple(r) for r in tb.read("metrics").collect()] == [("p@1", 2.0)]
+    assert [tuple(r) for r in ta.read("metrics").collect()] == [("p@1", 3.0)]
+    assert version_files(spark, keyed, 2, "c") is None               # a key with no files: Delta's read
+    assert read_delta(spark, keyed, "c", 2).count() == 0
+    (tmp_path / "k" / "_delta_log" / f"{2:020d}.crc").unlink()       # no checksum file: Delta's read
+    assert version_files(spark, keyed, 2, "a") is None
+    assert "InMemoryFileIndex" not in executed_plan(read_delta(spark, keyed, "a", 2))
+    assert sorted(map(tuple, read_delta(spark, keyed, "a", 2).collect())) == sorted(
+        map(tuple, delta_at(keyed, 2, "a").collect()))
+    spark.conf.set("spark.databricks.delta.allFilesInCrc.enabled", "false")
+    try:                                                             # a checksum without the files
+        write_delta(df.where("id < 5"), path)
+    finally:
+        spark.conf.unset("spark.databricks.delta.allFilesInCrc.enabled")
+    assert version_files(spark, path, 2) is None and read_delta(spark, path, version=2).count() == 5
 
 
 def test_plain_state_of_a_log_entry():
@@ -283,3 +343,45 @@ def test_plain_state_of_a_log_entry():
                 entry(protocol={**features, "writerFeatures": ["coordinatedCommits-preview"]}),
                 entry(extra=({"remove": {"path": "old.parquet"}},))):
         assert plain_state(bad, "/r/t") is None, bad
+
+
+def test_checksum_state_and_run_keys():
+    """A checksum file reads as plain Parquet where its own counts agree with its file list and
+    its protocol and metadata would let a version-0 entry (:func:`plain_state`); with a run key,
+    only that key's files, under the schema without the key (a partition by run key only)."""
+    import json
+
+    from xmc_spark.storage import checksum_state, plain_state
+    schema = json.dumps({"type": "struct", "fields": [
+        {"name": "id", "type": "long", "nullable": True, "metadata": {}},
+        {"name": "run_key", "type": "string", "nullable": True, "metadata": {}}]})
+    meta = {"format": {"provider": "parquet", "options": {}}, "schemaString": schema,
+            "partitionColumns": ["run_key"], "configuration": {}}
+    files = [{"path": "run_key=a/p%201.parquet", "partitionValues": {"run_key": "a"}, "size": 10},
+             {"path": "run_key=b/q.parquet", "partitionValues": {"run_key": "b"}, "size": 5}]
+
+    def crc(**kw):
+        c = {"tableSizeBytes": 15, "numFiles": 2, "numMetadata": 1, "numProtocol": 1, "setTransactions": [],
+             "domainMetadata": [], "metadata": meta, "protocol": {"minReaderVersion": 1, "minWriterVersion": 2},
+             "allFiles": files}
+        return json.dumps({**c, **kw})
+
+    got = checksum_state(crc(), "/r/t", "a")
+    assert got[1] == ["/r/t/run_key=a/p 1.parquet"] and [f.name for f in got[0]] == ["id"]
+    assert checksum_state(crc(), "/r/t", "b")[1] == ["/r/t/run_key=b/q.parquet"]
+    assert checksum_state(crc(), "/r/t", "c") is None                  # no file of that key
+    assert checksum_state(crc(), "/r/t") is None                       # partitioned, no key asked
+    for bad in (crc(numFiles=3), crc(tableSizeBytes=14), crc(numMetadata=2), crc(allFiles=None),
+                crc(domainMetadata=[{"domain": "delta.clustering", "configuration": "{}", "removed": False}]),
+                crc(metadata={**meta, "partitionColumns": ["run_key", "day"]}),
+                crc(allFiles=[{**files[0], "partitionValues": {"run_key": "a", "day": "1"}}], numFiles=1,
+                    tableSizeBytes=10),
+                crc(allFiles=[{**files[0], "deletionVector": {"storageType": "u"}}], numFiles=1, tableSizeBytes=10),
+                crc(protocol={"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["columnMapping"]}),
+                "[]"):
+        assert checksum_state(bad, "/r/t", "a") is None, bad
+    # a version-0 entry of a keyed table: the key's files
+    entry = "\n".join(json.dumps(a) for a in [{"protocol": {"minReaderVersion": 1, "minWriterVersion": 2}},
+                                              {"metaData": meta}] + [{"add": f} for f in files])
+    assert plain_state(entry, "/r/t", "b")[1] == ["/r/t/run_key=b/q.parquet"]
+    assert plain_state(entry, "/r/t") is None

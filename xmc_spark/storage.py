@@ -256,17 +256,17 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
                version: Optional[int] = None) -> DataFrame:
     """A Delta table (at ``version``, Delta time travel, when given), one run key's rows.
 
-    Version 0 of a table without run keys is read as the Parquet files its log entry adds, when
-    that entry alone says how (:func:`created_files`) and they are at most Spark's threshold for
-    listing files in a job (``spark.sql.sources.parallelPartitionDiscovery.threshold``, 32; each
-    file is also checked to exist): the same files a Delta read of that version scans, without
-    Delta's state reconstruction, which computes every new version's file list in Spark jobs
-    (three small jobs and their planning: 0.3-3 s per table a fresh run writes and then reads,
-    ~7 s of a 200K run)."""
-    if run_key is None and version == 0:
-        created = created_files(spark, path)
-        if created is not None:
-            return _read_created(spark, created)
+    A given version whose log says which Parquet files make it, and how to read them
+    (:func:`version_files`: version 0's own entry, a later version's checksum file), is read as
+    those files, when they are at most Spark's threshold for listing files in a job
+    (``spark.sql.sources.parallelPartitionDiscovery.threshold``, 32; each file is also checked to
+    exist): the same files a Delta read of that version scans, without Delta's state
+    reconstruction, which computes every new version's file list in Spark jobs (three small jobs
+    and their planning: 0.3-3 s per table a run writes and then reads, ~7 s of a fresh 200K run)."""
+    if version is not None:
+        state = version_files(spark, path, int(version), run_key)
+        if state is not None:
+            return read_files(spark, state)
     reader = spark.read.format("delta")
     if version is not None:
         reader = reader.option("versionAsOf", int(version))
@@ -276,23 +276,42 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
     return df.filter(F.col(RUN_KEY) == check_run_key(run_key)).drop(RUN_KEY)
 
 
-# the protocol's reader features that leave a new table's files plain Parquet under its logical
+# the protocol's reader features that leave a table's files plain Parquet under its logical
 # schema (deletion vectors only as long as no file has one: checked per file)
 PLAIN_READER_FEATURES = frozenset({"deletionVectors", "timestampNtz", "v2Checkpoint", "vacuumProtocolCheck"})
 _GLOB = frozenset("{}[]*?\\")
-ENTRY_BYTES = 4 << 20        # a first log entry larger than this is not read into the driver
+ENTRY_BYTES = 4 << 20        # a log entry or checksum file larger than this is not read into the driver
 
 
-def created_files(spark: SparkSession, path: str) -> Optional[Tuple[T.StructType, List[str]]]:
-    """(schema, data files) of version 0 of the Delta table at ``path``, read from its log entry
-    (``_delta_log/00000000000000000000.json``: a table's first version is what that entry adds),
-    when those files read as plain Parquet give the table (:func:`plain_state`) and are at most
-    Spark's threshold for listing files in a job; else None (and on Spark Connect, when the entry
-    cannot be read, or when it is over :data:`ENTRY_BYTES`: the driver reads it whole), and the
-    caller reads through Delta."""
+def version_files(spark: SparkSession, path: str, version: int,
+                  run_key: Optional[str] = None) -> Optional[Tuple[T.StructType, List[str]]]:
+    """(schema, data files) of ``version`` of the Delta table at ``path`` (of ``run_key``'s
+    partition when given: its files, the schema without the key), read from the log: version 0
+    from its own entry (``_delta_log/00000000000000000000.json``: a table's first version is what
+    that entry adds, :func:`plain_state`), a later version from its checksum file
+    (``_delta_log/NNN.crc``, :func:`checksum_state`: the protocol's record of the version's state,
+    which Delta writes after each commit, with every live file while the table has at most
+    ``spark.databricks.delta.allFilesInCrc.thresholdNumFiles``, 50); when those files read as
+    plain Parquet give the table (or the key's rows) and are at most Spark's threshold for listing
+    files in a job. Else None (and on Spark Connect, when the file cannot be read, or when it is
+    over :data:`ENTRY_BYTES`: the driver reads it whole), and the caller reads through Delta."""
     if any(c in _GLOB for c in path):
         return None
-    fs = hadoop_fs(spark, f"{path.rstrip('/')}/_delta_log/{0:020d}.json")
+    if version == 0:
+        text = _log_text(spark, path, f"{0:020d}.json")
+        state = plain_state(text, path, run_key) if text is not None else None
+    else:
+        text = _log_text(spark, path, f"{int(version):020d}.crc")
+        state = checksum_state(text, path, run_key) if text is not None else None
+    limit = int(conf_value(spark, "spark.sql.sources.parallelPartitionDiscovery.threshold", "32") or 32)
+    return state if state is not None and len(state[1]) <= limit else None
+
+
+def _log_text(spark: SparkSession, path: str, name: str) -> Optional[str]:
+    """The text of ``_delta_log/<name>`` of the table at ``path``, through the session's Hadoop
+    file system; None on Spark Connect, when there is no such file (log cleanup, a checksum never
+    written), when it is over :data:`ENTRY_BYTES`, or when the store cannot be read from here."""
+    fs = hadoop_fs(spark, f"{path.rstrip('/')}/_delta_log/{name}")
     if fs is None:
         return None
     try:
@@ -301,26 +320,18 @@ def created_files(spark: SparkSession, path: str) -> Optional[Tuple[T.StructType
             return None
         stream = fs.open(hpath)
         try:
-            text = spark.sparkContext._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
+            return str(spark.sparkContext._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
         finally:
             stream.close()
-        created = plain_state(str(text), path)
-    except Exception:  # noqa: BLE001 - no such entry (log cleanup), a store unreachable from here
+    except Exception:  # noqa: BLE001 - no such file, a store unreachable from here
         return None
-    limit = int(conf_value(spark, "spark.sql.sources.parallelPartitionDiscovery.threshold", "32") or 32)
-    return created if created is not None and len(created[1]) <= limit else None
 
 
-def plain_state(entry: str, path: str) -> Optional[Tuple[T.StructType, List[str]]]:
-    """:func:`created_files` of a version-0 log entry's text (newline-delimited actions): the
-    schema (fields' metadata kept only for char/varchar types and comments, as Delta's read drops
-    the rest) and the files, when they read as plain Parquet give the table: no partition
-    columns, no column mapping, no reader feature beyond :data:`PLAIN_READER_FEATURES`, no
-    commit coordinator (whose later commits a listing may not see), no reader options, no
-    deletion vector, no action beyond a creation's, file paths relative, distinct, not hidden
-    from Spark's file index (``_``, ``.``) and not what Spark would take for a glob."""
+def plain_state(entry: str, path: str, run_key: Optional[str] = None) -> Optional[Tuple[T.StructType, List[str]]]:
+    """:func:`version_files` of a version-0 log entry's text (newline-delimited actions): no action
+    beyond a creation's (protocol, metadata, files, commit info), and the state :func:`_plain`."""
     protocol = meta = None
-    files: List[str] = []
+    adds: List[dict] = []
     for line in entry.splitlines():
         if not line.strip():
             continue
@@ -330,15 +341,37 @@ def plain_state(entry: str, path: str) -> Optional[Tuple[T.StructType, List[str]
         elif "metaData" in action:
             meta = action["metaData"]
         elif "add" in action:
-            add = action["add"]
-            rel = unquote(add["path"])
-            if (add.get("deletionVector") or add.get("partitionValues") or ":" in rel or rel.startswith("/")
-                    or rel.rsplit("/", 1)[-1].startswith(("_", "."))):
-                return None
-            files.append(f"{path.rstrip('/')}/{rel}")
+            adds.append(action["add"])
         elif "commitInfo" not in action:          # remove, cdc, txn, domainMetadata...: not plain
             return None
-    if protocol is None or meta is None or not files or len(set(files)) < len(files):
+    return _plain(protocol, meta, adds, path, run_key)
+
+
+def checksum_state(text: str, path: str, run_key: Optional[str] = None) -> Optional[Tuple[T.StructType, List[str]]]:
+    """:func:`version_files` of a version's checksum file (one JSON object): its protocol,
+    metadata and every live file (``allFiles``, optional in the protocol), consistent with its
+    own counts (``numFiles``, ``tableSizeBytes``, one metadata and one protocol), no domain
+    metadata, and the state :func:`_plain`."""
+    crc = json.loads(text)
+    files = crc.get("allFiles") if isinstance(crc, dict) else None
+    if (not isinstance(files, list) or crc.get("numFiles") != len(files) or crc.get("domainMetadata")
+            or crc.get("numMetadata") != 1 or crc.get("numProtocol") != 1
+            or crc.get("tableSizeBytes") != sum(int(a.get("size") or 0) for a in files)):
+        return None
+    return _plain(crc.get("protocol"), crc.get("metadata"), files, path, run_key)
+
+
+def _plain(protocol, meta, adds: List[dict], path: str,
+           run_key: Optional[str]) -> Optional[Tuple[T.StructType, List[str]]]:
+    """(schema, files) of a version's protocol, metadata and live files (``adds``), when those
+    files read as plain Parquet give the table: no partition columns (with ``run_key``: only the
+    run key, and its files are the key's; the schema leaves the key out), no column mapping, no
+    reader feature beyond :data:`PLAIN_READER_FEATURES`, no commit coordinator (whose later
+    commits a listing may not see), no reader options, no deletion vector, file paths relative,
+    distinct, not hidden from Spark's file index (``_``, ``.``) and not what Spark would take for
+    a glob; the schema's fields keep of their metadata only what Delta's read keeps
+    (char/varchar types and comments)."""
+    if protocol is None or meta is None:
         return None
     reader = int(protocol.get("minReaderVersion", 1))
     if reader > 3 or (reader == 3 and not set(protocol.get("readerFeatures") or ()) <= PLAIN_READER_FEATURES):
@@ -347,11 +380,30 @@ def plain_state(entry: str, path: str) -> Optional[Tuple[T.StructType, List[str]
         return None
     conf, fmt = meta.get("configuration") or {}, meta.get("format") or {}
     if (conf.get("delta.columnMapping.mode", "none") != "none" or any("coordinatedCommits" in k for k in conf)
-            or meta.get("partitionColumns") or fmt.get("provider", "parquet") != "parquet" or fmt.get("options")):
+            or list(meta.get("partitionColumns") or []) != ([] if run_key is None else [RUN_KEY])
+            or fmt.get("provider", "parquet") != "parquet" or fmt.get("options")):
         return None
-    if any(c in _GLOB for f in files for c in f):
+    files: List[str] = []
+    for add in adds:
+        parts = add.get("partitionValues") or {}
+        if parts != ({} if run_key is None else {RUN_KEY: parts.get(RUN_KEY)}):
+            return None
+        if run_key is not None and parts[RUN_KEY] != run_key:
+            continue                              # another run's file
+        rel = unquote(add["path"])
+        if (add.get("deletionVector") or ":" in rel or rel.startswith("/")
+                or rel.rsplit("/", 1)[-1].startswith(("_", "."))):
+            return None
+        files.append(f"{path.rstrip('/')}/{rel}")
+    if not files or len(set(files)) < len(files) or any(c in _GLOB for f in files for c in f):
         return None
-    return T.StructType.fromJson(_read_metadata(json.loads(meta["schemaString"]))), files
+    schema = _read_metadata(json.loads(meta["schemaString"]))
+    if run_key is not None:
+        kept = [f for f in schema["fields"] if f["name"] != RUN_KEY]
+        if len(kept) != len(schema["fields"]) - 1:
+            return None
+        schema = {**schema, "fields": kept}
+    return T.StructType.fromJson(schema), files
 
 
 _KEPT_METADATA = ("__CHAR_VARCHAR_TYPE_STRING", "comment")
@@ -371,8 +423,9 @@ def _read_metadata(t):
     return t
 
 
-def _read_created(spark: SparkSession, created) -> DataFrame:
-    return spark.read.schema(created[0]).parquet(*created[1])
+def read_files(spark: SparkSession, state: Tuple[T.StructType, List[str]]) -> DataFrame:
+    """The rows of :func:`version_files`' (schema, files)."""
+    return spark.read.schema(state[0]).parquet(*state[1])
 
 
 def write_whole(fs, path: str, write: Callable) -> None:
@@ -452,12 +505,12 @@ class Tables:
     def read(self, name: str) -> DataFrame:
         version = self.pins.get(name)
         self.reads[name] = version if version is not None else self.version(name)
-        created = None
-        if version is None and self.run_key is None and self.reads[name] == 0:
-            # an unpinned table listed at its first version (a run's own new table) that reads as
-            # plain files is read as such (:func:`read_delta`); else, the latest through Delta
-            created = created_files(self.spark, self.path(name))
-        df = (_read_created(self.spark, created) if created is not None
+        state = None
+        if version is None:
+            # unpinned: the listed latest version, read from its log where that says how
+            # (:func:`read_delta`); else the latest through Delta
+            state = version_files(self.spark, self.path(name), self.reads[name], self.run_key)
+        df = (read_files(self.spark, state) if state is not None
               else read_delta(self.spark, self.path(name), self.run_key, version))
         try:
             return check_table(df, name)
