@@ -189,9 +189,9 @@ def test_write_whole_leaves_the_file_whole_or_absent(tmp_path):
 
 
 def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path, monkeypatch):
-    """Version 0 of a table without run keys is read as the Parquet files its log entry adds: the
-    rows and column types of Delta's own read, no Delta file index in the plan, stray files in the
-    folder not read; later versions go through Delta, and version 0 still reads as it was."""
+    """Version 0 of a table is read as the Parquet files its log entry adds (of a run key's table,
+    that key's): the rows and column types of Delta's own read, no Delta file index in the plan,
+    stray files in the folder not read; too many files, or an entry too big, go through Delta."""
     from tests.conftest import executed_plan
     from xmc_spark import storage
     from xmc_spark.storage import version_files
@@ -233,9 +233,12 @@ def test_a_tables_first_version_is_read_from_its_log_entry(spark, tmp_path, monk
 
 
 def _files_of(df) -> list:
-    """The files a read scans, as local paths (Delta's index says ``file:/x``, Spark's ``file:///x``)."""
-    from urllib.parse import urlparse
-    return sorted(urlparse(f).path for f in df.inputFiles())
+    """The files a read scans, as local paths: Spark's index gives URIs (``file:///x%253A``), Delta's
+    Hadoop paths (``file:/x%3A``, a folder's escaped run key ``x:`` as it is on disk)."""
+    import os
+    from urllib.parse import unquote, urlparse
+    return sorted(next(p for p in (urlparse(f).path, unquote(urlparse(f).path)) if os.path.exists(p))
+                  for f in df.inputFiles())
 
 
 def test_later_versions_are_read_from_their_checksum_files(spark, tmp_path):
@@ -271,6 +274,13 @@ def test_later_versions_are_read_from_their_checksum_files(spark, tmp_path):
     for key, version in (("a", 2), ("b", 2), ("a", 1), ("a", 0), ("b", 1)):
         same(read_delta(spark, keyed, key, version), delta_at(keyed, version, key))
     assert read_delta(spark, keyed, "a", 2).count() == 10 and read_delta(spark, keyed, "a", 1).count() == 100
+    write_delta(df.where("id < 3"), keyed, run_key="a", where="id < 5")   # 3: part of a's rows replaced
+    same(read_delta(spark, keyed, "a", 3), delta_at(keyed, 3, "a"))
+    assert read_delta(spark, keyed, "a", 3).count() == 8
+    for key in ("2026-11-25T10:00", "a+b.c"):      # keys whose folder names Hive escapes, or not
+        write_delta(df.where("id < 20"), keyed, run_key=key)
+        version = table_version(spark, keyed)
+        same(read_delta(spark, keyed, key, version), delta_at(keyed, version, key))
     rows = "metric string, value double"                            # unpinned: the listed latest version
     ta, tb = Tables(spark, tmp_path / "root", "a"), Tables(spark, tmp_path / "root", "b")
     ta.write("metrics", spark.createDataFrame([("p@1", 1.0)], rows))
@@ -279,8 +289,24 @@ def test_later_versions_are_read_from_their_checksum_files(spark, tmp_path):
     assert "InMemoryFileIndex" in executed_plan(tb.read("metrics")) and tb.reads == {"metrics": 2}
     assert [tuple(r) for r in tb.read("metrics").collect()] == [("p@1", 2.0)]
     assert [tuple(r) for r in ta.read("metrics").collect()] == [("p@1", 3.0)]
-    assert version_files(spark, keyed, 2, "c") is None               # a key with no files: Delta's read
-    assert read_delta(spark, keyed, "c", 2).count() == 0
+    pinned = Tables(spark, tmp_path / "root", "a", pins={"metrics": 1})     # a pinned later version
+    assert [tuple(r) for r in pinned.read("metrics").collect()] == [("p@1", 1.0)] and pinned.reads == {"metrics": 1}
+    assert "InMemoryFileIndex" in executed_plan(pinned.read("metrics"))
+    empty = read_delta(spark, keyed, "c", 2)                          # a key with no rows: none, no job
+    assert version_files(spark, keyed, 2, "c")[1] == [] and empty.count() == 0
+    assert [(f.name, f.dataType) for f in empty.schema] == [
+        (f.name, f.dataType) for f in delta_at(keyed, 2, "c").schema]
+    evolved = str(tmp_path / "e")                      # a key's write adds a column (mergeSchema)
+    write_delta(df.where("id < 50"), evolved, run_key="a")
+    write_delta(df.where("id < 30").withColumn("y", F.lit(2.5)), evolved, run_key="b")
+    write_delta(df.where("id < 10").withColumn("y", F.lit(1.5)), evolved, run_key="c")
+    for version in (1, 2):
+        for key in ("a", "b", "c"):
+            got = read_delta(spark, evolved, key, version)
+            assert sorted(map(tuple, got.collect())) == sorted(map(tuple, delta_at(evolved, version, key).collect()))
+            assert got.columns == delta_at(evolved, version, key).columns
+    (tmp_path / "k" / "_delta_log" / f"{1:020d}.crc").write_text('{"numFiles": ')   # a file we cannot parse
+    assert version_files(spark, keyed, 1, "a") is None and read_delta(spark, keyed, "a", 1).count() == 100
     (tmp_path / "k" / "_delta_log" / f"{2:020d}.crc").unlink()       # no checksum file: Delta's read
     assert version_files(spark, keyed, 2, "a") is None
     assert "InMemoryFileIndex" not in executed_plan(read_delta(spark, keyed, "a", 2))
@@ -292,6 +318,13 @@ def test_later_versions_are_read_from_their_checksum_files(spark, tmp_path):
     finally:
         spark.conf.unset("spark.databricks.delta.allFilesInCrc.enabled")
     assert version_files(spark, path, 2) is None and read_delta(spark, path, version=2).count() == 5
+    write_delta(df.repartition(3), path)                             # 3: more files than listed in the driver
+    spark.conf.set("spark.sql.sources.parallelPartitionDiscovery.threshold", "2")
+    try:
+        assert version_files(spark, path, 3) is None and read_delta(spark, path, version=3).count() == 300
+    finally:
+        spark.conf.unset("spark.sql.sources.parallelPartitionDiscovery.threshold")
+    assert len(version_files(spark, path, 3)[1]) == 3
 
 
 def test_plain_state_of_a_log_entry():
@@ -317,6 +350,7 @@ def test_plain_state_of_a_log_entry():
     features = {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["deletionVectors"]}
     assert plain_state(entry(protocol=features), "/r/t") is not None
     assert plain_state(entry(protocol={"minReaderVersion": 2, "minWriterVersion": 5}), "/r/t") is not None
+    assert plain_state(entry(adds=()), "/r/t")[1] == []                # an empty table: no files
     # of a field's metadata the read keeps what Delta's does (char/varchar, comments)
     meta = json.dumps({"type": "struct", "fields": [{"name": "id", "type": "long", "nullable": True, "metadata": {
         "comment": "c", "delta.generationExpression": "1", "__CHAR_VARCHAR_TYPE_STRING": "x"}}, {
@@ -334,7 +368,6 @@ def test_plain_state_of_a_log_entry():
                 entry(adds=({"path": "p.parquet", "deletionVector": {"storageType": "u"}},)),
                 entry(adds=({"path": "s3://b/p.parquet"},)),
                 entry(adds=({"path": "p[1].parquet"},)),
-                entry(adds=()),
                 entry(adds=({"path": "/abs/p.parquet"},)),
                 entry(adds=({"path": "_hidden.parquet"},)),
                 entry(adds=({"path": "p.parquet"}, {"path": "p.parquet"})),
@@ -369,9 +402,20 @@ def test_checksum_state_and_run_keys():
     got = checksum_state(crc(), "/r/t", "a")
     assert got[1] == ["/r/t/run_key=a/p 1.parquet"] and [f.name for f in got[0]] == ["id"]
     assert checksum_state(crc(), "/r/t", "b")[1] == ["/r/t/run_key=b/q.parquet"]
-    assert checksum_state(crc(), "/r/t", "c") is None                  # no file of that key
+    assert checksum_state(crc(), "/r/t", "c")[1] == []                # no file of that key: no rows
     assert checksum_state(crc(), "/r/t") is None                       # partitioned, no key asked
-    for bad in (crc(numFiles=3), crc(tableSizeBytes=14), crc(numMetadata=2), crc(allFiles=None),
+    plain = [{"path": "p.parquet", "partitionValues": {}, "size": 15}]
+    unkeyed = crc(allFiles=plain, numFiles=1, metadata={**meta, "partitionColumns": []})
+    assert checksum_state(unkeyed, "/r/t")[1] == ["/r/t/p.parquet"]
+    # the version's own entry: what it adds is listed, what it removes is not
+    commit = [{"add": files[1]}, {"remove": {"path": "run_key=b/old.parquet"}}, {"commitInfo": {}}]
+    assert checksum_state(crc(), "/r/t", "a", "\n".join(json.dumps(a) for a in commit)) is not None
+    for bad_entry in ([{"add": {"path": "run_key=b/new.parquet"}}], [{"remove": {"path": "run_key=b/q.parquet"}}]):
+        assert checksum_state(crc(), "/r/t", "a", json.dumps(bad_entry[0])) is None
+    for bad in (crc(numFiles=3), crc(tableSizeBytes=14), crc(numMetadata=2), crc(allFiles=None), crc(numMetadata=None),
+                crc(metadata={**meta, "configuration": {"delta.coordinatedCommits.commitCoordinator-preview": "x"}}),
+                crc(allFiles=[{**files[0], "path": "file:/abs/p.parquet"}, files[1]]),
+                crc(allFiles=[{**files[0], "path": "/abs/run_key=a/p.parquet"}, files[1]]),
                 crc(domainMetadata=[{"domain": "delta.clustering", "configuration": "{}", "removed": False}]),
                 crc(metadata={**meta, "partitionColumns": ["run_key", "day"]}),
                 crc(allFiles=[{**files[0], "partitionValues": {"run_key": "a", "day": "1"}}], numFiles=1,

@@ -286,23 +286,31 @@ ENTRY_BYTES = 4 << 20        # a log entry or checksum file larger than this is 
 def version_files(spark: SparkSession, path: str, version: int,
                   run_key: Optional[str] = None) -> Optional[Tuple[T.StructType, List[str]]]:
     """(schema, data files) of ``version`` of the Delta table at ``path`` (of ``run_key``'s
-    partition when given: its files, the schema without the key), read from the log: version 0
-    from its own entry (``_delta_log/00000000000000000000.json``: a table's first version is what
-    that entry adds, :func:`plain_state`), a later version from its checksum file
-    (``_delta_log/NNN.crc``, :func:`checksum_state`: the protocol's record of the version's state,
-    which Delta writes after each commit, with every live file while the table has at most
-    ``spark.databricks.delta.allFilesInCrc.thresholdNumFiles``, 50); when those files read as
-    plain Parquet give the table (or the key's rows) and are at most Spark's threshold for listing
-    files in a job. Else None (and on Spark Connect, when the file cannot be read, or when it is
-    over :data:`ENTRY_BYTES`: the driver reads it whole), and the caller reads through Delta."""
+    partition when given: its files, none when the key has no rows, the schema without the key),
+    read from the log: version 0 from its own entry (``_delta_log/00000000000000000000.json``: a
+    table's first version is what that entry adds, :func:`plain_state`), a later version from its
+    checksum file (``_delta_log/NNN.crc``, :func:`checksum_state`: the protocol's record of the
+    version's state, which Delta writes after each commit, listing every live file while the
+    table has at most ``spark.databricks.delta.allFilesInCrc.thresholdNumFiles`` files, 50, all
+    run keys together, and its schema did not change in that commit), checked against that
+    version's own entry (what it added is listed, what it removed is not); when those files read
+    as plain Parquet give the table (or the key's rows) and are at most Spark's threshold for
+    listing files in a job. Else None (and on Spark Connect, when a file cannot be read or parsed,
+    or when it is over :data:`ENTRY_BYTES`: the driver reads it whole), and the caller reads
+    through Delta."""
     if any(c in _GLOB for c in path):
         return None
-    if version == 0:
-        text = _log_text(spark, path, f"{0:020d}.json")
-        state = plain_state(text, path, run_key) if text is not None else None
-    else:
-        text = _log_text(spark, path, f"{int(version):020d}.crc")
-        state = checksum_state(text, path, run_key) if text is not None else None
+    try:
+        entry = _log_text(spark, path, f"{int(version):020d}.json")
+        if entry is None:
+            return None
+        if version == 0:
+            state = plain_state(entry, path, run_key)
+        else:
+            crc = _log_text(spark, path, f"{int(version):020d}.crc")
+            state = checksum_state(crc, path, run_key, entry) if crc is not None else None
+    except Exception:  # noqa: BLE001 - a file this reader does not understand: Delta's read may
+        return None
     limit = int(conf_value(spark, "spark.sql.sources.parallelPartitionDiscovery.threshold", "32") or 32)
     return state if state is not None and len(state[1]) <= limit else None
 
@@ -347,10 +355,12 @@ def plain_state(entry: str, path: str, run_key: Optional[str] = None) -> Optiona
     return _plain(protocol, meta, adds, path, run_key)
 
 
-def checksum_state(text: str, path: str, run_key: Optional[str] = None) -> Optional[Tuple[T.StructType, List[str]]]:
+def checksum_state(text: str, path: str, run_key: Optional[str] = None,
+                   entry: Optional[str] = None) -> Optional[Tuple[T.StructType, List[str]]]:
     """:func:`version_files` of a version's checksum file (one JSON object): its protocol,
     metadata and every live file (``allFiles``, optional in the protocol), consistent with its
-    own counts (``numFiles``, ``tableSizeBytes``, one metadata and one protocol), no domain
+    own counts (``numFiles``, ``tableSizeBytes``, one metadata and one protocol) and, when given,
+    with that version's log ``entry`` (every file it adds listed, none it removes), no domain
     metadata, and the state :func:`_plain`."""
     crc = json.loads(text)
     files = crc.get("allFiles") if isinstance(crc, dict) else None
@@ -358,6 +368,13 @@ def checksum_state(text: str, path: str, run_key: Optional[str] = None) -> Optio
             or crc.get("numMetadata") != 1 or crc.get("numProtocol") != 1
             or crc.get("tableSizeBytes") != sum(int(a.get("size") or 0) for a in files)):
         return None
+    if entry is not None:
+        live = {unquote(a["path"]) for a in files}
+        for line in entry.splitlines():
+            action = json.loads(line) if line.strip() else {}
+            if ("add" in action and unquote(action["add"]["path"]) not in live
+                    or "remove" in action and unquote(action["remove"]["path"]) in live):
+                return None
     return _plain(crc.get("protocol"), crc.get("metadata"), files, path, run_key)
 
 
@@ -395,7 +412,7 @@ def _plain(protocol, meta, adds: List[dict], path: str,
                 or rel.rsplit("/", 1)[-1].startswith(("_", "."))):
             return None
         files.append(f"{path.rstrip('/')}/{rel}")
-    if not files or len(set(files)) < len(files) or any(c in _GLOB for f in files for c in f):
+    if len(set(files)) < len(files) or any(c in _GLOB for f in files for c in f):
         return None
     schema = _read_metadata(json.loads(meta["schemaString"]))
     if run_key is not None:
@@ -424,7 +441,9 @@ def _read_metadata(t):
 
 
 def read_files(spark: SparkSession, state: Tuple[T.StructType, List[str]]) -> DataFrame:
-    """The rows of :func:`version_files`' (schema, files)."""
+    """The rows of :func:`version_files`' (schema, files): none without files."""
+    if not state[1]:
+        return spark.createDataFrame([], state[0])
     return spark.read.schema(state[0]).parquet(*state[1])
 
 
