@@ -267,6 +267,11 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
         state = version_files(spark, path, int(version), run_key)
         if state is not None:
             return read_files(spark, state)
+    return _through_delta(spark, path, run_key, version)
+
+
+def _through_delta(spark: SparkSession, path: str, run_key: Optional[str], version: Optional[int]) -> DataFrame:
+    """:func:`read_delta` by Delta's own reader (its state reconstruction): at ``version``, else the latest."""
     reader = spark.read.format("delta")
     if version is not None:
         reader = reader.option("versionAsOf", int(version))
@@ -524,13 +529,11 @@ class Tables:
     def read(self, name: str) -> DataFrame:
         version = self.pins.get(name)
         self.reads[name] = version if version is not None else self.version(name)
-        state = None
-        if version is None:
-            # unpinned: the listed latest version, read from its log where that says how
-            # (:func:`read_delta`); else the latest through Delta
-            state = version_files(self.spark, self.path(name), self.reads[name], self.run_key)
+        # the pinned version, or the listed latest, read from its log where that says how
+        # (:func:`read_delta`); else through Delta (an unpinned table: its latest version)
+        state = version_files(self.spark, self.path(name), self.reads[name], self.run_key)
         df = (read_files(self.spark, state) if state is not None
-              else read_delta(self.spark, self.path(name), self.run_key, version))
+              else _through_delta(self.spark, self.path(name), self.run_key, version))
         try:
             return check_table(df, name)
         except SchemaError as e:
