@@ -11,7 +11,11 @@ and one real CLI run with Spark's event log on, ``spark.sql.shuffle.partitions=6
 partition coalescing off, ``train.max_node_rows = n / 8`` (``--node-rows-fraction``; 0 keeps
 the configured bound), ``predict.max_broadcast_mb``
 (default 4: above it the model stays sharded) and ``train.tron_driver_mb`` (default 0, as the
-pipeline's: the distributed solver's vectors in files). Reported per run:
+pipeline's: the distributed solver's vectors in files). The big nodes' solver is the configured
+one (``train.big_node_solver``: ``auto``, streamed in local mode; ``--set
+train.big_node_solver=distributed`` for the distributed one): a streamed node's task reads the
+node's rows from block files, not from a shuffle, so the shuffle-read rows below do not count
+them (such a task reads all of its node's rows, the root's n). Reported per run:
 
 - wall seconds per pipeline stage (metrics.json) and of the whole process;
 - the largest task's shuffle-read rows divided by n, per pipeline stage (jobs are tagged

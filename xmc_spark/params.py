@@ -382,9 +382,14 @@ class TrainParams(BaseParams):
     # (distributed trust-region Newton, same problem); "auto" derives it from executor memory,
     # "off" never distributes, an integer sets it
     max_node_rows: str = "auto"
-    tron_eps: float = 0.01          # distributed solver: stop at ||grad|| <= tron_eps * ||grad at 0||
-    tron_max_iter: int = 50         # distributed solver: Newton steps at most
-    # distributed solver: diagonal preconditioner M = (1 - a) I + a diag(H) for its CG (LIBLINEAR
+    # how a node over max_node_rows is trained: "distributed" (its rows spread over the
+    # partitions, every TRON data pass a Spark job), "streamed" (one task a node, the same TRON
+    # over its rows read one block at a time from files under the run's scratch folder) or
+    # "auto" (default): streamed in local mode, distributed on a cluster
+    big_node_solver: str = "auto"
+    tron_eps: float = 0.01          # big nodes' TRON: stop at ||grad|| <= tron_eps * ||grad at 0||
+    tron_max_iter: int = 50         # big nodes' TRON: Newton steps at most
+    # big nodes' TRON: diagonal preconditioner M = (1 - a) I + a diag(H) for its CG (LIBLINEAR
     # uses a = 0.01); 0 = plain CG, the default (bibtex at n/4: 44 passes plain, 51 at a = 0.01)
     tron_pcg: float = 0.0
     # distributed solver: its vectors (features x big-node classifiers, float64) stay on the
@@ -407,6 +412,8 @@ class TrainParams(BaseParams):
         v = str(self.max_node_rows).strip().lower()
         _check(v in ("auto", "off") or (v.isdigit() and int(v) >= 1), prefix + "max_node_rows",
                f"must be auto, off or an integer >= 1, got {self.max_node_rows!r}")
+        _check(self.big_node_solver in ("auto", "distributed", "streamed"), prefix + "big_node_solver",
+               f"must be auto, distributed or streamed, got {self.big_node_solver!r}")
         _check(self.tron_eps > 0, prefix + "tron_eps", "must be > 0")
         _check(self.negatives in ("tfn", "tfn+man"), prefix + "negatives",
                f"must be tfn or tfn+man, got {self.negatives!r}")

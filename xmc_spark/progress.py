@@ -144,6 +144,11 @@ def _get_worker_log() -> logging.Logger:
     return _worker_log
 
 
+def worker_log() -> logging.Logger:
+    """The ``xmc_spark.task`` logger of a Python worker (to stderr, INFO), for a task's own lines."""
+    return _get_worker_log()
+
+
 def worker_progress(kind: str, **counts: int) -> None:
     """Add ``counts`` to this worker's totals for ``kind``; log them on the first call and then
     at most once per interval (``XMC_SPARK_PROGRESS_SECONDS``, default 30)."""

@@ -163,7 +163,8 @@ def test_run_with_overlapping_clusters(tmp_path, spark, big_nodes):
     assert main_in_process("run", "--train", str(tmp_path / "train.txt"), "--test", str(tmp_path / "test.txt"),
                            "--out", str(out), "--set", "mlflow.enabled=false", "--set", "tree.max_leaf_size=4",
                            "--set", "clusters.lam=2", "--set", "clusters.beam_size=2",
-                           *(("--set", "train.max_node_rows=200", "--set", "train.tron_driver_mb=0",
+                           *(("--set", "train.max_node_rows=200", "--set", "train.big_node_solver=distributed",
+                              "--set", "train.tron_driver_mb=0",
                               "--set", "train.tron_max_iter=1") if big_nodes else ())) == 0
     m = json.loads((out / "metrics.json").read_text())
     assert {"clusters", "retrain"} <= set(m["seconds"])

@@ -1,6 +1,8 @@
 """The per-node training stage equals the numpy trainer, with and without sample and label weights;
 nodes over train.max_node_rows (trained across tasks by TRON) reach the kernel's optimum."""
+import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -412,15 +414,19 @@ def _weighted(Yl):
     return Yw, rng.uniform(0.5, 2.0, Yl.shape[0]).astype(np.float32)
 
 
+@pytest.mark.parametrize("solver", ["distributed", "streamed"])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted, tmp_path):
+def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted, solver, tmp_path, caplog):
     """Nodes over the bound: the Spark oracle's TRON gives the local TRON's iterates (two or three
     Newton steps), pruned (tests/kernels/test_tron.py checks local TRON against the dual kernel's optimum;
     on demand, the Spark solver too); the other nodes are the grouped kernel's, unchanged.
     Weighted: sample and label weights and a bias of 0.5, the solver's vectors in files
     (`train.tron_driver_mb` 0, the default; the scratch folder is left empty); unweighted (no
     weight columns): the vectors on the driver (64 MB). So files and driver give the same weights.
-    The CG: plain (the default) in files, preconditioned with a = 1 on the driver."""
+    The CG: plain (the default) in files, preconditioned with a = 1 on the driver. ``streamed``
+    (`train.big_node_solver`): one task a big node runs the same TRON over its rows read back from
+    block files (tests/stages/test_streamed_nodes.py), with the same iterates; its files are gone
+    too."""
     samples, Xl, Yl = problem
     if weighted:
         Yw, sw = _weighted(Yl)
@@ -429,10 +435,14 @@ def test_big_nodes_across_tasks_equal_local_tron(problem, index, spark, weighted
     else:
         Yw, sw = Yl, None
         tp = TrainParams(max_node_rows=str(BOUND), tron_max_iter=3, tron_driver_mb=64, tron_pcg=1.0)
+    tp = dataclasses.replace(tp, big_node_solver=solver)
     big = _split(index, Yw)
     Xb = append_bias(Xl, tp.bias)
+    caplog.set_level(logging.INFO, logger="xmc_spark.train")
     got = _stage_weights(node_training.run(samples, index, D, tp, scratch=str(tmp_path)))
     assert not [f for f in tmp_path.rglob("*") if f.is_file()]           # the solver's files are gone
+    ran = "block files" if solver == "streamed" else "distributed TRON"
+    assert ran in caplog.text and ("distributed TRON" if solver == "streamed" else "block files") not in caplog.text
     ref_nodes, ref_slots = train_all_groups(index, Xb, Yw, tp, sw)
     big_keys = _assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index)
     for g in big:
@@ -462,7 +472,7 @@ def test_big_nodes_reach_the_kernels_optimum_with_weights(problem, index, spark)
     the kernel's."""
     _, Xl, Yl = problem
     Yw, sw = _weighted(Yl)
-    tp = TrainParams(bias=0.5, threshold=0.0, max_node_rows=str(BOUND), tron_eps=1e-3)
+    tp = TrainParams(bias=0.5, threshold=0.0, max_node_rows=str(BOUND), tron_eps=1e-3, big_node_solver="distributed")
     big = _split(index, Yw)
     Xb = append_bias(Xl, tp.bias)
     got = _stage_weights(node_training.run(samples_frame(spark, Xl, Yw, label_weights=True, weights=sw),
@@ -483,6 +493,25 @@ def test_big_nodes_reach_the_kernels_optimum_with_weights(problem, index, spark)
         assert np.all((f - f_opt) / f_opt <= 1e-3), (g, (f - f_opt) / f_opt)
         sure = np.abs(opt) > 1e-2
         np.testing.assert_array_equal(np.sign(W[sure]), np.sign(opt[sure]))
+
+
+def test_big_node_solver(spark, tmp_path):
+    """``auto`` is streamed in local mode (the tests' session's master) with the scratch folder on
+    this machine's disk; distributed on a cluster, without a scratch folder, or with it on shared
+    storage (object stores, Databricks' /dbfs and /Volumes mounts); a set value is kept; anything
+    else is refused by name."""
+    master, here = spark.conf.get("spark.master"), str(tmp_path)
+    assert master.startswith("local") and node_training.big_node_solver(master, TrainParams(), here) == "streamed"
+    for m in ("yarn", "spark://host:7077", "k8s://https://host"):
+        assert node_training.big_node_solver(m, TrainParams(), here) == "distributed"
+    for where in (None, "s3://bucket/run/_scratch", "dbfs:/runs/_scratch", "/dbfs/runs/_scratch",
+                  "/Volumes/main/xmc/runs/_scratch"):
+        assert node_training.big_node_solver("local[*, 4]", TrainParams(), where) == "distributed"
+    for v in ("distributed", "streamed"):
+        for m in ("local[2]", "yarn"):
+            assert node_training.big_node_solver(m, TrainParams(big_node_solver=v), here) == v
+    with pytest.raises(ConfigError, match="big_node_solver.*must be auto, distributed or streamed"):
+        TrainParams(big_node_solver="fast").validate("train.")
 
 
 def test_row_bound(spark, problem):
@@ -572,8 +601,24 @@ def test_bibtex_with_big_nodes_is_as_accurate_as_grouped(bibtex, tmp_path):
     default auto bound trains on bibtex; see test_stage_jobs), scored by the numpy metrics
     kernel on the same test split."""
     from tests.oracles import reference_run
-    big, log_big = _cli_run(bibtex, tmp_path, "big", "--set", f"train.max_node_rows={4880 // 4}")
+    big, log_big = _cli_run(bibtex, tmp_path, "big", "--set", f"train.max_node_rows={4880 // 4}",
+                            "--set", "train.big_node_solver=distributed")
     assert "3 of 3 nodes have more than 1220 rows" in log_big and "over 4 partitions" in log_big
+    grouped = reference_run(bibtex)[3]
+    for k in ("p@1", "p@3", "p@5"):
+        assert abs(big[k] - grouped[k]) <= 0.3, (k, big[k], grouped[k])
+
+
+@pytest.mark.slow               # ~35 s: the same bound, big nodes streamed (one task a node, no job a pass)
+def test_bibtex_with_streamed_big_nodes_is_as_accurate_as_grouped(bibtex, tmp_path):
+    """The real CLI on bibtex with a bound of n/4 and ``train.big_node_solver=streamed``: the
+    three big nodes (root and both leaves) trained one task each over their rows read back from
+    block files; P@1/3/5 within 0.3 of the all-grouped model (as the distributed run above)."""
+    from tests.oracles import reference_run
+    big, log_big = _cli_run(bibtex, tmp_path, "streamed", "--set", f"train.max_node_rows={4880 // 4}",
+                            "--set", "train.big_node_solver=streamed")
+    assert "3 big nodes, 161 classifiers, 10533 rows in" in log_big and "a node or a run of its classifiers" in log_big
+    assert "distributed TRON" not in log_big
     grouped = reference_run(bibtex)[3]
     for k in ("p@1", "p@3", "p@5"):
         assert abs(big[k] - grouped[k]) <= 0.3, (k, big[k], grouped[k])

@@ -42,6 +42,10 @@ for all big nodes together. Weights are pruned by
 ``train.threshold`` as the kernel prunes them and become rows of the returned DataFrame (same
 schema as the grouped path's).
 
+**Streamed big nodes** (``train.big_node_solver``: ``streamed``, and ``auto`` in local mode:
+:func:`big_node_solver`): the same rows, packed the same way, are written as block files instead
+of persisted, and one task per big node runs the same TRON over them with no Spark job per pass
+(:mod:`.streamed_nodes`).
 **The solver's vectors.** Up to ``train.tron_driver_mb`` (one d x K_big float64 vector) they
 live on the driver as above: each query ships W and the direction to the tasks and collects one
 summed vector. Above it, the same loop (:func:`..kernels.tron.tron_space`) runs over
@@ -124,7 +128,9 @@ from ..model import add_pairs, train_group
 from ..params import ConfigError, TrainParams
 from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA, ddl
+from ..storage import is_local_path
 from .shared_vectors import SharedSpace, _parallel, query_tasks, solver_tasks
+from .streamed_nodes import train_streamed
 
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len binary, x_idx binary, "
@@ -613,7 +619,7 @@ def check_solver_memory(conf: dict, d: int, node: int, classifiers: int) -> None
         what = f"node {node}'s" if node >= 0 else "the big nodes'"
         raise ConfigError(
             f"spark.executor.pyspark.memory={cap} gives each Python worker {worker / 2**20:.0f} MiB of address "
-            f"space, but a task of the distributed solver holding {what} vectors ({classifiers} classifiers x "
+            f"space, but a task of the big nodes' solver holding {what} vectors ({classifiers} classifiers x "
             f"{d:,} weights) needs about {need / 2**20:.0f} MiB: set it to at least {_mib_up(need * cores)}, "
             "or leave it unset")
 
@@ -968,12 +974,30 @@ def _unpack_matrix(p) -> np.ndarray:
     return M
 
 
+def big_node_solver(master: str, params: TrainParams, scratch: Optional[str] = None) -> str:
+    """``train.big_node_solver`` resolved for Spark's ``master`` and the scratch folder the block
+    files would go to: ``auto`` is ``streamed`` in local mode with the scratch folder on this
+    machine's disk (the tasks share one machine, so spreading a node's rows over them saves no
+    time, while every data pass of the distributed solver costs a Spark job: measured in README's
+    2026-12-05 entry), and ``distributed`` otherwise: on a cluster a streamed node's task spends
+    the node's whole time alone, and a scratch folder on shared storage (``s3://``, ``dbfs:``, the
+    ``/dbfs`` and ``/Volumes`` mounts of a single-node Databricks cluster) would be read whole at
+    every pass."""
+    v = params.big_node_solver
+    if v != "auto":
+        return v
+    local_disk = scratch is not None and is_local_path(scratch) and not scratch.startswith(("/dbfs", "/Volumes"))
+    return "streamed" if master.startswith("local") and local_disk else "distributed"
+
+
 def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, n_features: int,
                     params: TrainParams, parts: int, scratch: Optional[str] = None,
                     bound: int = PACK_ROWS) -> DataFrame:
     """Weights rows of the nodes ``big`` trained by distributed TRON (all nodes in one loop),
     their rows spread over ``parts`` partitions (:func:`big_row_partitions`) in packed blocks of
-    at most ``bound`` rows, read one block at a time (:class:`_solver_session`). The solver's
+    at most ``bound`` rows, read one block at a time (:class:`_solver_session`); or, with the
+    streamed solver (:func:`big_node_solver`), written as block files and trained one task per
+    node (:func:`.streamed_nodes.train_streamed`). The distributed solver's
     vectors (features x the nodes' classifiers, float64) stay on the driver up to
     ``train.tron_driver_mb``; above, in files under ``scratch`` (:mod:`.shared_vectors`)."""
     spark = samples.sparkSession
@@ -984,16 +1008,26 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     wanted = d_vec * n_cls * 8 > params.tron_driver_mb * 2 ** 20        # vectors above the driver's share
     shared = wanted and root is not None                                 # ... and a folder every task sees
     widest = int(np.argmax(np.diff(node_ptr)))
-    check_solver_memory(session_conf(spark), d_vec, int(big[widest]) if shared else -1,
-                        len(kids[widest]) if shared else n_cls)
+    streamed = big_node_solver(str(conf_value(spark, "spark.master", "") or ""), params, root) == "streamed"
+    if streamed and root is None:
+        log.warning("train: no scratch folder the executors share was given for the streamed big nodes' rows: "
+                    "they are trained by the distributed solver")
+        streamed = False
+    one = shared or streamed                                             # a task holds one node's vectors
+    check_solver_memory(session_conf(spark), d_vec, int(big[widest]) if one else -1,
+                        len(kids[widest]) if one else n_cls)
     is_leaf = np.isin(big, index.leaves)
     # range-partitioned by (node, row hash): a node's rows fill consecutive partitions of about
     # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
-    rows = (_big_rows(samples, bindex, big, node_ptr)
-            .withColumn("_h", F.xxhash64("feature_idx", "feature_val", "pos", "weight"))
-            .repartitionByRange(parts, "node", "_h").drop("_h").sortWithinPartitions("node")
-            .mapInArrow(_pack_rows(n_features, int(node_ptr[-1]), params.bias, params.C,
-                                   max(1, min(PACK_ROWS, int(bound)))), PACK_SCHEMA)
+    spread = (_big_rows(samples, bindex, big, node_ptr)
+              .withColumn("_h", F.xxhash64("feature_idx", "feature_val", "pos", "pos_w", "weight"))
+              .repartitionByRange(parts, "node", "_h"))
+    pack = _pack_rows(n_features, n_cls, params.bias, params.C, max(1, min(PACK_ROWS, int(bound))))
+    if streamed:
+        return train_streamed(spark, spread.sortWithinPartitions("node", "_h").drop("_h"), pack,
+                              lambda b: _unpack(b, d_vec, n_cls), big, kids, node_ptr, d_vec, is_leaf, params, root,
+                              _weights_table)
+    rows = (spread.drop("_h").sortWithinPartitions("node").mapInArrow(pack, PACK_SCHEMA)
             .persist(StorageLevel.MEMORY_AND_DISK))
     space = None
     try:
