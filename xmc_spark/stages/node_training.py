@@ -46,6 +46,7 @@ schema as the grouped path's).
 :func:`big_node_solver`): the same rows, packed the same way, are written as block files instead
 of persisted, and one task per big node runs the same TRON over them with no Spark job per pass
 (:mod:`.streamed_nodes`).
+
 **The solver's vectors.** Up to ``train.tron_driver_mb`` (one d x K_big float64 vector) they
 live on the driver as above: each query ships W and the direction to the tasks and collects one
 summed vector. Above it, the same loop (:func:`..kernels.tron.tron_space`) runs over
