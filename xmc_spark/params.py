@@ -378,14 +378,15 @@ class TrainParams(BaseParams):
     max_iter: int = 100
     eps: float = 0.1
     seed: int = 0
-    # a node with more training rows than this is trained across the partitions holding its rows
-    # (distributed trust-region Newton, same problem); "auto" derives it from executor memory,
+    # a node with more training rows than this is trained apart from the grouped nodes, by
+    # trust-region Newton (same problem; how: big_node_solver); "auto" derives it from executor memory,
     # "off" never distributes, an integer sets it
     max_node_rows: str = "auto"
     # how a node over max_node_rows is trained: "distributed" (its rows spread over the
     # partitions, every TRON data pass a Spark job), "streamed" (one task a node, the same TRON
     # over its rows read one block at a time from files under the run's scratch folder) or
-    # "auto" (default): streamed in local mode, distributed on a cluster
+    # "auto" (default): streamed in local mode with the scratch folder on local disk, else
+    # distributed
     big_node_solver: str = "auto"
     tron_eps: float = 0.01          # big nodes' TRON: stop at ||grad|| <= tron_eps * ||grad at 0||
     tron_max_iter: int = 50         # big nodes' TRON: Newton steps at most
