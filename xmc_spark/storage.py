@@ -253,8 +253,10 @@ def _first_line(e: Exception) -> str:
 
 
 def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
-               version: Optional[int] = None) -> DataFrame:
+               version: Optional[int] = None, listed: Optional[int] = None) -> DataFrame:
     """A Delta table (at ``version``, Delta time travel, when given), one run key's rows.
+    ``listed``: without ``version``, the latest version as the caller listed it, whose log is read
+    as a given version's (through Delta it is the latest, whatever was listed).
 
     A given version whose log says which Parquet files make it, and how to read them
     (:func:`version_files`: version 0's own entry, a later version's checksum file), is read as
@@ -263,8 +265,9 @@ def read_delta(spark: SparkSession, path: str, run_key: Optional[str] = None,
     exist): the same files a Delta read of that version scans, without Delta's state
     reconstruction, which computes every new version's file list in Spark jobs (three small jobs
     and their planning: 0.3-3 s per table a run writes and then reads, ~7 s of a fresh 200K run)."""
-    if version is not None:
-        state = version_files(spark, path, int(version), run_key)
+    at = version if version is not None else listed
+    if at is not None:
+        state = version_files(spark, path, int(at), run_key)
         if state is not None:
             return read_files(spark, state)
     return _through_delta(spark, path, run_key, version)
@@ -529,11 +532,7 @@ class Tables:
     def read(self, name: str) -> DataFrame:
         version = self.pins.get(name)
         self.reads[name] = version if version is not None else self.version(name)
-        # the pinned version, or the listed latest, read from its log where that says how
-        # (:func:`read_delta`); else through Delta (an unpinned table: its latest version)
-        state = version_files(self.spark, self.path(name), self.reads[name], self.run_key)
-        df = (read_files(self.spark, state) if state is not None
-              else _through_delta(self.spark, self.path(name), self.run_key, version))
+        df = read_delta(self.spark, self.path(name), self.run_key, version, listed=self.reads[name])
         try:
             return check_table(df, name)
         except SchemaError as e:
