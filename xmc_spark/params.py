@@ -378,19 +378,19 @@ class TrainParams(BaseParams):
     max_iter: int = 100
     eps: float = 0.1
     seed: int = 0
-    # a node with more training rows than this is trained apart from the grouped nodes, by
-    # trust-region Newton (same problem; how: big_node_solver); "auto" derives it from executor memory,
-    # "off" never distributes, an integer sets it
+    # a node with more training rows than this is trained apart from the grouped nodes (same
+    # problem; how: big_node_solver); "auto" derives it from executor memory, "off" never
+    # distributes, an integer sets it
     max_node_rows: str = "auto"
-    # how a node over max_node_rows is trained: "distributed" (its rows spread over the
-    # partitions, every TRON data pass a Spark job), "streamed" (one task a node, the same TRON
-    # over its rows read one block at a time from files under the run's scratch folder) or
-    # "auto" (default): streamed in local mode with the scratch folder on local disk, else
-    # distributed
+    # how a node over max_node_rows is trained: "distributed" (trust-region Newton, its rows spread
+    # over the partitions, every data pass a Spark job), "streamed" (one task a node, the grouped
+    # path's dual CD, eps and max_iter, over its rows read a few blocks at a time from files under
+    # the run's scratch folder) or "auto" (default): streamed in local mode with the scratch
+    # folder on local disk, else distributed
     big_node_solver: str = "auto"
-    tron_eps: float = 0.01          # big nodes' TRON: stop at ||grad|| <= tron_eps * ||grad at 0||
-    tron_max_iter: int = 50         # big nodes' TRON: Newton steps at most
-    # big nodes' TRON: diagonal preconditioner M = (1 - a) I + a diag(H) for its CG (LIBLINEAR
+    tron_eps: float = 0.01          # distributed TRON: stop at ||grad|| <= tron_eps * ||grad at 0||
+    tron_max_iter: int = 50         # distributed TRON: Newton steps at most
+    # distributed TRON: diagonal preconditioner M = (1 - a) I + a diag(H) for its CG (LIBLINEAR
     # uses a = 0.01); 0 = plain CG, the default (bibtex at n/4: 44 passes plain, 51 at a = 0.01)
     tron_pcg: float = 0.0
     # distributed solver: its vectors (features x big-node classifiers, float64) stay on the

@@ -52,6 +52,54 @@ def _row_norms(indptr, data):
     return out
 
 
+@njit(inline="always")
+def _epoch(indptr, indices, data, QD, diag, y, w, alpha, index, active, pg_max_old, state):
+    """One pass of dual coordinate descent over the rows ``index[:active]`` (shuffled first with
+    the LCG ``state``), updating ``alpha`` and ``w``; a row with alpha 0 whose gradient is over
+    ``pg_max_old`` is shrunk (swapped past the active ones). Returns (the largest and the smallest
+    projected gradient seen, the active count, the LCG state). ``QD`` = ``diag`` + x_i^T x_i,
+    ``diag`` = 0.5 / C_i. :func:`_dcd` is a loop of these over one node's rows; the streamed
+    big nodes (:mod:`..stages.streamed_nodes`) run them over blocks of rows read from files."""
+    pg_max_new = -np.inf
+    pg_min_new = np.inf
+    state = _shuffle(index, active, state)
+    s = 0
+    while s < active:
+        i = index[s]
+        yi = y[i]
+        g = 0.0
+        for p in range(indptr[i], indptr[i + UONE]):
+            g += w[indices[p]] * np.float64(data[p])
+        g = g * yi - 1.0 + alpha[i] * diag[i]
+        pg = 0.0
+        if alpha[i] == 0.0:
+            if g > pg_max_old:
+                active -= 1
+                t = index[s]
+                index[s] = index[active]
+                index[active] = t
+                continue
+            elif g < 0.0:
+                pg = g
+        else:
+            pg = g
+        if pg > pg_max_new:
+            pg_max_new = pg
+        if pg < pg_min_new:
+            pg_min_new = pg
+        if abs(pg) > 1e-12:
+            a_old = alpha[i]
+            a_new = a_old - g / QD[i]
+            if a_new < 0.0:
+                a_new = 0.0
+            alpha[i] = a_new
+            d = (a_new - a_old) * yi
+            for p in range(indptr[i], indptr[i + UONE]):
+                w[indices[p]] += d * np.float64(data[p])
+        s += 1
+    return pg_max_new, pg_min_new, active, state
+
+
 @njit()
 def _dcd(indptr, indices, data, xx, y, Ci, w, eps, max_iter, seed):
     """Dual coordinate descent for one classifier; ``w`` (zeros on entry) receives the primal
@@ -67,43 +115,8 @@ def _dcd(indptr, indices, data, xx, y, Ci, w, eps, max_iter, seed):
     pg_max_old = np.inf  # no upper bound on alpha for the L2 loss: only this side shrinks
     state = np.uint64(seed * 2654435761 + 12345)
     for _ in range(max_iter):
-        pg_max_new = -np.inf
-        pg_min_new = np.inf
-        state = _shuffle(index, active, state)
-        s = 0
-        while s < active:
-            i = index[s]
-            yi = y[i]
-            g = 0.0
-            for p in range(indptr[i], indptr[i + UONE]):
-                g += w[indices[p]] * np.float64(data[p])
-            g = g * yi - 1.0 + alpha[i] * diag[i]
-            pg = 0.0
-            if alpha[i] == 0.0:
-                if g > pg_max_old:
-                    active -= 1
-                    t = index[s]
-                    index[s] = index[active]
-                    index[active] = t
-                    continue
-                elif g < 0.0:
-                    pg = g
-            else:
-                pg = g
-            if pg > pg_max_new:
-                pg_max_new = pg
-            if pg < pg_min_new:
-                pg_min_new = pg
-            if abs(pg) > 1e-12:
-                a_old = alpha[i]
-                a_new = a_old - g / QD[i]
-                if a_new < 0.0:
-                    a_new = 0.0
-                alpha[i] = a_new
-                d = (a_new - a_old) * yi
-                for p in range(indptr[i], indptr[i + UONE]):
-                    w[indices[p]] += d * np.float64(data[p])
-            s += 1
+        pg_max_new, pg_min_new, active, state = _epoch(indptr, indices, data, QD, diag, y, w, alpha, index, active,
+                                                       pg_max_old, state)
         if pg_max_new - pg_min_new <= eps:
             if active == n:
                 break

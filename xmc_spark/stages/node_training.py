@@ -44,8 +44,8 @@ schema as the grouped path's).
 
 **Streamed big nodes** (``train.big_node_solver``: ``streamed``, and ``auto`` in local mode:
 :func:`big_node_solver`): the same rows, packed the same way, are written as block files instead
-of persisted, and one task per big node runs the same TRON over them with no Spark job per pass
-(:mod:`.streamed_nodes`).
+of persisted, and one task per big node runs the grouped path's dual coordinate descent over them,
+a few blocks at a time, with no Spark job per pass (:mod:`.streamed_nodes`).
 
 **The solver's vectors.** Up to ``train.tron_driver_mb`` (one d x K_big float64 vector) they
 live on the driver as above: each query ships W and the direction to the tasks and collects one
@@ -151,6 +151,7 @@ PACK_ROWS = 1 << 15             # rows per packed block of one node
 MEMORY_FRACTION = 0.5
 WORKER_BYTES = 768 * 2**20      # address space a Python worker maps before any row (~700 MiB measured)
 SOLVER_VECTORS = 16             # features x classifiers float64 arrays a solver task may hold for a node
+STREAMED_VECTORS = 3            # ... a streamed task: the weights, their pruned copy and its sparse form
 RANGE_FILL = 0.9                # big-node partitions hold this share of their rows' bound on average
 PART_BOUNDS = 4                 # a big-node partition holds up to this many bounds of rows (streamed)
 BYTES_PER_NNZ = 80
@@ -602,12 +603,13 @@ def row_bound_for(conf: dict, bytes_per_row: int, ram: Optional[str] = None) -> 
     return max(1, int(bound))
 
 
-def check_solver_memory(conf: dict, d: int, node: int, classifiers: int) -> None:
-    """Refuse, by name, a memory cap under which one task of the distributed solver cannot hold
-    the vectors it works on: about :data:`SOLVER_VECTORS` arrays of d (features, + 1 with a
-    bias) x ``classifiers`` doubles (W, the CG direction, the accumulated gradient and Hessian
-    product, their per-block copies) besides the worker's own :data:`WORKER_BYTES`. With the
-    vectors in shared files a task holds one node's (``node``: the one with the most
+def check_solver_memory(conf: dict, d: int, node: int, classifiers: int, vectors: int = 0) -> None:
+    """Refuse, by name, a memory cap under which one task of the big nodes' solver cannot hold
+    the vectors it works on: ``vectors`` arrays (default :data:`SOLVER_VECTORS`, the distributed
+    solver's: W, the CG direction, the accumulated gradient and Hessian product, their per-block
+    copies; the streamed one holds :data:`STREAMED_VECTORS`) of d (features, + 1 with a bias) x
+    ``classifiers`` doubles besides the worker's own :data:`WORKER_BYTES`. With the vectors in
+    shared files, or streamed, a task holds one node's (``node``: the one with the most
     classifiers); on the driver path every task gets all big nodes' (``node`` -1). Without
     ``spark.executor.pyspark.memory`` nothing is checked: the workers then share the machine."""
     cap = conf.get("spark.executor.pyspark.memory")
@@ -615,7 +617,7 @@ def check_solver_memory(conf: dict, d: int, node: int, classifiers: int) -> None
         return
     cores = _executor_cores(conf)
     worker = memory_bytes(cap) // cores
-    need = WORKER_BYTES + SOLVER_VECTORS * 8 * int(d) * int(classifiers)
+    need = WORKER_BYTES + (vectors or SOLVER_VECTORS) * 8 * int(d) * int(classifiers)
     if need > worker:
         what = f"node {node}'s" if node >= 0 else "the big nodes'"
         raise ConfigError(
@@ -1016,7 +1018,7 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
         streamed = False
     one = shared or streamed                                             # a task holds one node's vectors
     check_solver_memory(session_conf(spark), d_vec, int(big[widest]) if one else -1,
-                        len(kids[widest]) if one else n_cls)
+                        len(kids[widest]) if one else n_cls, STREAMED_VECTORS if streamed else SOLVER_VECTORS)
     is_leaf = np.isin(big, index.leaves)
     # range-partitioned by (node, row hash): a node's rows fill consecutive partitions of about
     # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
