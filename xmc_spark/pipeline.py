@@ -373,8 +373,8 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
     (without overlapping clusters or matcher-aware negatives; of an ensemble, its first tree only
     unless ``whole_ensemble``: the re-rankers' weights mix the scores of the model they re-rank),
     from in-memory DataFrames; writes no table. ``eps``, when given, replaces ``train.eps`` (the
-    grouped node solver's tolerance: a round model only ranks a group's members,
-    ``eagle.refine_eps``; nodes trained across tasks keep ``tron_eps``)."""
+    node solver's tolerance, grouped and streamed big nodes alike: a round model only ranks a
+    group's members, ``eagle.refine_eps``; big nodes of the distributed solver keep ``tron_eps``)."""
     if not whole_ensemble:
         params = dataclasses.replace(params, tree=params.tree.for_tree(0))
     if eps is not None:

@@ -308,6 +308,29 @@ def test_big_row_partitions(spark):
     assert node_training.big_row_partitions(spark, 100 * slots + 1, 10) == -(-(100 * slots + 1) // 36)
 
 
+def test_row_partition_cuts_the_nodes_rows_into_equal_ranges(spark):
+    """Rows of three nodes (500, 60 and 240 rows; hashes as the stage's, xxhash64 of the row) land,
+    after ``repartition(parts, row_partition(...))``, in partition floor((the node's first row +
+    hash mod its rows) x parts / all rows), computed here in numpy: the nodes fill consecutive
+    partitions, none past the last, and no partition holds more than 1.5x its share."""
+    rng = np.random.default_rng(4)
+    rows = np.array([500, 60, 240])
+    node = np.repeat(np.arange(3), rows)
+    df = spark.createDataFrame([(int(g), rng.integers(0, 10 ** 6, 3).tolist()) for g in node],
+                               "node int, feature_idx array<int>")
+    parts = 7
+    df = df.withColumn("_h", F.xxhash64("feature_idx"))
+    key = node_training.row_partition(F.col("node"), F.col("_h"), rows, parts)
+    got = to_arrow(df.withColumn("_p", key).repartition(parts, "_p").select(
+        "node", "_h", F.spark_partition_id().alias("at")))
+    g, h, at = (got.column(c).to_numpy() for c in ("node", "_h", "at"))
+    first = np.array([0, 500, 560])
+    want = (first[g] + np.mod(h, rows[g])) * parts // rows.sum()
+    np.testing.assert_array_equal(at, want)
+    assert at.max() <= parts - 1 and np.all(np.diff([at[g == j].min() for j in range(3)]) >= 0)
+    assert np.bincount(at, minlength=parts).max() <= 1.5 * rows.sum() / parts
+
+
 def test_solver_session_feeds_the_workers_one_record_at_a_time(spark):
     """Within ``_solver_session`` a Python task receives one row (one packed block) per Arrow
     batch and adaptive execution is off; the session's settings are restored after it, also
@@ -505,9 +528,9 @@ def test_streamed_big_nodes_reach_the_kernels_optimum(problem, index, spark, wei
     _assert_big_nodes_near_optimum(got, index, big, Xb, Yw, sw, tp, 1e-4)
 
 
-# ~85 s (tron_eps 1e-3: many Newton steps of several Spark jobs each); in CI the test above checks
-# the same weighted problem against local TRON, and tests/kernels/test_tron.py local TRON
-# against the dual kernel's optimum
+# ~85 s (tron_eps 1e-3: many Newton steps of several Spark jobs each); in CI
+# test_big_nodes_across_tasks_equal_local_tron checks the same weighted problem against local
+# TRON, and tests/kernels/test_tron.py local TRON against the dual kernel's optimum
 @pytest.mark.on_demand
 def test_big_nodes_reach_the_kernels_optimum_with_weights(problem, index, spark):
     """Sample and label weights, a bias of 0.5, no pruning, tron_eps 1e-3 (at the default 0.01 the
@@ -607,6 +630,15 @@ def test_row_bound_under_a_memory_cap():
     with pytest.raises(ConfigError, match=r"the big nodes' vectors \(300 classifiers"):
         check(dict(local, **{"spark.executor.pyspark.memory": "1251m"}), 50001, -1, 300)
     check({"spark.master": "local[2]"}, 10 ** 9, 7, 100)         # no cap: the machine's memory, not checked
+    # a streamed task: 6 such vectors (180.8 MiB) and the dual state of two blocks of 32,768 rows
+    # for 79 classifiers (2 x 2 x 32,768 x (17 x 79 + 8) bytes, 168.9 MiB): 768 + 349.7 MiB
+    from xmc_spark.stages.streamed_nodes import state_bytes
+    assert state_bytes(32768, 79) == 2 * 2 * 32768 * (17 * 79 + 8)
+    streamed = dict(local, **{"spark.executor.pyspark.memory": "1117m"})
+    with pytest.raises(ConfigError, match=r"needs about 1118 MiB: set it to at least 1118m"):
+        check(streamed, 50001, 7, 79, node_training.STREAMED_VECTORS, state_bytes(32768, 79))
+    check(dict(local, **{"spark.executor.pyspark.memory": "1118m"}), 50001, 7, 79, node_training.STREAMED_VECTORS,
+          state_bytes(32768, 79))
 
 
 def _cli_run(bibtex, tmp_path, name, *sets):

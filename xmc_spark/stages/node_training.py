@@ -79,7 +79,7 @@ local mode), and ``auto`` = floor(MEMORY_FRACTION * (that - :data:`WORKER_BYTES`
 row), where :data:`WORKER_BYTES` = 768 MiB is what a worker maps before it holds a row (Python,
 pyarrow, numpy, scipy, numba and the kernels: ~700 MiB measured), never above the uncapped
 bound in local mode. A cap leaving less than a quarter of that for rows is refused by name, and
-so is one under which a distributed-solver task cannot hold its widest big node's vectors
+so is one under which a big-node solver's task cannot hold its widest big node's vectors
 (:func:`check_solver_memory`). The session gives the workers Arrow's system allocator under a
 cap (:func:`..session.capped_python_conf`): mimalloc, pyarrow's default, reserves a 1 GiB arena
 of address space at its first allocation.
@@ -131,7 +131,7 @@ from ..progress import worker_progress
 from ..schemas import TABLES, WEIGHTS_SCHEMA, ddl
 from ..storage import is_local_path
 from .shared_vectors import SharedSpace, _parallel, query_tasks, solver_tasks
-from .streamed_nodes import train_streamed
+from .streamed_nodes import state_bytes, train_streamed
 
 log = logging.getLogger("xmc_spark.train")
 GROUPED_SCHEMA = ("group long, rows int, sample_id binary, weight binary, x_len binary, x_idx binary, "
@@ -151,7 +151,7 @@ PACK_ROWS = 1 << 15             # rows per packed block of one node
 MEMORY_FRACTION = 0.5
 WORKER_BYTES = 768 * 2**20      # address space a Python worker maps before any row (~700 MiB measured)
 SOLVER_VECTORS = 16             # features x classifiers float64 arrays a solver task may hold for a node
-STREAMED_VECTORS = 3            # ... a streamed task: the weights, their pruned copy and its sparse form
+STREAMED_VECTORS = 6            # ... a streamed task: the weights, their pruned copy, its COO and CSC forms
 RANGE_FILL = 0.9                # big-node partitions hold this share of their rows' bound on average
 PART_BOUNDS = 4                 # a big-node partition holds up to this many bounds of rows (streamed)
 BYTES_PER_NNZ = 80
@@ -216,7 +216,8 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
         return _train_units(grouped, n_parts, train)
     small = grouped.where(~F.col("group").isin([int(g) for g in big]))
     parts = big_row_partitions(spark, int(big_rows.sum()), bound)
-    big_weights = train_big_nodes(samples, index, bindex, big, n_features, params, parts, scratch, bound)
+    big_weights = train_big_nodes(samples, index, bindex, big, big_rows, n_features, params, parts, scratch,
+                                  bound)
     return _train_units(small, n_parts, train).unionByName(big_weights)
 
 
@@ -603,12 +604,14 @@ def row_bound_for(conf: dict, bytes_per_row: int, ram: Optional[str] = None) -> 
     return max(1, int(bound))
 
 
-def check_solver_memory(conf: dict, d: int, node: int, classifiers: int, vectors: int = 0) -> None:
+def check_solver_memory(conf: dict, d: int, node: int, classifiers: int, vectors: int = 0,
+                        state_bytes: int = 0) -> None:
     """Refuse, by name, a memory cap under which one task of the big nodes' solver cannot hold
     the vectors it works on: ``vectors`` arrays (default :data:`SOLVER_VECTORS`, the distributed
     solver's: W, the CG direction, the accumulated gradient and Hessian product, their per-block
     copies; the streamed one holds :data:`STREAMED_VECTORS`) of d (features, + 1 with a bias) x
-    ``classifiers`` doubles besides the worker's own :data:`WORKER_BYTES`. With the vectors in
+    ``classifiers`` doubles besides the worker's own :data:`WORKER_BYTES` (and ``state_bytes``: a
+    streamed task's dual state, :func:`.streamed_nodes.state_bytes`). With the vectors in
     shared files, or streamed, a task holds one node's (``node``: the one with the most
     classifiers); on the driver path every task gets all big nodes' (``node`` -1). Without
     ``spark.executor.pyspark.memory`` nothing is checked: the workers then share the machine."""
@@ -617,7 +620,7 @@ def check_solver_memory(conf: dict, d: int, node: int, classifiers: int, vectors
         return
     cores = _executor_cores(conf)
     worker = memory_bytes(cap) // cores
-    need = WORKER_BYTES + (vectors or SOLVER_VECTORS) * 8 * int(d) * int(classifiers)
+    need = WORKER_BYTES + (vectors or SOLVER_VECTORS) * 8 * int(d) * int(classifiers) + int(state_bytes)
     if need > worker:
         what = f"node {node}'s" if node >= 0 else "the big nodes'"
         raise ConfigError(
@@ -747,11 +750,30 @@ def big_row_partitions(spark, rows: int, bound: int) -> int:
     rows because the queries stream it one packed block (at most ``bound`` rows) at a time
     (:class:`_solver_session`); the cap bounds the largest task's share of the rows (the range
     shuffle's) at about 3.6 bounds (0.45 n at the benchmark's n/8; at n/4 it would be 0.9 n). The rows
-    are range-partitioned from a sample, so partitions are filled to :data:`RANGE_FILL` of the
-    cap on average (bibtex at n/4 with a cap of one bound: 1,275 rows in the largest of 9
-    partitions against a bound of 1,220 without the headroom)."""
+    are cut into equal ranges (:func:`row_partition`) by their hashes, so partitions hold about
+    rows / partitions each, give or take the hashes' spread: the cap keeps :data:`RANGE_FILL` of
+    it as headroom."""
     cap = max(1, int(RANGE_FILL * PART_BOUNDS * bound))
     return max(1, default_parallelism(spark), -(-int(rows) // cap))
+
+
+def row_partition(node, h, rows: np.ndarray, parts: int):
+    """The partition key (:func:`..compat.partition_keys`, for ``repartition(parts, key)``) of a big
+    node's row: node ``node`` (index into ``rows``, the nodes' row counts) and row hash ``h`` as a
+    row number, its node's first row plus ``h`` modulo the node's rows, cut into ``parts`` equal
+    ranges of the rows of all nodes. So the nodes fill consecutive partitions of about
+    rows / ``parts`` each, as a range partitioning by (node, hash) would, without the sampling job
+    that one runs, and a row's partition depends on its content and the counts only (a retried
+    task's rows go where they went)."""
+    rows = np.maximum(np.asarray(rows, np.int64), 1)
+    first = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    total, parts = int(rows.sum()), max(1, int(parts))
+
+    def at(values, i):
+        return F.element_at(F.array(*[F.lit(int(v)) for v in values]), i + 1)
+    number = at(first, node).cast("long") + F.pmod(h, at(rows, node).cast("long"))
+    part = F.floor(number * F.lit(parts) / F.lit(total)).cast("int")
+    return at(partition_keys(parts), F.least(part, F.lit(parts - 1))).cast("int")
 
 
 class _solver_session(session_settings):
@@ -993,11 +1015,12 @@ def big_node_solver(master: str, params: TrainParams, scratch: Optional[str] = N
     return "streamed" if master.startswith("local") and local_disk else "distributed"
 
 
-def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, n_features: int,
-                    params: TrainParams, parts: int, scratch: Optional[str] = None,
+def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, big_rows: np.ndarray,
+                    n_features: int, params: TrainParams, parts: int, scratch: Optional[str] = None,
                     bound: int = PACK_ROWS) -> DataFrame:
     """Weights rows of the nodes ``big`` trained by distributed TRON (all nodes in one loop),
-    their rows spread over ``parts`` partitions (:func:`big_row_partitions`) in packed blocks of
+    their rows (``big_rows`` each, as :func:`big_nodes` counts them) spread over ``parts``
+    partitions (:func:`big_row_partitions`, :func:`row_partition`) in packed blocks of
     at most ``bound`` rows, read one block at a time (:class:`_solver_session`); or, with the
     streamed solver (:func:`big_node_solver`), written as block files and trained one task per
     node (:func:`.streamed_nodes.train_streamed`). The distributed solver's
@@ -1018,13 +1041,15 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
         streamed = False
     one = shared or streamed                                             # a task holds one node's vectors
     check_solver_memory(session_conf(spark), d_vec, int(big[widest]) if one else -1,
-                        len(kids[widest]) if one else n_cls, STREAMED_VECTORS if streamed else SOLVER_VECTORS)
+                        len(kids[widest]) if one else n_cls, STREAMED_VECTORS if streamed else SOLVER_VECTORS,
+                        state_bytes(min(PACK_ROWS, int(bound)), len(kids[widest])) if streamed else 0)
     is_leaf = np.isin(big, index.leaves)
-    # range-partitioned by (node, row hash): a node's rows fill consecutive partitions of about
+    # partitioned by (node, row hash) ranges: a node's rows fill consecutive partitions of about
     # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
-    spread = (_big_rows(samples, bindex, big, node_ptr)
-              .withColumn("_h", F.xxhash64("feature_idx", "feature_val", "pos", "pos_w", "weight"))
-              .repartitionByRange(parts, "node", "_h"))
+    h = F.xxhash64("feature_idx", "feature_val", "pos", "pos_w", "weight")
+    spread = _big_rows(samples, bindex, big, node_ptr).withColumn("_h", h)
+    spread = spread.withColumn("_p", row_partition(F.col("node"), F.col("_h"), big_rows, parts)).repartition(
+        parts, "_p").drop("_p")
     pack = _pack_rows(n_features, n_cls, params.bias, params.C, max(1, min(PACK_ROWS, int(bound))))
     if streamed:
         return train_streamed(spark, spread.sortWithinPartitions("node", "_h").drop("_h"), pack,

@@ -14,8 +14,9 @@ descent with shrinking, :func:`..kernels.squared_hinge._epoch`; its tolerance ``
    (:func:`.node_training._pack_rows`: CSR blocks of at most the bound's rows, capped at
    :data:`.node_training.PACK_ROWS`, bias appended, costs and positives), are written by the
    tasks that pack them as Arrow IPC files, one per block, under the run's scratch folder
-   (``<scratch>/streamed-<id>/n<node>/<partition>-<block>.arrow``; one Spark job after the range
-   partitioning's sampling job, whose driver side receives one row per big node);
+   (``<scratch>/streamed-<id>/n<node>/<partition>-<block>.arrow``; one Spark job, its partitions
+   computed from the nodes' row counts (:func:`.node_training.row_partition`), whose driver side
+   receives one row per big node);
 2. one task per big node (a wide node's classifiers cut into runs, one task each:
    :func:`work_units`), the most work first, runs the dual CD of its classifiers (:func:`dcd_node`),
    each pass over the node's block files :data:`MIX_BLOCKS` at a time, paired anew at every pass,
@@ -23,21 +24,24 @@ descent with shrinking, :func:`..kernels.squared_hinge._epoch`; its tolerance ``
 3. the tasks emit the node's pruned weights (:data:`..schemas.WEIGHTS_SCHEMA` rows), which are
    checkpointed before the files are deleted.
 
-So a task holds :data:`MIX_BLOCKS` blocks of rows, their dual state, and the weights (features x
-its classifiers), whatever the node's size: a task's memory does not grow with the samples, as on
-the distributed path; what it does not share is the node's time, which one task spends (the
-distributed path splits it over the partitions). The block files are read once per pass (from the
-page cache in local mode; from the scratch folder's storage on a cluster).
+So a task holds :data:`MIX_BLOCKS` blocks of rows and their stacked copy, their dual state
+(:func:`state_bytes`), and the weights (features x its classifiers), whatever the node's size: a
+task's memory does not grow with the samples, as on the distributed path; what it does not share
+is the node's time, which one task spends (the distributed path splits it over the partitions).
+The block files are read once per pass (from the page cache in local mode; from the scratch
+folder's storage on a cluster), and each block's dual state is read and written once per pass on
+the task's local disk (a temporary folder, removed when the task's node is done).
 
 A retried or speculative write task writes the same files (each whole, :func:`..storage.write_whole`):
 a partition's rows are sorted by (node, a hash of the whole row), so its blocks and their names do
 not depend on the shuffle's order (rows that tie are equal, so either order writes the same
-bytes). A training task reads them and writes its dual state under a folder named by its own
-attempt, removed when it ends.
+bytes). A training task only reads them; its dual state is its own (a local temporary folder).
 """
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -127,24 +131,31 @@ class DcdInfo:
 
 class _BlockState:
     """The dual CD state of one block's rows for K classifiers (the squared norms x_i^T x_i, the
-    dual variables alpha (K x rows) and the active flags of the shrinking), kept in a file under
-    the task's own folder between passes, so a task holds the state of the blocks in hand only."""
+    dual variables alpha (K x rows) and the active flags of the shrinking), kept in a file on the
+    task's local disk between passes, so a task holds the state of the blocks in hand only."""
 
-    def __init__(self, fs, path: str):
-        self.fs, self.path = fs, path
+    def __init__(self, path: str):
+        self.path = path
 
     def load(self, rows: int, K: int):
-        with self.fs.open_input_file(self.path) as f:
+        """(xx, alpha, act) as read-only views of the file's bytes."""
+        with open(self.path, "rb") as f:
             raw = f.read()
-        xx = np.frombuffer(raw, np.float64, rows).copy()
-        alpha = np.frombuffer(raw, np.float64, rows * K, 8 * rows).reshape(K, rows).copy()
-        act = np.frombuffer(raw, np.bool_, rows * K, 8 * rows * (K + 1)).reshape(K, rows).copy()
-        return xx, alpha, act
+        return (np.frombuffer(raw, np.float64, rows),
+                np.frombuffer(raw, np.float64, rows * K, 8 * rows).reshape(K, rows),
+                np.frombuffer(raw, np.bool_, rows * K, 8 * rows * (K + 1)).reshape(K, rows))
 
     def save(self, xx: np.ndarray, alpha: np.ndarray, act: np.ndarray) -> None:
-        with self.fs.open_output_stream(self.path) as f:
+        with open(self.path, "wb") as f:
             for a in (xx, alpha, act):
                 f.write(np.ascontiguousarray(a).tobytes())
+
+
+def state_bytes(block_rows: int, classifiers: int, mix: int = 0) -> int:
+    """Bytes of the dual state a streamed task holds at once for ``classifiers`` over ``mix``
+    (:data:`MIX_BLOCKS`) blocks of ``block_rows``: 17 bytes a row and classifier plus 8 a row (the
+    stacked state, and the files' bytes while they are read or written)."""
+    return 2 * (mix or MIX_BLOCKS) * int(block_rows) * (17 * int(classifiers) + 8)
 
 
 def _unsigned(a: np.ndarray, dtype) -> np.ndarray:
@@ -168,18 +179,18 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
     converge far more slowly: after 40 passes a relative objective gap of 7e-4 to 7e-3, against
     6e-9 to 9e-9 with the rows in one piece, on bibtex and delicious root-like problems cut into 4
     or 16 blocks; paired anew at every pass, 5e-9 to 2e-6. README, 2026-12-05, ninth session.)
-    The dual variables and active flags of each block wait in a file under ``state_dir`` between
-    passes. Returns (W: d x (hi - lo) float64, :class:`DcdInfo`)."""
+    The dual variables and active flags of each block wait in a file under ``state_dir`` (a local
+    folder) between passes. Returns (W: d x (hi - lo) float64, :class:`DcdInfo`)."""
     K = int(hi - lo)
     W = np.zeros((K, d))
     lcg = [_lcg_seed(seed + k) for k in range(K)]
     pg_max_old = np.full(K, np.inf)
     live, reset = np.ones(K, bool), np.zeros(K, bool)
     passes = np.zeros(K, np.int64)
-    states = [_BlockState(fs, f"{state_dir}/{i:06d}.state") for i in range(len(paths))]
+    states = [_BlockState(os.path.join(state_dir, f"{i:06d}.state")) for i in range(len(paths))]
     rows_of = np.zeros(len(paths), np.int64)
     rng = np.random.default_rng(int(seed) % 2 ** 63)
-    fs.create_dir(state_dir, recursive=True)
+    os.makedirs(state_dir, exist_ok=True)
     for it in range(int(params.max_iter)):
         if not live.any():
             break
@@ -202,10 +213,8 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
                 alpha = np.zeros((K, n))
                 act = np.repeat(usable[None, :], K, axis=0)
             else:
-                got = [states[i].load(int(rows_of[i]), K) for i in ids]
-                xx = np.concatenate([g[0] for g in got])
-                alpha = np.concatenate([g[1] for g in got], axis=1)
-                act = np.concatenate([g[2] for g in got], axis=1)
+                xx, alpha, act = (np.concatenate(parts, axis=-1) for parts in      # copies: written in place
+                                  zip(*(states[i].load(int(rows_of[i]), K) for i in ids)))
             P = rb.pos[:, lo:hi].tocsc()
             indptr, indices = _unsigned(X.indptr, np.uint64), _unsigned(X.indices, np.uint32)
             for k in run:
@@ -228,6 +237,7 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
             for j, i in enumerate(ids):
                 b = slice(int(cuts[j]), int(cuts[j + 1]))
                 states[i].save(xx[b], alpha[:, b], act[:, b])
+            del rb, X, P, indptr, indices, xx, alpha, act          # before the next group's blocks are read
         passes[run] += 1
         reset[:] = False
         for k in run:
@@ -285,22 +295,13 @@ def train_streamed(spark, rows: DataFrame, pack: Callable, unpack: Callable, big
         threshold = params.threshold
 
         def run(batches):
-            from pyspark import TaskContext
             rfs, rbase = client_fs(uri)
-            tc = TaskContext.get()
-            attempt = tc.taskAttemptId() if tc else uuid.uuid4().int % 2 ** 62
             for b in batches:
                 for i in b.column("id").to_pylist():
                     g, lo, hi = (int(v) for v in units[i])
-                    state = f"{rbase}/state-{attempt}-{i}"
-                    try:
+                    with tempfile.TemporaryDirectory(prefix="xmc-dual-state-") as state:    # this attempt's own
                         W, info = dcd_node(rfs, block_files(rfs, f"{rbase}/n{g}"), unpack, lo, hi, d, params,
                                            params.seed + int(big[g]) + lo - int(node_ptr[g]), state)
-                    finally:
-                        try:
-                            rfs.delete_dir(state)
-                        except OSError:         # never made (an error before), or gone with the run's folder
-                            pass
                     worker_log().info(
                         "train (streamed): node %d, classifiers %d-%d of %d: dual CD passes %d-%d, %d of %d met the "
                         "tolerance", int(big[g]), lo - node_ptr[g], hi - node_ptr[g] - 1, node_ptr[g + 1] - node_ptr[g],
