@@ -131,7 +131,8 @@ _last: Dict[str, float] = {}
 _worker_log = None
 
 
-def _get_worker_log() -> logging.Logger:
+def worker_log() -> logging.Logger:
+    """The ``xmc_spark.task`` logger of a Python worker (to stderr, INFO), for a task's own lines."""
     global _worker_log
     if _worker_log is None:
         _worker_log = logging.getLogger("xmc_spark.task")
@@ -142,11 +143,6 @@ def _get_worker_log() -> logging.Logger:
             _worker_log.setLevel(logging.INFO)
             _worker_log.propagate = False
     return _worker_log
-
-
-def worker_log() -> logging.Logger:
-    """The ``xmc_spark.task`` logger of a Python worker (to stderr, INFO), for a task's own lines."""
-    return _get_worker_log()
 
 
 def worker_progress(kind: str, **counts: int) -> None:
@@ -165,5 +161,5 @@ def worker_progress(kind: str, **counts: int) -> None:
             where = f" (partition {tc.partitionId()}, attempt {tc.attemptNumber()})" if tc else ""
         except Exception:  # noqa: BLE001
             where = ""
-        _get_worker_log().info("%s: %s so far in worker %d%s", kind,
+        worker_log().info("%s: %s so far in worker %d%s", kind,
                                ", ".join(f"{v} {k}" for k, v in tot.items()), os.getpid(), where)

@@ -181,7 +181,7 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
     or 16 blocks; paired anew at every pass, 5e-9 to 2e-6. README, 2026-12-05, ninth session.)
     The dual variables and active flags of each block wait in a file under ``state_dir`` (a local
     folder) between passes. Returns (W: d x (hi - lo) float64, :class:`DcdInfo`)."""
-    K = int(hi - lo)
+    K, mix = int(hi - lo), max(1, int(mix))
     W = np.zeros((K, d))
     lcg = [_lcg_seed(seed + k) for k in range(K)]
     pg_max_old = np.full(K, np.inf)
@@ -198,8 +198,8 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
         pmax, pmin = np.full(K, -np.inf), np.full(K, np.inf)
         shrunk = np.zeros(K, np.int64)
         order = rng.permutation(len(paths))
-        for q in range(0, len(paths), max(1, int(mix))):
-            ids = order[q:q + max(1, int(mix))]
+        for q in range(0, len(paths), mix):
+            ids = order[q:q + mix]
             blocks = [read_block(fs, paths[i], unpack) for i in ids]
             rows_of[ids] = [b.X.shape[0] for b in blocks]
             cuts = np.concatenate([[0], np.cumsum(rows_of[ids])])
