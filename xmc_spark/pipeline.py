@@ -104,7 +104,7 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
         with timer.stage("tree"):
             bound = split_across.split_bound(samples, params.tree, n_features, n_labels, label_counts, row_nnz)
             tree = label_tree.run(emb, params.tree, n_features=n_features, n_labels=n_labels, f=f, f_tilde=ft,
-                                  split_bound=bound)
+                                  split_bound=bound, scratch=tables.scratch)
             index = commit_tree(tables, tree, n_labels, params)
     finally:
         if keep:
@@ -396,7 +396,7 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         bound = split_across.split_bound(train_df, params.tree, info.n_features, info.n_labels, label_counts,
                                          row_nnz=_row_nnz(info))
         tree = to_pandas(label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
-                                        f_tilde=ft, split_bound=bound))
+                                        f_tilde=ft, split_bound=bound, scratch=scratch))
         index = tree_index(tree, info.n_labels, params)
         w = node_training.run(train_df, index, info.n_features, params.train, scratch=scratch,
                               n_samples=n_samples, label_counts=label_counts,

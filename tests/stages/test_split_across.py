@@ -134,44 +134,56 @@ def test_interpolated_splits_stay_in_their_task_and_balanced_ones_go_across(spar
     assert [got[k] for k in range(M)] == want.tolist()
 
 
-def test_the_split_leaves_nothing_persisted(spark, Z, monkeypatch):
-    """The rounds' rows and the broadcasts are released, also when a step fails."""
+def test_the_split_leaves_nothing_persisted_or_written(spark, Z, monkeypatch, tmp_path):
+    """The rounds' rows are released and their scratch folders deleted, also when a step fails."""
     from pyspark import StorageLevel
     emb, labels, params = every_label(spark, Z), np.arange(M), TreeParams(max_leaf_size=10, max_iter=3)
-    frames, shared, released = [], [], []
-    persist, share = type(emb).persist, split_across.share
+    frames, persist = [], type(emb).persist
 
     def recorded_persist(self, *a, **k):
         frames.append(self)
         return persist(self, *a, **k)
 
-    def recorded_share(*a, **k):
-        s = share(*a, **k)
-        shared.append(s)
-        unpersist = s.unpersist
-        s.unpersist = lambda *ua, **uk: (released.append(s), unpersist(*ua, **uk))[1]
-        return s
-
     monkeypatch.setattr(type(emb), "persist", recorded_persist)
-    monkeypatch.setattr(split_across, "share", recorded_share)
-    split_across.split_across(emb, labels, np.zeros(M), np.zeros(M), params, DIM, levels=2)
+    split_across.split_across(emb, labels, np.zeros(M), np.zeros(M), params, DIM, levels=2, scratch=str(tmp_path))
     assert len(frames) == 2 and all(f.storageLevel == StorageLevel.NONE for f in frames)    # a round a level
-    assert shared and released == shared
-    frames.clear(), shared.clear(), released.clear()
-    steps = []
+    assert list(tmp_path.iterdir()) == []
+    frames.clear()
+    steps, sums = [], split_across._sums
 
     def failing(*a, **k):
         steps.append(1)
         if len(steps) == 2:
+            assert [p.name[:6] for p in tmp_path.iterdir()] == ["split-"]      # the round's folder, in use
             raise RuntimeError("step failed")
-        return assignment(*a, **k)
+        return sums(*a, **k)
 
-    assignment = split_across.assignment
-    monkeypatch.setattr(split_across, "assignment", failing)
+    monkeypatch.setattr(split_across, "_sums", failing)
     with pytest.raises(RuntimeError, match="step failed"):
-        split_across.split_across(emb, labels, np.zeros(M), np.zeros(M), params, DIM, levels=1)
+        split_across.split_across(emb, labels, np.zeros(M), np.zeros(M), params, DIM, levels=1,
+                                  scratch=str(tmp_path))
     assert len(frames) == 1 and frames[0].storageLevel == StorageLevel.NONE
-    assert shared and released == shared
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("B", [2, 3])
+def test_the_driver_receives_a_row_per_node_and_step_not_a_score_per_label(spark, Z, monkeypatch, B):
+    """The steps' scores, assignments and centroid sums stay with the tasks and their files: the
+    driver collects the seeds' k rows, one row per node of each step's assignment and one per
+    block of each step's sums, never a row per label."""
+    collected, real = [], split_across.to_arrow
+
+    def recorded(df):
+        t = real(df)
+        collected.append(t.num_rows)
+        return t
+
+    monkeypatch.setattr(split_across, "to_arrow", recorded)
+    params = TreeParams(max_leaf_size=10, nr_splits=B)
+    got = split_across.split_across(every_label(spark, Z), np.arange(M), np.zeros(M), np.zeros(M), params, DIM,
+                                    levels=1)
+    np.testing.assert_array_equal(got, 1 + balanced_split(Z, B, params.max_iter, split_seed(params.seed, 0)))
+    assert len(collected) >= 3 and max(collected) <= B
 
 
 def test_the_bound_is_the_setting_or_derived_from_memory(spark):

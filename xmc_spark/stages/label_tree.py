@@ -262,7 +262,7 @@ def is_packed(embeddings: DataFrame) -> bool:
 
 
 def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels: int, f=None,
-        f_tilde=None, split_bound: int = 0) -> DataFrame:
+        f_tilde=None, split_bound: int = 0, scratch: Optional[str] = None) -> DataFrame:
     """(label_idx, node, tree): the leaf of each label in each tree (tree = 0 for one tree).
     Labels without an embedding (no training sample) are still placed: they join the tree
     with an empty embedding. ``embeddings`` are rows of the ``label_embeddings`` table, or those
@@ -272,7 +272,8 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
     ``f`` and ``f_tilde`` (label frequencies, :mod:`.label_frequencies`) are required when
     the tree is interpolated (lambda > 0). A balanced split of a node with more than
     ``split_bound`` labels (0: none) runs across tasks (:mod:`.split_across`;
-    :func:`.split_across.label_bound` resolves ``tree.max_split_labels``)."""
+    :func:`.split_across.label_bound` resolves ``tree.max_split_labels``), its steps' files under
+    ``scratch`` (a folder every task sees; default :func:`..compat.scratch_root`)."""
     spark = embeddings.sparkSession
     if params.effective_lambda > 0 and (f is None or f_tilde is None):
         raise ValueError("an interpolated tree (lambda > 0) needs label frequencies f and f_tilde")
@@ -296,7 +297,7 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
         across = split_across.big_depths(n_labels, B, split_bound, params.for_tree(0).max_leaf_size)
         if across:
             return _chained_after_split(packed, params, n_features, n_labels, max(levels, across + 1), across,
-                                        split_bound, shuffle_partitions(spark))
+                                        split_bound, shuffle_partitions(spark), scratch)
         log.info("tree: %d level(s) chained in one plan (%d labels, subtrees grown from %d labels)", levels,
                  n_labels, local)
         return _chained(packed, params, n_features, n_labels, levels, shuffle_partitions(spark)).localCheckpoint()
@@ -322,7 +323,7 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
             big = sorted(n for n, c in sizes.items() if c > params.max_leaf_size)
             if not big:
                 break
-            new = _split_big(emb, active, big, sizes, n_features, params, freqs, local, split_bound)
+            new = _split_big(emb, active, big, sizes, n_features, params, freqs, local, split_bound, scratch)
             # the children's sizes come back in a second, small job over the checkpointed level
             grown = {int(r["key"]): int(r["count"]) for r in new.groupBy(_key().alias("key"), "node").count()
                      .select("key", "node", "count").collect() if _fits(r["node"], params)}
@@ -353,7 +354,7 @@ def _every_label(packed: DataFrame, n_labels: int) -> DataFrame:
 
 
 def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int, n_labels: int, levels: int,
-                         across: int, bound: int, cap: int) -> DataFrame:
+                         across: int, bound: int, cap: int, scratch: Optional[str] = None) -> DataFrame:
     """The balanced tree whose first ``across`` levels hold nodes over ``bound`` labels: those
     levels split across tasks (:func:`.split_across.split_across`, the driver keeping each
     label's node), then the chained plan from that depth (:func:`_chained`). The rows of every
@@ -365,7 +366,7 @@ def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int,
         labels = np.tile(np.arange(n_labels, dtype=np.int64), T)
         trees = np.repeat(np.arange(T, dtype=np.int64), n_labels)
         nodes = split_across.split_across(emb, labels, trees, np.zeros(len(labels), np.int64), params, n_features,
-                                          bound, levels=across)
+                                          bound, levels=across, scratch=scratch)
         parts, keys = _level_parts(T, B, across, cap)
         placed = local_frame(spark, {
             "label_idx": pa.array(labels.astype(np.int32)), "node": pa.array(nodes),
@@ -389,7 +390,7 @@ def _balanced_at(key: int, params: TreeParams) -> bool:
 
 
 def _split_big(emb: DataFrame, active: DataFrame, big, sizes: dict, n_features: int, params: TreeParams, freqs,
-               local: int, bound: int) -> DataFrame:
+               local: int, bound: int, scratch: Optional[str] = None) -> DataFrame:
     """One level of the level-by-level tree, checkpointed: the balanced splits of nodes over
     ``bound`` labels across tasks (:func:`.split_across.split_across`, one level), the other
     nodes of ``big`` in a task each (:func:`split_level`)."""
@@ -406,7 +407,7 @@ def _split_big(emb: DataFrame, active: DataFrame, big, sizes: dict, n_features: 
         labels = got.column("label_idx").to_numpy().astype(np.int64)
         trees = got.column("tree").to_numpy().astype(np.int64)
         nodes = split_across.split_across(emb, labels, trees, got.column("node").to_numpy().astype(np.int64),
-                                          params, n_features, bound, levels=1)
+                                          params, n_features, bound, levels=1, scratch=scratch)
         pieces.append(local_frame(emb.sparkSession, {"label_idx": pa.array(labels.astype(np.int32)),
                                                      "node": pa.array(nodes),
                                                      "tree": pa.array(trees.astype(np.int32))}))

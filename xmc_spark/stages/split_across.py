@@ -8,16 +8,32 @@ O(labels x non-zeros a label), whatever the cluster. A node with more labels tha
 the default: :func:`label_bound`) is split here instead, by the *same* steps as the kernel
 (:func:`~..kernels.balanced_kmeans.balanced_split`: its seed's initial rows, the projection on
 the centroids' difference or the similarities, the balanced assignment, the normalized sums),
-with the driver holding O(labels) numbers and the centroids:
+with the driver holding which node each label is in and the steps' scalars, and the tasks the
+rest:
 
 - the labels of the level's big nodes are joined to their embeddings and spread over the
   solver's task count of partitions (:func:`~.shared_vectors.solver_tasks`), a node's labels
   consecutive (partition keys computed on the driver: no sampling job), and persisted;
-- each step is two Spark queries over those rows: the tasks score their rows against the
-  broadcast centroids and the driver collects one score per (label, tree) (k for k > 2) and
-  assigns the children as the kernel does; then the tasks sum their rows per child and the sums
-  come back summed by blocks (:func:`~.node_training.summed_blocks`), k x features per node;
-- a node stops when its assignment repeats, all at ``tree.max_iter`` steps at most.
+- each step is two Spark jobs over those rows, which share the step's state through files in a
+  folder of the round's under the scratch folder (:class:`_RoundFiles`: the run folder's
+  ``_scratch`` in the pipeline, the machine's temp folder in local mode by default):
+
+  - *assignment*: the tasks read their nodes' centroid sums, normalize them and score their
+    rows (the kernel's projection on the centroids' difference, or the k similarities); the
+    scores are grouped by node, and one task per node makes the kernel's balanced assignment
+    from all of its labels' scores (a node's labels are scored in one task: O(its labels)
+    numbers, ~20 bytes each), compares it with the node's last one and writes it if it moved;
+    the driver receives one row per node (moved or not);
+  - *sums*: the tasks read their rows' children from the assignments' files and add up their
+    rows per child (float32 per batch and node, as the kernel, then float64); the partial sums
+    are summed by blocks (:data:`~.node_training.BLOCK` doubles), whose tasks write them as the
+    next step's centroid sums; the driver receives one row per block written;
+- a node stops when its assignment repeats, all at ``tree.max_iter`` steps at most; the driver
+  then reads each node's final assignment file (4 bytes a label) and deletes the folder.
+
+So no score or sum reaches the driver: under a 2g Python cap the 1M set's split sent ~246 MB
+of them (one score per label and k x features sums per node, every step).
+The seeds' k rows per node are fetched by the driver (one query) and written as step 0's sums.
 
 The children that are still over the bound are split the same way at the next level; the
 others go on through the tree's usual path (the chained levels or the level-by-level loop). The
@@ -27,13 +43,14 @@ than in the kernel; the children's sizes are exact. Interpolated splits (lambda 
 ``tree.balanced_below_depth``) are not distributed: such a node is split in one task, with a
 warning when it is over the bound.
 
-A level's centroids (k x features doubles per node) are broadcast to the tasks; the nodes of a
-level are taken in rounds of at most :data:`CENTROID_MB` of them (a task's partial sums are as large),
-one node a round when a node's own centroids are larger.
+The nodes of a level are taken in rounds of at most :data:`CENTROID_MB` of centroids (k x
+features doubles per node: a task's partial sums are as large, and so is step 0's sums on the
+driver), one node a round when a node's own centroids are larger.
 """
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -42,8 +59,8 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..arrow_utils import csr_from_binary, list_array, list_offsets_values, local_frame, to_arrow
-from ..compat import partition_keys, share
+from ..arrow_utils import csr_from_binary, grouped_apply, list_array, list_offsets_values, local_frame, to_arrow
+from ..compat import partition_keys, scratch_root
 from ..kernels.balanced_kmeans import (
     _cluster_sums,
     _projection,
@@ -54,10 +71,19 @@ from ..kernels.balanced_kmeans import (
     split_caps,
 )
 from ..kernels.tree import TREE_SHIFT, split_seed
-from ..params import TreeParams
+from ..params import ConfigError, TreeParams
 from ..progress import worker_progress
-from .node_training import PARTIAL_SCHEMA, mean_row_nnz, partial_blocks, row_bound_for, session_conf, summed_blocks
-from .shared_vectors import solver_tasks
+from ..storage import client_fs, write_whole
+from .node_training import (
+    BLOCK,
+    PARTIAL_SCHEMA,
+    _sum_blocks,
+    mean_row_nnz,
+    partial_blocks,
+    row_bound_for,
+    session_conf,
+)
+from .shared_vectors import _parallel, solver_tasks
 
 log = logging.getLogger("xmc_spark.tree")
 
@@ -66,7 +92,7 @@ CENTROID_MB = 64            # a round's centroids (nodes x k x features doubles)
 BYTES_PER_NNZ = 40          # a split task holds a node's rows about five times (Arrow input, sorted
                             # CSR, the packed rows handed on, Spark's Arrow buffers)
 LABEL_BYTES = 256           # a label's id, node, order and scores besides its row
-SCORES_SCHEMA = "pos long, scores array<double>"
+SCORES_SCHEMA = "g int, pos long, scores array<double>"
 
 
 def label_bound(spark, params: TreeParams, n_features: int, label_counts=None,
@@ -136,17 +162,25 @@ class _Level:
 
 
 def split_across(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, nodes: np.ndarray, params: TreeParams,
-                 n_features: int, bound: int = 0, levels: Optional[int] = None) -> np.ndarray:
+                 n_features: int, bound: int = 0, levels: Optional[int] = None,
+                 scratch: Optional[str] = None) -> np.ndarray:
     """The nodes of the entries (``labels[i]`` in tree ``trees[i]``, at node ``nodes[i]``) after
     their nodes are split across tasks: level after level, the nodes with more than ``bound``
     labels, until every node is within it; with ``levels``, every node for that many levels
     (the balanced tree's levels whose largest nodes are over the bound: :func:`big_depths`).
     A node within its tree's ``max_leaf_size`` is a leaf and stays. ``emb`` holds one packed
-    row (label_idx, emb_idx, emb_val) per label, empty for a label without a sample."""
+    row (label_idx, emb_idx, emb_val) per label, empty for a label without a sample. ``scratch``:
+    a folder the driver and every task see, for the steps' files (:class:`_RoundFiles`; default
+    :func:`~..compat.scratch_root`: in local mode the machine's temp folder)."""
     labels, trees = np.asarray(labels, np.int64), np.asarray(trees, np.int64)
     nodes = np.asarray(nodes, np.int64).copy()
     d = max(1, int(n_features))
     par = solver_tasks(emb.sparkSession)
+    root = scratch_root(emb.sparkSession, scratch)
+    if root is None:
+        raise ConfigError("tree.max_split_labels: a node split across tasks keeps its steps' centroids and "
+                          "assignments in files every task sees, and this cluster session has no scratch folder: "
+                          "run it through the pipeline (its run folder's _scratch) or pass scratch")
     depth = 0
     while len(labels) and (levels is None or depth < levels):
         depth += 1
@@ -163,16 +197,17 @@ def split_across(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, nodes: n
             ck = np.array([t << TREE_SHIFT | n for t, n in chunk], np.int64)
             idx = np.flatnonzero(np.isin(trees << TREE_SHIFT | nodes, ck))
             lvl = _Level(labels[idx], trees[idx], nodes[idx], chunk)
-            nodes[idx[lvl.order]] = _split_round(emb, lvl, params, d, par)
+            nodes[idx[lvl.order]] = _split_round(emb, lvl, params, d, par, root)
             sizes = np.diff(lvl.ptr)
             log.info("tree: %d node(s) of %d-%d labels split across tasks", len(chunk), sizes.min(), sizes.max())
     return nodes
 
 
-def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: int) -> np.ndarray:
+def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: int, root: str) -> np.ndarray:
     """Child node of every entry of ``lvl`` (in its order): each group's balanced k-means, as
-    :func:`~..kernels.balanced_kmeans.balanced_split` steps, two Spark queries a step over the
-    round's persisted rows."""
+    :func:`~..kernels.balanced_kmeans.balanced_split` steps, two Spark jobs a step over the
+    round's persisted rows, the centroid sums and the assignments in files under ``root``
+    (:class:`_RoundFiles`)."""
     spark = emb.sparkSession
     G, n = len(lvl.keys), len(lvl.labels)
     tps = [params.for_tree(t) for t, _ in lvl.keys]
@@ -190,35 +225,109 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
     # rows in position order within a partition: the float32 partial sums do not depend on the shuffle
     rows = (emb.join(place, "label_idx").repartition(parts, "_p").sortWithinPartitions("pos").drop("_p")
             .persist(StorageLevel.MEMORY_AND_DISK))
+    files = _RoundFiles(root, lvl.ptr, k, d)
     try:
-        C = _initial_centroids(emb, lvl, tps, m, k, d)
-        assign: List[Optional[np.ndarray]] = [None] * G
+        _initial_sums(files, emb, lvl, tps, m, k)
+        cstep = np.zeros(G, np.int64)               # the step whose sums hold each group's centroids
+        latest = np.full(G, -1, np.int64)           # the step whose file holds each group's assignment
         active = list(range(G))
         for step in range(max(tp.max_iter for tp in tps)):
-            S = _scores(rows, lvl, active, k, C, d)
-            moved = []
-            for g in active:
-                s = S[lvl.ptr[g]:lvl.ptr[g + 1]]
-                new = assignment(s[:, 0] if k[g] == 2 else s[:, :k[g]], caps[g])
-                if assign[g] is None or not np.array_equal(new, assign[g]):
-                    assign[g] = new
-                    moved.append(g)
+            moved = _assign(rows, files, step, active, caps, cstep, latest, par)
+            for g in moved:
+                if latest[g] >= 0:
+                    files.forget_assignment(int(latest[g]), g)
+                latest[g] = step
             active = [g for g in moved if step + 1 < tps[g].max_iter]    # the kernel's loop, per group
             if not active:
                 break
-            for g, Sg in _sums(rows, lvl, active, k, assign, d, par).items():
-                C[g] = normalized(Sg)
+            _sums(rows, files, step + 1, active, latest, par)
+            files.forget_sums(step)
+            cstep[active] = step + 1
+        child = np.empty(n, np.int64)
+        fs = files.filesystem()
+        for g, (_, node) in enumerate(lvl.keys):
+            child[lvl.ptr[g]:lvl.ptr[g + 1]] = node * tps[g].nr_splits + 1 + files.assignment(fs, int(latest[g]), g)
     finally:
         rows.unpersist()
-    child = np.empty(n, np.int64)
-    for g, (_, node) in enumerate(lvl.keys):
-        child[lvl.ptr[g]:lvl.ptr[g + 1]] = node * tps[g].nr_splits + 1 + assign[g]
+        files.delete()
     return child
 
 
-def _initial_centroids(emb: DataFrame, lvl: _Level, tps, m, k, d: int) -> Dict[int, np.ndarray]:
-    """Each group's k seeded rows (:func:`~..kernels.balanced_kmeans.initial_rows` of its seed
-    for the node, over its labels in order), normalized: one query fetching those labels' rows."""
+class _RoundFiles:
+    """What the tasks of one round share, in a folder of its own under the scratch root: the
+    centroid sums of step s (``c<s>/<block>``: the groups' k x d sums laid end to end, float64, cut
+    into blocks of :data:`~.node_training.BLOCK` doubles, a block no row touched absent and zero;
+    ``present`` names those written) and the assignment a step made (``a<s>/<group>``: a child a
+    label, int32, in the group's label order). Pickled into the closures."""
+
+    def __init__(self, root: str, ptr: np.ndarray, k: np.ndarray, d: int):
+        self.uri = f"{root.rstrip('/')}/split-{uuid.uuid4().hex}"
+        fs, self.base = client_fs(self.uri)
+        fs.create_dir(self.base, recursive=True)
+        self.ptr, self.k, self.d = np.asarray(ptr, np.int64), np.asarray(k, np.int64), int(d)
+        self.off = np.concatenate([[0], np.cumsum(self.k * self.d)])
+        self.present: Dict[int, frozenset] = {}
+
+    def filesystem(self):
+        return client_fs(self.uri)[0]
+
+    def _sums_path(self, step: int, block: int) -> str:
+        return f"{self.base}/c{step}/{block}"
+
+    def _assign_path(self, step: int, g: int) -> str:
+        return f"{self.base}/a{step}/{g}"
+
+    def centroids(self, fs, step: int, g: int) -> np.ndarray:
+        """Group g's k x d centroids: its sums of ``step``, normalized (as the kernel's)."""
+        lo, hi = int(self.off[g]), int(self.off[g + 1])
+        out = np.zeros(hi - lo)
+        have = self.present[step]
+        for b in range(lo // BLOCK, -(-hi // BLOCK)):
+            if b in have:
+                with fs.open_input_stream(self._sums_path(step, b)) as f:
+                    vals = np.frombuffer(f.read(), np.float64)
+                a, z = max(lo, b * BLOCK), min(hi, b * BLOCK + len(vals))
+                out[a - lo:z - lo] = vals[a - b * BLOCK:z - b * BLOCK]
+        return normalized(out.reshape(int(self.k[g]), self.d))
+
+    def write_sums(self, fs, step: int, block: int, vals: np.ndarray) -> None:
+        fs.create_dir(f"{self.base}/c{step}", recursive=True)
+        data = np.ascontiguousarray(vals, np.float64).tobytes()
+        write_whole(fs, self._sums_path(step, block), lambda f: f.write(data))
+
+    def assignment(self, fs, step: int, g: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
+        """Entries [lo, hi) (positions within group g) of the assignment ``step`` wrote."""
+        hi = int(self.ptr[g + 1] - self.ptr[g]) if hi is None else int(hi)
+        with fs.open_input_file(self._assign_path(step, g)) as f:
+            return np.frombuffer(f.read_at(4 * (hi - lo), 4 * int(lo)), np.int32).astype(np.int64)
+
+    def write_assignment(self, fs, step: int, g: int, a: np.ndarray) -> None:
+        fs.create_dir(f"{self.base}/a{step}", recursive=True)
+        data = np.ascontiguousarray(a, np.int32).tobytes()
+        write_whole(fs, self._assign_path(step, g), lambda f: f.write(data))
+
+    def forget_assignment(self, step: int, g: int) -> None:
+        self.filesystem().delete_file(self._assign_path(step, g))
+
+    def forget_sums(self, step: int) -> None:
+        if self.present.pop(step, None) is not None:
+            self.filesystem().delete_dir(f"{self.base}/c{step}")
+
+    def delete(self) -> None:
+        """The round's folder, whatever it holds; a failed delete only warns (it never hides the
+        round's own error)."""
+        try:
+            fs, base = client_fs(self.uri)
+            fs.delete_dir(base)
+        except Exception as e:  # noqa: BLE001 - cleanup after the work: report, go on
+            log.warning("tree: could not delete the split's scratch folder %s: %s", self.uri, e)
+
+
+def _initial_sums(files: _RoundFiles, emb: DataFrame, lvl: _Level, tps, m, k) -> None:
+    """Step 0's sums: each group's k seeded rows (:func:`~..kernels.balanced_kmeans.initial_rows`
+    of its seed for the node, over its labels in order), as float32 rows; one query fetching
+    those labels' rows, written by the driver (at most :data:`CENTROID_MB` for the round)."""
+    d = files.d
     picks = {g: lvl.labels[lvl.ptr[g] + initial_rows(int(m[g]), int(k[g]), split_seed(tps[g].seed, lvl.keys[g][1]))]
              for g in range(len(lvl.keys))}
     want = np.unique(np.concatenate(list(picks.values())))
@@ -226,13 +335,23 @@ def _initial_centroids(emb: DataFrame, lvl: _Level, tps, m, k, d: int) -> Dict[i
     Z = csr_from_binary(got, "emb_idx", "emb_val", d)
     row = np.full(int(want.max()) + 1, -1, np.int64)
     row[got.column("label_idx").to_numpy()] = np.arange(got.num_rows)
-    out = {}
+    flat = np.zeros(int(files.off[-1]))
     for g, labs in picks.items():
         C = np.zeros((len(labs), d), np.float32)
         have = row[labs] >= 0
         C[have] = Z[row[labs][have]].toarray()
-        out[g] = normalized(C)
-    return out
+        flat[files.off[g]:files.off[g + 1]] = C.ravel()
+    _write_blocks(files, 0, flat)
+
+
+def _write_blocks(files: _RoundFiles, step: int, flat: np.ndarray) -> None:
+    fs, have = files.filesystem(), []
+    for b in range(-(-len(flat) // BLOCK)):
+        piece = flat[b * BLOCK:(b + 1) * BLOCK]
+        if piece.any():
+            files.write_sums(fs, step, b, piece)
+            have.append(b)
+    files.present[step] = frozenset(have)
 
 
 def _batch_groups(b: pa.RecordBatch, keep, d: int):
@@ -250,65 +369,79 @@ def _batch_groups(b: pa.RecordBatch, keep, d: int):
         yield pos[r], Z[r], int(gg)
 
 
-def _scores(rows: DataFrame, lvl: _Level, active: List[int], k, C: Dict[int, np.ndarray], d: int) -> np.ndarray:
-    """Every active entry's scores (n x max k, by position): z^T (c0 - c1) for a 2-way group
-    (the kernel's projection), the k similarities otherwise; one query."""
-    spark = rows.sparkSession
-    vec = share(spark, {g: C[g][0] - C[g][1] if k[g] == 2 else C[g] for g in active}, name="the centroids")
-    on = np.zeros(len(lvl.keys), bool)
+def _assign(rows: DataFrame, files: _RoundFiles, step: int, active: List[int], caps, cstep: np.ndarray,
+            latest: np.ndarray, par: int) -> List[int]:
+    """Step ``step``'s assignment of every active group; returns the groups whose assignment
+    moved (their new one written as ``a<step>``). One job: the tasks score their rows against
+    the centroids read from the files (z^T (c0 - c1) for a 2-way group, the kernel's projection;
+    the k similarities otherwise), the scores are grouped by group, and each group's task makes
+    the kernel's assignment from all of them, compares it with the group's last, and returns
+    one row."""
+    on = np.zeros(len(files.k), bool)
     on[active] = True
+    d, k, ptr = files.d, files.k, files.ptr
 
     def score(batches):
-        V = vec.value
+        fs, V = files.filesystem(), {}
         for b in batches:
             for pos, Z, g in _batch_groups(b, lambda p, g: on[g], d):
+                if g not in V:
+                    C = files.centroids(fs, int(cstep[g]), g)
+                    V[g] = C[0] - C[1] if k[g] == 2 else C
                 v = V[g]
                 s = _projection(Z.indptr, Z.indices, Z.data, v)[:, None] if v.ndim == 1 else \
                     _similarities(Z.indptr, Z.indices, Z.data, v)
                 yield pa.RecordBatch.from_pydict({
-                    "pos": pa.array(pos, pa.int64()),
+                    "g": pa.array(np.full(len(pos), g, np.int32)), "pos": pa.array(pos, pa.int64()),
                     "scores": list_array(np.arange(0, s.size + 1, s.shape[1]), s.ravel(), pa.float64())})
                 worker_progress("tree (split across tasks)", rows=len(pos))
 
-    try:
-        got = to_arrow(rows.mapInArrow(score, SCORES_SCHEMA))
-    finally:
-        vec.unpersist()             # each step's broadcasts go as soon as its query is done
-    off, vals = list_offsets_values(got, "scores")
-    width = int(k.max())
-    S = np.zeros((len(lvl.labels), width))
-    pos = got.column("pos").to_numpy()
-    lens = np.diff(off)
-    for w in np.unique(lens):
-        r = np.flatnonzero(lens == w)
-        S[pos[r], :w] = vals[(off[r][:, None] + np.arange(w)).ravel()].reshape(len(r), w)
-    return S
+    def decide(t: pa.Table) -> pa.Table:
+        g = int(t.column("g")[0].as_py())
+        m = int(ptr[g + 1] - ptr[g])
+        at = t.column("pos").to_numpy() - ptr[g]
+        if len(at) != m or len(np.unique(at)) != m:
+            raise RuntimeError(f"tree split: group {g} got {len(at)} scores for {m} labels")
+        S = list_offsets_values(t, "scores")[1].reshape(m, -1)[np.argsort(at)]
+        new = assignment(S[:, 0] if k[g] == 2 else S, caps[g])
+        fs = files.filesystem()
+        moved = latest[g] < 0 or not np.array_equal(new, files.assignment(fs, int(latest[g]), g))
+        if moved:
+            files.write_assignment(fs, step, g, new)
+        return pa.table({"g": pa.array([g], pa.int32()), "moved": pa.array([moved])})
+
+    scored = rows.mapInArrow(score, SCORES_SCHEMA)
+    got = to_arrow(grouped_apply(scored.repartition(_parallel(par, len(active)), "g"), ["g"], decide,
+                                 "g int, moved boolean"))
+    return sorted(int(g) for g, mv in zip(got.column("g").to_pylist(), got.column("moved").to_pylist()) if mv)
 
 
-def _sums(rows: DataFrame, lvl: _Level, active: List[int], k, assign, d: int, par: int) -> Dict[int, np.ndarray]:
-    """Each active group's per-child sums of its rows (k x d), one query: the tasks' partial
-    sums (float32 per batch and group, as the kernel's, added in float64) summed by blocks."""
-    spark = rows.sparkSession
-    child = np.full(len(lvl.labels), -1, np.int64)
-    off = np.full(len(lvl.keys), -1, np.int64)
-    size = 0
-    for g in active:
-        child[lvl.ptr[g]:lvl.ptr[g + 1]] = assign[g]
-        off[g], size = size, size + int(k[g]) * d
-    sh = share(spark, child, name="the children of the labels")
+def _sums(rows: DataFrame, files: _RoundFiles, out: int, active: List[int], latest: np.ndarray, par: int) -> None:
+    """Each active group's per-child sums of its rows (k x d) by its latest assignment, written
+    as step ``out``'s sums. One job: the tasks' partial sums (float32 per batch and group, as the
+    kernel's, added in float64), summed by blocks whose tasks write them."""
+    on = np.zeros(len(files.k), bool)
+    on[active] = True
+    d, k, ptr, off = files.d, files.k, files.ptr, files.off
 
     def part(batches):
-        a = sh.value
-        acc = np.zeros(size)
+        fs = files.filesystem()
+        acc = np.zeros(int(off[-1]))
         for b in batches:
-            for pos, Z, g in _batch_groups(b, lambda p, g: a[p] >= 0, d):
-                acc[off[g]:off[g] + k[g] * d] += _cluster_sums(Z.indptr, Z.indices, Z.data, a[pos], int(k[g]),
-                                                               d).ravel()
+            for pos, Z, g in _batch_groups(b, lambda p, g: on[g], d):
+                lo = int(pos.min() - ptr[g])
+                a = files.assignment(fs, int(latest[g]), g, lo, int(pos.max() - ptr[g]) + 1)[pos - ptr[g] - lo]
+                acc[off[g]:off[g + 1]] += _cluster_sums(Z.indptr, Z.indices, Z.data, a, int(k[g]), d).ravel()
                 worker_progress("tree (split across tasks)", rows=len(pos))
         yield from partial_blocks(acc)
 
-    try:
-        flat = summed_blocks(rows.mapInArrow(part, PARTIAL_SCHEMA), size, par)
-    finally:
-        sh.unpersist()
-    return {g: flat[off[g]:off[g] + k[g] * d].reshape(int(k[g]), d) for g in active}
+    def write(t: pa.Table) -> pa.Table:
+        total = _sum_blocks(t)
+        block = int(total.column("block")[0].as_py())
+        files.write_sums(files.filesystem(), out, block, list_offsets_values(total, "vals")[1])
+        return pa.table({"block": pa.array([block], pa.int32())})
+
+    partials = rows.mapInArrow(part, PARTIAL_SCHEMA)
+    got = to_arrow(grouped_apply(partials.repartition(_parallel(par, -(-int(off[-1]) // BLOCK)), "block"), ["block"],
+                                 write, "block int"))
+    files.present[out] = frozenset(int(b) for b in got.column("block").to_pylist())
