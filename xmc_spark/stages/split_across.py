@@ -33,7 +33,7 @@ rest:
 
 So no score or sum reaches the driver: under a 2g Python cap the 1M set's split sent ~246 MB
 of them (one score per label and k x features sums per node, every step).
-The seeds' k rows per node are fetched by the driver (one query) and written as step 0's sums.
+Step 0's sums are each node's k seeded rows (child j its j-th seed), summed by the sums' job.
 
 The children that are still over the bound are split the same way at the next level; the
 others go on through the tree's usual path (the chained levels or the level-by-level loop). The
@@ -44,8 +44,8 @@ than in the kernel; the children's sizes are exact. Interpolated splits (lambda 
 warning when it is over the bound.
 
 The nodes of a level are taken in rounds of at most :data:`CENTROID_MB` of centroids (k x
-features doubles per node: a task's partial sums are as large, and so is step 0's sums on the
-driver), one node a round when a node's own centroids are larger.
+features doubles per node: a task's partial sums are as large), one node a round when a node's
+own centroids are larger.
 """
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ import numpy as np
 import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_from_binary, grouped_apply, list_array, list_offsets_values, local_frame, to_arrow
 from ..compat import partition_keys, scratch_root
@@ -227,9 +226,13 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
             .persist(StorageLevel.MEMORY_AND_DISK))
     files = _RoundFiles(root, lvl.ptr, k, d)
     try:
-        _initial_sums(files, emb, lvl, tps, m, k)
-        cstep = np.zeros(G, np.int64)               # the step whose sums hold each group's centroids
+        # step 0's sums: each group's k seeded rows (initial_rows of its seed for the node, over its
+        # labels in order), child j the j-th: their float32 values, as the kernel's initial centroids
+        seeds = np.concatenate([lvl.ptr[g] + initial_rows(int(m[g]), int(k[g]), split_seed(tps[g].seed, key[1]))
+                                for g, key in enumerate(lvl.keys)]).astype(np.int64)
         latest = np.full(G, -1, np.int64)           # the step whose file holds each group's assignment
+        _sums(rows, files, 0, list(range(G)), latest, par, seeds)
+        cstep = np.zeros(G, np.int64)               # the step whose sums hold each group's centroids
         active = list(range(G))
         for step in range(max(tp.max_iter for tp in tps)):
             moved = _assign(rows, files, step, active, caps, cstep, latest, par)
@@ -323,37 +326,6 @@ class _RoundFiles:
             log.warning("tree: could not delete the split's scratch folder %s: %s", self.uri, e)
 
 
-def _initial_sums(files: _RoundFiles, emb: DataFrame, lvl: _Level, tps, m, k) -> None:
-    """Step 0's sums: each group's k seeded rows (:func:`~..kernels.balanced_kmeans.initial_rows`
-    of its seed for the node, over its labels in order), as float32 rows; one query fetching
-    those labels' rows, written by the driver (at most :data:`CENTROID_MB` for the round)."""
-    d = files.d
-    picks = {g: lvl.labels[lvl.ptr[g] + initial_rows(int(m[g]), int(k[g]), split_seed(tps[g].seed, lvl.keys[g][1]))]
-             for g in range(len(lvl.keys))}
-    want = np.unique(np.concatenate(list(picks.values())))
-    got = to_arrow(emb.where(F.col("label_idx").isin([int(x) for x in want])))
-    Z = csr_from_binary(got, "emb_idx", "emb_val", d)
-    row = np.full(int(want.max()) + 1, -1, np.int64)
-    row[got.column("label_idx").to_numpy()] = np.arange(got.num_rows)
-    flat = np.zeros(int(files.off[-1]))
-    for g, labs in picks.items():
-        C = np.zeros((len(labs), d), np.float32)
-        have = row[labs] >= 0
-        C[have] = Z[row[labs][have]].toarray()
-        flat[files.off[g]:files.off[g + 1]] = C.ravel()
-    _write_blocks(files, 0, flat)
-
-
-def _write_blocks(files: _RoundFiles, step: int, flat: np.ndarray) -> None:
-    fs, have = files.filesystem(), []
-    for b in range(-(-len(flat) // BLOCK)):
-        piece = flat[b * BLOCK:(b + 1) * BLOCK]
-        if piece.any():
-            files.write_sums(fs, step, b, piece)
-            have.append(b)
-    files.present[step] = frozenset(have)
-
-
 def _batch_groups(b: pa.RecordBatch, keep, d: int):
     """(positions, CSR rows, group) per group of batch ``b`` whose rows ``keep(pos, g)`` selects."""
     t = pa.Table.from_batches([b])
@@ -416,21 +388,34 @@ def _assign(rows: DataFrame, files: _RoundFiles, step: int, active: List[int], c
     return sorted(int(g) for g, mv in zip(got.column("g").to_pylist(), got.column("moved").to_pylist()) if mv)
 
 
-def _sums(rows: DataFrame, files: _RoundFiles, out: int, active: List[int], latest: np.ndarray, par: int) -> None:
+def _sums(rows: DataFrame, files: _RoundFiles, out: int, active: List[int], latest: np.ndarray, par: int,
+          seeds: Optional[np.ndarray] = None) -> None:
     """Each active group's per-child sums of its rows (k x d) by its latest assignment, written
-    as step ``out``'s sums. One job: the tasks' partial sums (float32 per batch and group, as the
-    kernel's, added in float64), summed by blocks whose tasks write them."""
+    as step ``out``'s sums; with ``seeds`` (positions, each group's k in child order) the sums of
+    those rows alone, child j of a group its j-th. One job: the tasks' partial sums (float32 per
+    batch and group, as the kernel's, added in float64), summed by blocks whose tasks write them;
+    the driver receives one row per block written."""
     on = np.zeros(len(files.k), bool)
     on[active] = True
     d, k, ptr, off = files.d, files.k, files.ptr, files.off
+    if seeds is not None:
+        child = np.arange(len(seeds)) - np.repeat(np.cumsum(k) - k, k)     # j-th seed of its group: child j
+        by_pos = np.argsort(seeds)
+        seed_pos, seed_child = seeds[by_pos], child[by_pos]
+
+    def keep(p, g):
+        return on[g] if seeds is None else on[g] & np.isin(p, seed_pos)
 
     def part(batches):
         fs = files.filesystem()
         acc = np.zeros(int(off[-1]))
         for b in batches:
-            for pos, Z, g in _batch_groups(b, lambda p, g: on[g], d):
-                lo = int(pos.min() - ptr[g])
-                a = files.assignment(fs, int(latest[g]), g, lo, int(pos.max() - ptr[g]) + 1)[pos - ptr[g] - lo]
+            for pos, Z, g in _batch_groups(b, keep, d):
+                if seeds is not None:
+                    a = seed_child[np.searchsorted(seed_pos, pos)]
+                else:
+                    lo = int(pos.min() - ptr[g])
+                    a = files.assignment(fs, int(latest[g]), g, lo, int(pos.max() - ptr[g]) + 1)[pos - ptr[g] - lo]
                 acc[off[g]:off[g + 1]] += _cluster_sums(Z.indptr, Z.indices, Z.data, a, int(k[g]), d).ravel()
                 worker_progress("tree (split across tasks)", rows=len(pos))
         yield from partial_blocks(acc)
