@@ -145,9 +145,23 @@ def test_the_split_leaves_nothing_persisted_or_written(spark, Z, monkeypatch, tm
         return persist(self, *a, **k)
 
     monkeypatch.setattr(type(emb), "persist", recorded_persist)
+    seen, assign = [], split_across._assign
+
+    def inspected(rows, files, step, active, caps, latest, par):
+        """Before each step: the round's folder holds this step's sums and each group's last
+        assignment, nothing older."""
+        base = tmp_path / files.base.rsplit("/", 1)[-1]
+        assert sorted(p.name for p in base.iterdir() if p.name.startswith("c")) == [f"c{step}"]
+        kept = [p for p in base.rglob("*") if p.is_file() and p.parent.name.startswith("a")]
+        assert len(kept) == int((latest >= 0).sum())
+        seen.append(step)
+        return assign(rows, files, step, active, caps, latest, par)
+
+    monkeypatch.setattr(split_across, "_assign", inspected)
     split_across.split_across(emb, labels, np.zeros(M), np.zeros(M), params, DIM, levels=2, scratch=str(tmp_path))
     assert len(frames) == 2 and all(f.storageLevel == StorageLevel.NONE for f in frames)    # a round a level
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [] and max(seen) == 2 and seen.count(0) == 2
+    monkeypatch.setattr(split_across, "_assign", assign)
     frames.clear()
     steps, sums = [], split_across._sums
 
@@ -164,6 +178,30 @@ def test_the_split_leaves_nothing_persisted_or_written(spark, Z, monkeypatch, tm
                                   scratch=str(tmp_path))
     assert len(frames) == 1 and frames[0].storageLevel == StorageLevel.NONE
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("B", [2, 3])
+def test_centroid_sums_in_many_blocks_give_the_kernels_split(spark, Z, monkeypatch, B):
+    """Sums cut into blocks of 7 doubles (blocks over two children and over two nodes, the second
+    node's sums starting inside a block, a short last one, blocks of features no label has: never
+    written, read as zero) give the kernel's splits."""
+    monkeypatch.setattr(split_across, "BLOCK", 7)
+    params = TreeParams(max_leaf_size=10, nr_splits=B)
+    nodes = np.where(np.arange(M) % 2 == 0, 1, 2)
+    got = split_across.split_across(every_label(spark, Z), np.arange(M), np.zeros(M), nodes, params, DIM + 31,
+                                    levels=1)
+    for node in (1, 2):
+        mine = np.flatnonzero(nodes == node)
+        np.testing.assert_array_equal(got[mine], node * B + 1 + balanced_split(
+            Z[mine], B, params.max_iter, split_seed(params.seed, node)))
+
+
+def test_a_cluster_session_without_a_scratch_folder_is_refused(spark, Z, monkeypatch):
+    from xmc_spark.params import ConfigError
+    monkeypatch.setattr(split_across, "scratch_root", lambda spark, scratch: None)
+    with pytest.raises(ConfigError, match="no scratch folder"):
+        split_across.split_across(every_label(spark, Z), np.arange(M), np.zeros(M), np.zeros(M),
+                                  TreeParams(max_leaf_size=10), DIM, levels=1)
 
 
 @pytest.mark.parametrize("B", [2, 3])

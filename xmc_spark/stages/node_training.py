@@ -946,14 +946,14 @@ class SparkOracle:
         return summed_blocks(query_tasks(df, self.par).mapInArrow(partial, PARTIAL_SCHEMA), size, self.par)
 
 
-def partial_blocks(acc: np.ndarray):
-    """A task's partial sums ``acc`` as :data:`PARTIAL_SCHEMA` rows, one per block of
-    :data:`BLOCK` doubles that is not all zero (none when ``acc`` is all zero)."""
+def partial_blocks(acc: np.ndarray, block: int = BLOCK):
+    """A task's partial sums ``acc`` as :data:`PARTIAL_SCHEMA` rows, one per block of ``block``
+    doubles that is not all zero (none when ``acc`` is all zero)."""
     from pyspark import TaskContext
-    blocks = [k for k in range(-(-len(acc) // BLOCK)) if np.any(acc[k * BLOCK:(k + 1) * BLOCK])]
+    blocks = [k for k in range(-(-len(acc) // block)) if np.any(acc[k * block:(k + 1) * block])]
     if not blocks:
         return
-    segs = [acc[k * BLOCK:(k + 1) * BLOCK] for k in blocks]
+    segs = [acc[k * block:(k + 1) * block] for k in blocks]
     offs = np.concatenate([[0], np.cumsum([len(s) for s in segs])])
     tc = TaskContext.get()
     yield pa.RecordBatch.from_pydict({

@@ -14,16 +14,19 @@ rest:
 - the labels of the level's big nodes are joined to their embeddings and spread over the
   solver's task count of partitions (:func:`~.shared_vectors.solver_tasks`), a node's labels
   consecutive (partition keys computed on the driver: no sampling job), and persisted;
-- each step is two Spark jobs over those rows, which share the step's state through files in a
+- each step is two Spark jobs over those rows (one at a group's last step), which share the
+  step's state through files in a
   folder of the round's under the scratch folder (:class:`_RoundFiles`: the run folder's
   ``_scratch`` in the pipeline, the machine's temp folder in local mode by default):
 
   - *assignment*: the tasks read their nodes' centroid sums, normalize them and score their
     rows (the kernel's projection on the centroids' difference, or the k similarities); the
-    scores are grouped by node, and one task per node makes the kernel's balanced assignment
-    from all of its labels' scores (a node's labels are scored in one task: O(its labels)
-    numbers, ~20 bytes each), compares it with the node's last one and writes it if it moved;
-    the driver receives one row per node (moved or not);
+    scores are grouped by node, and one call per node (in the tasks of a shuffle: a task may
+    take several nodes, one after another) makes the kernel's balanced assignment from all of
+    the node's scores, compares it with the node's last one and writes it if it moved (that
+    call holds O(the node's labels x k) numbers: ~70 bytes a label for two children, ~32 x k
+    bytes for k; the in-task split it replaces held the node's embeddings); the driver
+    receives one row per node (moved or not);
   - *sums*: the tasks read their rows' children from the assignments' files and add up their
     rows per child (float32 per batch and node, as the kernel, then float64); the partial sums
     are summed by blocks (:data:`~.node_training.BLOCK` doubles), whose tasks write them as the
@@ -58,7 +61,15 @@ import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 
-from ..arrow_utils import csr_from_binary, grouped_apply, list_array, list_offsets_values, local_frame, to_arrow
+from ..arrow_utils import (
+    binary_segments,
+    binary_values,
+    csr_from_binary,
+    grouped_apply,
+    list_offsets_values,
+    local_frame,
+    to_arrow,
+)
 from ..compat import partition_keys, scratch_root
 from ..kernels.balanced_kmeans import (
     _cluster_sums,
@@ -86,12 +97,12 @@ from .shared_vectors import _parallel, solver_tasks
 
 log = logging.getLogger("xmc_spark.tree")
 
-CENTROID_MB = 64            # a round's centroids (nodes x k x features doubles) at most: broadcast, and
-                            # each task's partial sums
+CENTROID_MB = 64            # a round's centroids (nodes x k x features doubles) at most: what a scoring task
+                            # may read, and each task's partial sums
 BYTES_PER_NNZ = 40          # a split task holds a node's rows about five times (Arrow input, sorted
                             # CSR, the packed rows handed on, Spark's Arrow buffers)
 LABEL_BYTES = 256           # a label's id, node, order and scores besides its row
-SCORES_SCHEMA = "g int, pos long, scores array<double>"
+SCORES_SCHEMA = "g int, pos long, scores binary"     # a label's k scores as float64 bytes
 
 
 def label_bound(spark, params: TreeParams, n_features: int, label_counts=None,
@@ -221,10 +232,10 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
                                 "g": pa.array(lvl.g.astype(np.int32)),
                                 "_p": pa.array(partition_keys(parts).astype(np.int32)[
                                     (np.arange(n, dtype=np.int64) * parts) // n])})
+    files = _RoundFiles(root, lvl.ptr, k, d)         # the folder first: a scratch it cannot write fails here
     # rows in position order within a partition: the float32 partial sums do not depend on the shuffle
     rows = (emb.join(place, "label_idx").repartition(parts, "_p").sortWithinPartitions("pos").drop("_p")
             .persist(StorageLevel.MEMORY_AND_DISK))
-    files = _RoundFiles(root, lvl.ptr, k, d)
     try:
         # step 0's sums: each group's k seeded rows (initial_rows of its seed for the node, over its
         # labels in order), child j the j-th: their float32 values, as the kernel's initial centroids
@@ -232,10 +243,9 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
                                 for g, key in enumerate(lvl.keys)]).astype(np.int64)
         latest = np.full(G, -1, np.int64)           # the step whose file holds each group's assignment
         _sums(rows, files, 0, list(range(G)), latest, par, seeds)
-        cstep = np.zeros(G, np.int64)               # the step whose sums hold each group's centroids
-        active = list(range(G))
+        active = list(range(G))                     # each active group's centroids: the sums of this step
         for step in range(max(tp.max_iter for tp in tps)):
-            moved = _assign(rows, files, step, active, caps, cstep, latest, par)
+            moved = _assign(rows, files, step, active, caps, latest, par)
             for g in moved:
                 if latest[g] >= 0:
                     files.forget_assignment(int(latest[g]), g)
@@ -245,23 +255,26 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
                 break
             _sums(rows, files, step + 1, active, latest, par)
             files.forget_sums(step)
-            cstep[active] = step + 1
         child = np.empty(n, np.int64)
         fs = files.filesystem()
         for g, (_, node) in enumerate(lvl.keys):
             child[lvl.ptr[g]:lvl.ptr[g + 1]] = node * tps[g].nr_splits + 1 + files.assignment(fs, int(latest[g]), g)
     finally:
-        rows.unpersist()
-        files.delete()
+        try:
+            rows.unpersist()
+        finally:
+            files.delete()
     return child
 
 
 class _RoundFiles:
     """What the tasks of one round share, in a folder of its own under the scratch root: the
     centroid sums of step s (``c<s>/<block>``: the groups' k x d sums laid end to end, float64, cut
-    into blocks of :data:`~.node_training.BLOCK` doubles, a block no row touched absent and zero;
-    ``present`` names those written) and the assignment a step made (``a<s>/<group>``: a child a
-    label, int32, in the group's label order). Pickled into the closures."""
+    into blocks of ``block`` doubles (:data:`~.node_training.BLOCK`), a block no row touched absent
+    and zero; ``present`` names those written) and the assignment a step made (``a<s>/<group>``: a
+    child a label, int32, in the group's label order). The driver makes a job's folder before the
+    job (a task never makes one: a stray attempt after the folder's delete fails instead of
+    leaving it behind), and every read checks its length. Pickled into the closures."""
 
     def __init__(self, root: str, ptr: np.ndarray, k: np.ndarray, d: int):
         self.uri = f"{root.rstrip('/')}/split-{uuid.uuid4().hex}"
@@ -269,48 +282,61 @@ class _RoundFiles:
         fs.create_dir(self.base, recursive=True)
         self.ptr, self.k, self.d = np.asarray(ptr, np.int64), np.asarray(k, np.int64), int(d)
         self.off = np.concatenate([[0], np.cumsum(self.k * self.d)])
+        self.block = BLOCK
         self.present: Dict[int, frozenset] = {}
 
     def filesystem(self):
         return client_fs(self.uri)[0]
 
+    def make_sums_dir(self, step: int) -> None:
+        self.filesystem().create_dir(f"{self.base}/c{step}", recursive=True)
+
+    def make_assign_dir(self, step: int) -> None:
+        self.filesystem().create_dir(f"{self.base}/a{step}", recursive=True)
+
+    def block_size(self, b: int) -> int:
+        return min(self.block, int(self.off[-1]) - b * self.block)
+
     def _sums_path(self, step: int, block: int) -> str:
         return f"{self.base}/c{step}/{block}"
 
-    def _assign_path(self, step: int, g: int) -> str:
+    def assign_path(self, step: int, g: int) -> str:
         return f"{self.base}/a{step}/{g}"
 
     def centroids(self, fs, step: int, g: int) -> np.ndarray:
         """Group g's k x d centroids: its sums of ``step``, normalized (as the kernel's)."""
         lo, hi = int(self.off[g]), int(self.off[g + 1])
         out = np.zeros(hi - lo)
-        have = self.present[step]
-        for b in range(lo // BLOCK, -(-hi // BLOCK)):
+        have, B = self.present[step], self.block
+        for b in range(lo // B, -(-hi // B)):
             if b in have:
                 with fs.open_input_stream(self._sums_path(step, b)) as f:
-                    vals = np.frombuffer(f.read(), np.float64)
-                a, z = max(lo, b * BLOCK), min(hi, b * BLOCK + len(vals))
-                out[a - lo:z - lo] = vals[a - b * BLOCK:z - b * BLOCK]
+                    vals = _exact(np.frombuffer(f.read(), np.float64), self.block_size(b), self._sums_path(step, b))
+                a, z = max(lo, b * B), min(hi, (b + 1) * B)
+                out[a - lo:z - lo] = vals[a - b * B:z - b * B]
         return normalized(out.reshape(int(self.k[g]), self.d))
 
     def write_sums(self, fs, step: int, block: int, vals: np.ndarray) -> None:
-        fs.create_dir(f"{self.base}/c{step}", recursive=True)
         data = np.ascontiguousarray(vals, np.float64).tobytes()
         write_whole(fs, self._sums_path(step, block), lambda f: f.write(data))
 
-    def assignment(self, fs, step: int, g: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
-        """Entries [lo, hi) (positions within group g) of the assignment ``step`` wrote."""
+    def assignment(self, fs, step: int, g: int, lo: int = 0, hi: Optional[int] = None, f=None) -> np.ndarray:
+        """Entries [lo, hi) (positions within group g) of the assignment ``step`` wrote (from the
+        open file ``f`` when given)."""
         hi = int(self.ptr[g + 1] - self.ptr[g]) if hi is None else int(hi)
-        with fs.open_input_file(self._assign_path(step, g)) as f:
-            return np.frombuffer(f.read_at(4 * (hi - lo), 4 * int(lo)), np.int32).astype(np.int64)
+        path = self.assign_path(step, g)
+        if f is None:
+            with fs.open_input_file(path) as f:
+                return self.assignment(fs, step, g, lo, hi, f)
+        return _exact(np.frombuffer(f.read_at(4 * (hi - int(lo)), 4 * int(lo)), np.int32), hi - int(lo),
+                      path).astype(np.int64)
 
     def write_assignment(self, fs, step: int, g: int, a: np.ndarray) -> None:
-        fs.create_dir(f"{self.base}/a{step}", recursive=True)
         data = np.ascontiguousarray(a, np.int32).tobytes()
-        write_whole(fs, self._assign_path(step, g), lambda f: f.write(data))
+        write_whole(fs, self.assign_path(step, g), lambda f: f.write(data))
 
     def forget_assignment(self, step: int, g: int) -> None:
-        self.filesystem().delete_file(self._assign_path(step, g))
+        self.filesystem().delete_file(self.assign_path(step, g))
 
     def forget_sums(self, step: int) -> None:
         if self.present.pop(step, None) is not None:
@@ -324,6 +350,12 @@ class _RoundFiles:
             fs.delete_dir(base)
         except Exception as e:  # noqa: BLE001 - cleanup after the work: report, go on
             log.warning("tree: could not delete the split's scratch folder %s: %s", self.uri, e)
+
+
+def _exact(vals: np.ndarray, n: int, path: str) -> np.ndarray:
+    if len(vals) != n:
+        raise RuntimeError(f"tree split: {path} holds {len(vals)} values where {n} were written")
+    return vals
 
 
 def _batch_groups(b: pa.RecordBatch, keep, d: int):
@@ -341,31 +373,33 @@ def _batch_groups(b: pa.RecordBatch, keep, d: int):
         yield pos[r], Z[r], int(gg)
 
 
-def _assign(rows: DataFrame, files: _RoundFiles, step: int, active: List[int], caps, cstep: np.ndarray,
-            latest: np.ndarray, par: int) -> List[int]:
-    """Step ``step``'s assignment of every active group; returns the groups whose assignment
-    moved (their new one written as ``a<step>``). One job: the tasks score their rows against
-    the centroids read from the files (z^T (c0 - c1) for a 2-way group, the kernel's projection;
-    the k similarities otherwise), the scores are grouped by group, and each group's task makes
-    the kernel's assignment from all of them, compares it with the group's last, and returns
-    one row."""
+def _assign(rows: DataFrame, files: _RoundFiles, step: int, active: List[int], caps, latest: np.ndarray,
+            par: int) -> List[int]:
+    """Step ``step``'s assignment of every active group (their centroids: the sums of ``step``);
+    returns the groups whose assignment moved (their new one written as ``a<step>``). One job: the
+    tasks score their rows against the centroids read from the files (z^T (c0 - c1) for a 2-way
+    group, the kernel's projection; the k similarities otherwise), the scores are grouped by
+    group, and each group's call makes the kernel's assignment from all of them, compares it
+    with the group's last, and returns one row."""
     on = np.zeros(len(files.k), bool)
     on[active] = True
-    d, k, ptr = files.d, files.k, files.ptr
+    d, k, ptr, last = files.d, files.k, files.ptr, latest.copy()
+    files.make_assign_dir(step)
 
     def score(batches):
         fs, V = files.filesystem(), {}
         for b in batches:
             for pos, Z, g in _batch_groups(b, lambda p, g: on[g], d):
                 if g not in V:
-                    C = files.centroids(fs, int(cstep[g]), g)
+                    C = files.centroids(fs, step, g)
                     V[g] = C[0] - C[1] if k[g] == 2 else C
                 v = V[g]
-                s = _projection(Z.indptr, Z.indices, Z.data, v)[:, None] if v.ndim == 1 else \
+                s = _projection(Z.indptr, Z.indices, Z.data, v) if v.ndim == 1 else \
                     _similarities(Z.indptr, Z.indices, Z.data, v)
-                yield pa.RecordBatch.from_pydict({
-                    "g": pa.array(np.full(len(pos), g, np.int32)), "pos": pa.array(pos, pa.int64()),
-                    "scores": list_array(np.arange(0, s.size + 1, s.shape[1]), s.ravel(), pa.float64())})
+                yield pa.RecordBatch.from_arrays(
+                    [pa.array(np.full(len(pos), g, np.int32)), pa.array(pos, pa.int64()),
+                     binary_segments(s.ravel(), np.arange(len(pos) + 1) * (s.size // max(1, len(pos))), np.float64)],
+                    ["g", "pos", "scores"])
                 worker_progress("tree (split across tasks)", rows=len(pos))
 
     def decide(t: pa.Table) -> pa.Table:
@@ -374,10 +408,10 @@ def _assign(rows: DataFrame, files: _RoundFiles, step: int, active: List[int], c
         at = t.column("pos").to_numpy() - ptr[g]
         if len(at) != m or len(np.unique(at)) != m:
             raise RuntimeError(f"tree split: group {g} got {len(at)} scores for {m} labels")
-        S = list_offsets_values(t, "scores")[1].reshape(m, -1)[np.argsort(at)]
+        S = binary_values(t.column("scores"), np.float64).reshape(m, -1)[np.argsort(at)]
         new = assignment(S[:, 0] if k[g] == 2 else S, caps[g])
         fs = files.filesystem()
-        moved = latest[g] < 0 or not np.array_equal(new, files.assignment(fs, int(latest[g]), g))
+        moved = bool(last[g] < 0 or not np.array_equal(new, files.assignment(fs, int(last[g]), g)))
         if moved:
             files.write_assignment(fs, step, g, new)
         return pa.table({"g": pa.array([g], pa.int32()), "moved": pa.array([moved])})
@@ -397,28 +431,36 @@ def _sums(rows: DataFrame, files: _RoundFiles, out: int, active: List[int], late
     the driver receives one row per block written."""
     on = np.zeros(len(files.k), bool)
     on[active] = True
-    d, k, ptr, off = files.d, files.k, files.ptr, files.off
+    d, k, ptr, off, last = files.d, files.k, files.ptr, files.off, latest.copy()
     if seeds is not None:
         child = np.arange(len(seeds)) - np.repeat(np.cumsum(k) - k, k)     # j-th seed of its group: child j
         by_pos = np.argsort(seeds)
         seed_pos, seed_child = seeds[by_pos], child[by_pos]
+    files.make_sums_dir(out)
 
     def keep(p, g):
         return on[g] if seeds is None else on[g] & np.isin(p, seed_pos)
 
     def part(batches):
-        fs = files.filesystem()
+        fs, opened = files.filesystem(), {}
         acc = np.zeros(int(off[-1]))
-        for b in batches:
-            for pos, Z, g in _batch_groups(b, keep, d):
-                if seeds is not None:
-                    a = seed_child[np.searchsorted(seed_pos, pos)]
-                else:
-                    lo = int(pos.min() - ptr[g])
-                    a = files.assignment(fs, int(latest[g]), g, lo, int(pos.max() - ptr[g]) + 1)[pos - ptr[g] - lo]
-                acc[off[g]:off[g + 1]] += _cluster_sums(Z.indptr, Z.indices, Z.data, a, int(k[g]), d).ravel()
-                worker_progress("tree (split across tasks)", rows=len(pos))
-        yield from partial_blocks(acc)
+        try:
+            for b in batches:
+                for pos, Z, g in _batch_groups(b, keep, d):
+                    if seeds is not None:
+                        a = seed_child[np.searchsorted(seed_pos, pos)]
+                    else:
+                        if g not in opened:         # a group's file opened once a task, read by ranges
+                            opened[g] = fs.open_input_file(files.assign_path(int(last[g]), g))
+                        lo = int(pos.min() - ptr[g])
+                        a = files.assignment(fs, int(last[g]), g, lo, int(pos.max() - ptr[g]) + 1,
+                                             opened[g])[pos - ptr[g] - lo]
+                    acc[off[g]:off[g + 1]] += _cluster_sums(Z.indptr, Z.indices, Z.data, a, int(k[g]), d).ravel()
+                    worker_progress("tree (split across tasks)", rows=len(pos))
+        finally:
+            for f in opened.values():
+                f.close()
+        yield from partial_blocks(acc, files.block)
 
     def write(t: pa.Table) -> pa.Table:
         total = _sum_blocks(t)
@@ -427,6 +469,6 @@ def _sums(rows: DataFrame, files: _RoundFiles, out: int, active: List[int], late
         return pa.table({"block": pa.array([block], pa.int32())})
 
     partials = rows.mapInArrow(part, PARTIAL_SCHEMA)
-    got = to_arrow(grouped_apply(partials.repartition(_parallel(par, -(-int(off[-1]) // BLOCK)), "block"), ["block"],
-                                 write, "block int"))
+    got = to_arrow(grouped_apply(partials.repartition(_parallel(par, -(-int(off[-1]) // files.block)), "block"),
+                                 ["block"], write, "block int"))
     files.present[out] = frozenset(int(b) for b in got.column("block").to_pylist())
