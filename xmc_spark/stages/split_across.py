@@ -15,9 +15,9 @@ rest:
   solver's task count of partitions (:func:`~.shared_vectors.solver_tasks`), a node's labels
   consecutive (partition keys computed on the driver: no sampling job), and persisted;
 - each step is two Spark jobs over those rows (one at a group's last step), which share the
-  step's state through files in a
-  folder of the round's under the scratch folder (:class:`_RoundFiles`: the run folder's
-  ``_scratch`` in the pipeline, the machine's temp folder in local mode by default):
+  step's state through files in a folder of the round's under the scratch folder
+  (:class:`_RoundFiles`: the run folder's ``_scratch`` in the pipeline, the machine's temp folder
+  in local mode by default):
 
   - *assignment*: the tasks read their nodes' centroid sums, normalize them and score their
     rows (the kernel's projection on the centroids' difference, or the k similarities); the
@@ -34,9 +34,9 @@ rest:
 - a node stops when its assignment repeats, all at ``tree.max_iter`` steps at most; the driver
   then reads each node's final assignment file (4 bytes a label) and deletes the folder.
 
-So no score or sum reaches the driver: under a 2g Python cap the 1M set's split sent ~246 MB
-of them (one score per label and k x features sums per node, every step).
-Step 0's sums are each node's k seeded rows (child j its j-th seed), summed by the sums' job.
+Step 0's sums are each node's k seeded rows (child j its j-th seed), summed by the sums' job. So
+no score, sum or embedding row reaches the driver (until 2026-12-05 it collected one score per
+label and k x features sums per node at every step: ~246 MB for the 1M set under a 2g Python cap).
 
 The children that are still over the bound are split the same way at the next level; the
 others go on through the tree's usual path (the chained levels or the level-by-level loop). The
