@@ -70,7 +70,7 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import partition_keys, scratch_root
+from ..compat import partition_keys, scratch_root, session_settings
 from ..kernels.balanced_kmeans import (
     _cluster_sums,
     _projection,
@@ -103,6 +103,10 @@ BYTES_PER_NNZ = 40          # a split task holds a node's rows about five times 
                             # CSR, the packed rows handed on, Spark's Arrow buffers)
 LABEL_BYTES = 256           # a label's id, node, order and scores besides its row
 SCORES_SCHEMA = "g int, pos long, scores binary"     # a label's k scores as float64 bytes
+# the steps' queries (over the cached rows) shuffle into partitions they set themselves (one a
+# node's scores, one a block of sums, up to the solver's task count): adaptive execution has
+# nothing to re-plan there and would run each shuffle's map side as a job of its own
+STEP_SETTINGS = {"spark.sql.adaptive.enabled": "false"}
 
 
 def label_bound(spark, params: TreeParams, n_features: int, label_counts=None,
@@ -242,19 +246,20 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
         seeds = np.concatenate([lvl.ptr[g] + initial_rows(int(m[g]), int(k[g]), split_seed(tps[g].seed, key[1]))
                                 for g, key in enumerate(lvl.keys)]).astype(np.int64)
         latest = np.full(G, -1, np.int64)           # the step whose file holds each group's assignment
-        _sums(rows, files, 0, list(range(G)), latest, par, seeds)
+        _sums(rows, files, 0, list(range(G)), latest, par, seeds)      # also fills the rows' cache
         active = list(range(G))                     # each active group's centroids: the sums of this step
-        for step in range(max(tp.max_iter for tp in tps)):
-            moved = _assign(rows, files, step, active, caps, latest, par)
-            for g in moved:
-                if latest[g] >= 0:
-                    files.forget_assignment(int(latest[g]), g)
-                latest[g] = step
-            active = [g for g in moved if step + 1 < tps[g].max_iter]    # the kernel's loop, per group
-            if not active:
-                break
-            _sums(rows, files, step + 1, active, latest, par)
-            files.forget_sums(step)
+        with session_settings(spark, STEP_SETTINGS, "the tree's split across tasks"):
+            for step in range(max(tp.max_iter for tp in tps)):
+                moved = _assign(rows, files, step, active, caps, latest, par)
+                for g in moved:
+                    if latest[g] >= 0:
+                        files.forget_assignment(int(latest[g]), g)
+                    latest[g] = step
+                active = [g for g in moved if step + 1 < tps[g].max_iter]    # the kernel's loop, per group
+                if not active:
+                    break
+                _sums(rows, files, step + 1, active, latest, par)
+                files.forget_sums(step)
         child = np.empty(n, np.int64)
         fs = files.filesystem()
         for g, (_, node) in enumerate(lvl.keys):
