@@ -162,4 +162,4 @@ def worker_progress(kind: str, **counts: int) -> None:
         except Exception:  # noqa: BLE001
             where = ""
         worker_log().info("%s: %s so far in worker %d%s", kind,
-                               ", ".join(f"{v} {k}" for k, v in tot.items()), os.getpid(), where)
+                          ", ".join(f"{v} {k}" for k, v in tot.items()), os.getpid(), where)

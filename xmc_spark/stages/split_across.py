@@ -322,8 +322,7 @@ class _RoundFiles:
         return normalized(out.reshape(int(self.k[g]), self.d))
 
     def write_sums(self, fs, step: int, block: int, vals: np.ndarray) -> None:
-        data = np.ascontiguousarray(vals, np.float64).tobytes()
-        write_whole(fs, self._sums_path(step, block), lambda f: f.write(data))
+        _write_array(fs, self._sums_path(step, block), vals, np.float64)
 
     def assignment(self, fs, step: int, g: int, lo: int = 0, hi: Optional[int] = None, f=None) -> np.ndarray:
         """Entries [lo, hi) (positions within group g) of the assignment ``step`` wrote (from the
@@ -337,8 +336,7 @@ class _RoundFiles:
                       path).astype(np.int64)
 
     def write_assignment(self, fs, step: int, g: int, a: np.ndarray) -> None:
-        data = np.ascontiguousarray(a, np.int32).tobytes()
-        write_whole(fs, self.assign_path(step, g), lambda f: f.write(data))
+        _write_array(fs, self.assign_path(step, g), a, np.int32)
 
     def forget_assignment(self, step: int, g: int) -> None:
         self.filesystem().delete_file(self.assign_path(step, g))
@@ -355,6 +353,12 @@ class _RoundFiles:
             fs.delete_dir(base)
         except Exception as e:  # noqa: BLE001 - cleanup after the work: report, go on
             log.warning("tree: could not delete the split's scratch folder %s: %s", self.uri, e)
+
+
+def _write_array(fs, path: str, a: np.ndarray, dtype) -> None:
+    """``a`` as ``dtype`` bytes in ``path``, whole or not at all (:func:`~..storage.write_whole`)."""
+    data = np.ascontiguousarray(a, dtype).tobytes()
+    write_whole(fs, path, lambda f: f.write(data))
 
 
 def _exact(vals: np.ndarray, n: int, path: str) -> np.ndarray:
@@ -411,9 +415,10 @@ def _assign(rows: DataFrame, files: _RoundFiles, step: int, active: List[int], c
         g = int(t.column("g")[0].as_py())
         m = int(ptr[g + 1] - ptr[g])
         at = t.column("pos").to_numpy() - ptr[g]
-        if len(at) != m or len(np.unique(at)) != m:
+        order = np.argsort(at)                      # sorted, each of the group's positions exactly once
+        if len(at) != m or not np.array_equal(at[order], np.arange(m)):
             raise RuntimeError(f"tree split: group {g} got {len(at)} scores for {m} labels")
-        S = binary_values(t.column("scores"), np.float64).reshape(m, -1)[np.argsort(at)]
+        S = binary_values(t.column("scores"), np.float64).reshape(m, -1)[order]
         new = assignment(S[:, 0] if k[g] == 2 else S, caps[g])
         fs = files.filesystem()
         moved = bool(last[g] < 0 or not np.array_equal(new, files.assignment(fs, int(last[g]), g)))
