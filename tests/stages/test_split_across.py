@@ -224,6 +224,41 @@ def test_the_driver_receives_a_row_per_node_and_step_not_a_score_per_label(spark
     assert len(collected) >= 3 and max(collected) == 1
 
 
+@pytest.mark.parametrize("T,connect", [(1, False), (3, False), (3, True)])
+def test_placed_rows_are_the_join_of_the_rows_with_their_entries(spark, Z, monkeypatch, T, connect):
+    """Each entry (label, tree) gets its label's row and its own columns, a label of no entry
+    none, an entry of a label without a row none (brute force); on classic Spark no broadcast
+    join (whose table would travel through the driver), on Spark Connect the join (``is_connect``
+    forced: the classic session takes that path too)."""
+    monkeypatch.setattr(split_across, "is_connect", lambda df: connect)
+    rng = np.random.default_rng(4)
+    pairs = np.array([(lab, t) for t in range(T) for lab in range(M + 3)], np.int64)     # M..M+2: no row
+    pairs = pairs[rng.random(len(pairs)) < 0.6]
+    if T > 1:
+        pairs = pairs[(pairs[:, 1] == T - 1) | (rng.random(len(pairs)) < 0.7)]           # some trees absent
+    pairs = pairs[rng.permutation(len(pairs))]
+    node, part = rng.integers(0, 2 ** 40, len(pairs)), rng.integers(0, 9, len(pairs))
+    emb = every_label(spark, Z)
+    rows, shared = split_across.placed_rows(emb, pairs[:, 0], pairs[:, 1], {"node": (node, "long"),
+                                                                            "part": (part, "int")}, "test")
+    assert rows.columns == ["label_idx", "emb_idx", "emb_val", "tree", "node", "part"]
+    got, every = rows.toPandas(), emb.toPandas()
+
+    def broadcasts(df):
+        return df._jdf.queryExecution().executedPlan().toString().count("BroadcastExchange")
+
+    if not connect:
+        assert broadcasts(rows) == broadcasts(emb)       # the rows' own (the tiny test's join) and no more
+        shared.unpersist()
+    else:
+        assert shared is None
+    want = {(int(lab), int(t)): (int(n), int(p)) for (lab, t), n, p in zip(pairs, node, part) if lab < M}
+    assert len(got) == len(want)
+    assert {(int(r.label_idx), int(r.tree)): (int(r.node), int(r.part)) for r in got.itertuples()} == want
+    row = dict(zip(every.label_idx, every.emb_idx))
+    assert all(bytes(r.emb_idx) == bytes(row[r.label_idx]) for r in got.itertuples())
+
+
 def test_the_bound_is_the_setting_or_derived_from_memory(spark):
     """An integer or off is taken as is; auto shares a task's memory among labels of
     min(features, count x mean row non-zeros) non-zeros of 40 bytes, + 256 bytes a label."""

@@ -359,7 +359,6 @@ def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int,
     levels split across tasks (:func:`.split_across.split_across`, the driver keeping each
     label's node), then the chained plan from that depth (:func:`_chained`). The rows of every
     label are persisted meanwhile (the split's queries and the plan read them)."""
-    spark = packed.sparkSession
     T, B = params.n_trees(), params.for_tree(0).nr_splits
     emb = _every_label(packed, n_labels).persist(StorageLevel.MEMORY_AND_DISK)
     try:
@@ -368,15 +367,19 @@ def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int,
         nodes = split_across.split_across(emb, labels, trees, np.zeros(len(labels), np.int64), params, n_features,
                                           bound, levels=across, scratch=scratch)
         parts, keys = _level_parts(T, B, across, cap)
-        placed = local_frame(spark, {
-            "label_idx": pa.array(labels.astype(np.int32)), "node": pa.array(nodes),
-            "tree": pa.array(trees.astype(np.int32)),
-            "part": pa.array(keys[np.mod(_group_index(B, across, trees, nodes), parts)].astype(np.int32))})
+        placed, shared = split_across.placed_rows(
+            emb, labels, trees, {"node": (nodes, "long"),
+                                 "part": (keys[np.mod(_group_index(B, across, trees, nodes), parts)], "int")},
+            "the labels' nodes")
         log.info("tree: %d level(s) split across tasks (nodes over %d labels), then %d chained in one plan "
                  "(%d labels)", across, bound, levels - across, n_labels)
-        rows = emb.join(placed, "label_idx").select("label_idx", "node", "tree", "part", "emb_idx", "emb_val")
-        return _chained(packed, params, n_features, n_labels, levels, cap, start=across,
-                        placed=rows).localCheckpoint()
+        rows = placed.select("label_idx", "node", "tree", "part", "emb_idx", "emb_val")
+        try:
+            return _chained(packed, params, n_features, n_labels, levels, cap, start=across,
+                            placed=rows).localCheckpoint()
+        finally:
+            if shared is not None:
+                shared.unpersist()
     finally:
         emb.unpersist()
 

@@ -57,9 +57,11 @@ import uuid
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 
 from ..arrow_utils import (
     binary_segments,
@@ -70,7 +72,7 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import partition_keys, scratch_root, session_settings
+from ..compat import is_connect, partition_keys, scratch_root, session_settings, share
 from ..kernels.balanced_kmeans import (
     _cluster_sums,
     _projection,
@@ -217,6 +219,49 @@ def split_across(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, nodes: n
     return nodes
 
 
+def placed_rows(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, columns: Dict[str, Tuple[np.ndarray, str]],
+                name: str):
+    """(rows, shared): the row of ``emb`` (``label_idx`` and its embedding) once for each entry
+    (``labels[i]``, ``trees[i]``; no entry twice), with its ``tree`` (int) and the entry's
+    ``columns`` (name -> (a value an entry, Spark type ``int`` or ``long``)); a label of no entry
+    gets no row. On classic Spark the entries are shared with the tasks (a broadcast, O(entries))
+    and a vectorized UDF that sees only the rows' label and tree looks them up: a join with the
+    entries as a local table broadcasts them as well, but Spark's broadcast of a table collects it
+    through the driver first (1.4 MB at the 1M set's 100K labels). ``shared``: to unpersist once
+    the rows are computed (a task that computes them again fetches it again), None on Spark
+    Connect, where the join stays (a shared value would travel inside the query plan)."""
+    labels, trees = np.asarray(labels, np.int64), np.asarray(trees, np.int64)
+    T = int(trees.max()) + 1 if len(trees) else 1
+    spark = emb.sparkSession
+    emb = emb.withColumn("tree", F.explode(F.sequence(F.lit(0), F.lit(T - 1))) if T > 1 else F.lit(0))
+    types = {"int": np.int32, "long": np.int64}
+    names = list(columns)
+    if is_connect(emb):
+        table = {"label_idx": pa.array(labels.astype(np.int32)), "tree": pa.array(trees.astype(np.int32)),
+                 **{c: pa.array(np.asarray(v).astype(types[t])) for c, (v, t) in columns.items()}}
+        return emb.join(local_frame(spark, table), ["label_idx", "tree"]).select(*emb.columns, *names), None
+    L = int(labels.max()) + 1 if len(labels) else 1
+    at = np.full(T * L, -1, np.int64)                   # entry of (tree, label) at tree * L + label, -1: none
+    at[trees * L + labels] = np.arange(len(labels))
+    # each column with one more value at its end: what index -1 (no entry) picks, filtered out after
+    vals = [np.append(np.asarray(v).astype(types[t]), types[t](0)) for v, t in columns.values()]
+    shared = share(spark, (L, at, vals), name=name)
+
+    @F.pandas_udf(", ".join(["_at long"] + [f"{c} {t}" for c, (_, t) in columns.items()]))
+    def look(label: pd.Series, tree: pd.Series) -> pd.DataFrame:
+        L, at, vals = shared.value
+        lab, tr = label.to_numpy(np.int64), tree.to_numpy(np.int64)
+        i = np.full(len(lab), -1, np.int64)
+        ok = (lab >= 0) & (lab < L)
+        i[ok] = at[tr[ok] * L + lab[ok]]
+        return pd.DataFrame({"_at": i, **{c: v[i] for c, v in zip(names, vals)}})
+
+    # not deterministic for the optimizer, so that it does not copy the call into the filter (twice the work)
+    e = look.asNondeterministic()("label_idx", "tree")
+    rows = emb.select("*", e.alias("_e")).filter(F.col("_e._at") >= 0)
+    return rows.select(*emb.columns, *[F.col("_e." + c).alias(c) for c in names]), shared
+
+
 def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: int, root: str) -> np.ndarray:
     """Child node of every entry of ``lvl`` (in its order): each group's balanced k-means, as
     :func:`~..kernels.balanced_kmeans.balanced_split` steps, two Spark jobs a step over the
@@ -231,14 +276,13 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
     # the entries cut into consecutive runs, one a partition (a group's labels together), by
     # partition keys computed here (no sampling job as for a range shuffle)
     parts = max(1, min(par, n))
-    place = local_frame(spark, {"label_idx": pa.array(lvl.labels.astype(np.int32)),
-                                "pos": pa.array(np.arange(n, dtype=np.int64)),
-                                "g": pa.array(lvl.g.astype(np.int32)),
-                                "_p": pa.array(partition_keys(parts).astype(np.int32)[
-                                    (np.arange(n, dtype=np.int64) * parts) // n])})
+    pos = np.arange(n, dtype=np.int64)
+    placed, shared = placed_rows(emb, lvl.labels, np.array([t for t, _ in lvl.keys], np.int64)[lvl.g],
+                                 {"pos": (pos, "long"), "g": (lvl.g, "int"),
+                                  "_p": (partition_keys(parts)[(pos * parts) // n], "int")}, "the split's labels")
     files = _RoundFiles(root, lvl.ptr, k, d)         # the folder first: a scratch it cannot write fails here
     # rows in position order within a partition: the float32 partial sums do not depend on the shuffle
-    rows = (emb.join(place, "label_idx").repartition(parts, "_p").sortWithinPartitions("pos").drop("_p")
+    rows = (placed.repartition(parts, "_p").sortWithinPartitions("pos").drop("_p", "tree")
             .persist(StorageLevel.MEMORY_AND_DISK))
     try:
         # step 0's sums: each group's k seeded rows (initial_rows of its seed for the node, over its
@@ -267,6 +311,8 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
     finally:
         try:
             rows.unpersist()
+            if shared is not None:
+                shared.unpersist()
         finally:
             files.delete()
     return child
