@@ -43,6 +43,7 @@ from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
 from . import split_across
 from .label_embedding import PACKED_BATCH_NNZ, PACKED_SCHEMA
+from .shared_vectors import solver_tasks
 
 log = logging.getLogger("xmc_spark.tree")
 
@@ -345,9 +346,13 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
             freqs.unpersist()
 
 
-def _every_label(packed: DataFrame, n_labels: int) -> DataFrame:
-    """A packed row for every label in [0, n_labels): its embedding, or an empty one (no sample)."""
+def _every_label(packed: DataFrame, n_labels: int, parts: Optional[int] = None) -> DataFrame:
+    """A packed row for every label in [0, n_labels): its embedding, or an empty one (no sample);
+    in ``parts`` partitions by label when given (the join's own shuffles: else the shuffle
+    partitions)."""
     all_labels = packed.sparkSession.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
+    if parts:
+        all_labels, packed = all_labels.repartition(parts, "label_idx"), packed.repartition(parts, "label_idx")
     return all_labels.join(packed, "label_idx", "left").select(
         "label_idx", F.coalesce("emb_idx", F.lit(b"")).alias("emb_idx"),
         F.coalesce("emb_val", F.lit(b"")).alias("emb_val"))
@@ -358,9 +363,13 @@ def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int,
     """The balanced tree whose first ``across`` levels hold nodes over ``bound`` labels: those
     levels split across tasks (:func:`.split_across.split_across`, the driver keeping each
     label's node), then the chained plan from that depth (:func:`_chained`). The rows of every
-    label are persisted meanwhile (the split's queries and the plan read them)."""
+    label are persisted meanwhile (the split's queries and the plan read them), in the split's
+    task count of partitions (:func:`~.shared_vectors.solver_tasks`: its rounds spread their rows
+    over as many; each pass over the rows is a job of that many tasks, each task reporting its
+    metrics to the driver, 5-10 KB, where the shuffle partitions made it 64 tasks at the 1M set's
+    benchmark settings)."""
     T, B = params.n_trees(), params.for_tree(0).nr_splits
-    emb = _every_label(packed, n_labels).persist(StorageLevel.MEMORY_AND_DISK)
+    emb = _every_label(packed, n_labels, solver_tasks(packed.sparkSession)).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         labels = np.tile(np.arange(n_labels, dtype=np.int64), T)
         trees = np.repeat(np.arange(T, dtype=np.int64), n_labels)
