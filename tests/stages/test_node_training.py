@@ -103,14 +103,21 @@ def test_forest_with_routed_negatives_equals_kernel(problem, index, spark, monke
     assert any(k >> 52 == 1 for k in ref_slots)
 
 
-def test_big_nodes_count_the_routed_rows(problem, index, spark):
-    """With tfn+man a node the matcher sends every sample to is as big as the root."""
-    from xmc_spark.compat import share
+def test_big_nodes_count_the_routed_rows(problem, index, spark, monkeypatch):
+    """With tfn+man a node the matcher sends every sample to is as big as the root. The counts
+    (a row per node) are collected from the tasks that many rows need, not from one task per
+    shuffle partition (each reports its metrics to the driver)."""
+    from xmc_spark.compat import session_settings, share
     samples, Xl, _ = problem
     n = Xl.shape[0]
     bindex = share(samples, index)
-    big, rows = node_training.big_nodes(samples, bindex, n - 1, n)
+    tasks, real = [], node_training.to_arrow
+    monkeypatch.setattr(node_training, "to_arrow", lambda df: tasks.append(df.rdd.getNumPartitions()) or real(df))
+    with session_settings(spark, {"spark.sql.shuffle.partitions": "64",
+                                  "spark.sql.adaptive.coalescePartitions.enabled": "false"}, "a test"):
+        big, rows = node_training.big_nodes(samples, bindex, n - 1, n)
     assert list(big) == [0] and list(rows) == [n]
+    assert tasks == [2]                             # the default parallelism (tests: 2) for a few rows
     routed = spark.createDataFrame([(i, [1, 2]) for i in range(n)], node_training.ROUTED_SCHEMA)
     big, rows = node_training.big_nodes(node_training.with_routed(samples, routed), bindex, n - 1, n)
     assert list(big) == [0, 1, 2] and list(rows) == [n, n, n]

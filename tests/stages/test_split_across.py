@@ -101,6 +101,27 @@ def test_a_tree_with_big_levels_is_the_kernels_tree(spark, Z, local, B, across):
     assert [got[k] for k in range(M)] == want.tolist()
 
 
+def test_the_rows_of_every_label_take_the_splits_task_count_not_the_shuffle_partitions(spark, Z, monkeypatch):
+    """Every pass over the labels' rows is a job of as many tasks as they have partitions, each
+    task reporting its metrics to the driver: the split's own task count, whatever
+    spark.sql.shuffle.partitions is (no broadcast: the tiny test's join would be one, whose
+    rows keep the label range's partitions)."""
+    from xmc_spark.compat import session_settings
+    from xmc_spark.stages.shared_vectors import solver_tasks
+    seen, real = [], split_across.split_across
+
+    def recorded(emb, *a, **k):
+        seen.append(emb.rdd.getNumPartitions())
+        return real(emb, *a, **k)
+
+    monkeypatch.setattr(split_across, "split_across", recorded)
+    with session_settings(spark, {"spark.sql.shuffle.partitions": "64", "spark.sql.autoBroadcastJoinThreshold": "-1",
+                                  "spark.sql.adaptive.coalescePartitions.enabled": "false"}, "a test"):
+        label_tree.run(packed_frame(spark, Z), TreeParams(max_leaf_size=12, max_iter=3), n_features=DIM,
+                       n_labels=M, split_bound=100).count()
+    assert seen == [solver_tasks(spark)] and solver_tasks(spark) < 64
+
+
 @pytest.mark.parametrize("ensemble", [dict(ensemble_splits=[2, 3]), dict(ensemble=2)])
 def test_ensemble_trees_split_their_big_nodes_across_tasks(spark, Z, ensemble, across):
     """Trees of different branchings (level by level) or of one (chained): each tree's big nodes

@@ -9,6 +9,7 @@ import pytest
 import scipy.sparse as sp
 
 from xmc_spark.arrow_utils import list_array
+from xmc_spark.compat import session_settings
 from xmc_spark.kernels import tron
 from xmc_spark.kernels.sparse import append_bias
 from xmc_spark.kernels.squared_hinge import train_node
@@ -139,7 +140,7 @@ def big_frame(spark, rows: tron.RowBlock, d: int):
     return spark.createDataFrame(data, node_training.BIG_SCHEMA)
 
 
-def test_the_block_files_hold_the_rows(spark, tmp_path):
+def test_the_block_files_hold_the_rows(spark, tmp_path, monkeypatch):
     """write_blocks over 3 partitions (blocks of at most 7 rows): per node the rows and block
     counts it reports, and read_block reads back exactly the node's rows (bias appended, cost =
     C x weight, positives with their label weights), one file a block; a node without rows reads
@@ -149,7 +150,12 @@ def test_the_block_files_hold_the_rows(spark, tmp_path):
     df = big_frame(spark, rows, d).repartition(3).sortWithinPartitions("node")
     pack = node_training._pack_rows(d, 5, 0.5, 2.0, max_rows=7)
     uri = str(tmp_path / "blocks")
-    written = streamed_nodes.write_blocks(df, pack, uri).sort_by("node")
+    tasks, real = [], streamed_nodes.to_arrow
+    monkeypatch.setattr(streamed_nodes, "to_arrow", lambda df: tasks.append(df.rdd.getNumPartitions()) or real(df))
+    with session_settings(spark, {"spark.sql.shuffle.partitions": "64",
+                                  "spark.sql.adaptive.coalescePartitions.enabled": "false"}, "a test"):
+        written = streamed_nodes.write_blocks(df, pack, uri).sort_by("node")
+    assert tasks == [2]             # a row a node: the default parallelism's tasks, not 64 (their metrics)
     counts = np.bincount(rows.node, minlength=2)
     assert written.column("node").to_pylist() == [0, 1]
     assert written.column("rows").to_pylist() == counts.tolist()

@@ -37,7 +37,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_batches, csr_from_binary, grouped_apply, local_frame, nnz_cuts, pack_rows, to_arrow
-from ..compat import partition_keys, share, shuffle_partitions, task_slots
+from ..compat import partition_keys, session_settings, share, shuffle_partitions, task_slots
 from ..kernels.tree import TREE_SHIFT, split_node, splits_balanced, tree_from_params
 from ..params import TreeParams
 from ..schemas import TREE_SCHEMA
@@ -346,13 +346,9 @@ def run(embeddings: DataFrame, params: TreeParams, *, n_features: int, n_labels:
             freqs.unpersist()
 
 
-def _every_label(packed: DataFrame, n_labels: int, parts: Optional[int] = None) -> DataFrame:
-    """A packed row for every label in [0, n_labels): its embedding, or an empty one (no sample);
-    in ``parts`` partitions by label when given (the join's own shuffles: else the shuffle
-    partitions)."""
+def _every_label(packed: DataFrame, n_labels: int) -> DataFrame:
+    """A packed row for every label in [0, n_labels): its embedding, or an empty one (no sample)."""
     all_labels = packed.sparkSession.range(n_labels).select(F.col("id").cast("int").alias("label_idx"))
-    if parts:
-        all_labels, packed = all_labels.repartition(parts, "label_idx"), packed.repartition(parts, "label_idx")
     return all_labels.join(packed, "label_idx", "left").select(
         "label_idx", F.coalesce("emb_idx", F.lit(b"")).alias("emb_idx"),
         F.coalesce("emb_val", F.lit(b"")).alias("emb_val"))
@@ -369,7 +365,10 @@ def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int,
     metrics to the driver, 5-10 KB, where the shuffle partitions made it 64 tasks at the 1M set's
     benchmark settings)."""
     T, B = params.n_trees(), params.for_tree(0).nr_splits
-    emb = _every_label(packed, n_labels, solver_tasks(packed.sparkSession)).persist(StorageLevel.MEMORY_AND_DISK)
+    spark = packed.sparkSession
+    # the join's shuffles planned with that many partitions (persist plans the cached query now)
+    with session_settings(spark, {"spark.sql.shuffle.partitions": str(solver_tasks(spark))}, "the labels' rows"):
+        emb = _every_label(packed, n_labels).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         labels = np.tile(np.arange(n_labels, dtype=np.int64), T)
         trees = np.repeat(np.arange(T, dtype=np.int64), n_labels)

@@ -120,6 +120,7 @@ from ..compat import (
     session_settings,
     share,
     shuffle_partitions,
+    small_result,
     task_slots,
 )
 from ..kernels import tron
@@ -682,8 +683,10 @@ def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] =
             yield pa.RecordBatch.from_pydict({"group": pa.array(g, pa.int64()), "rows": pa.array(c, pa.int64())})
 
     routed = ["man"] if "man" in samples.columns else []     # tfn+man: the matcher's rows count too
-    counts = to_arrow(samples.select("label_idx", *routed).mapInArrow(count, "group long, rows long")
-                      .groupBy("group").agg(F.sum("rows").alias("rows")))
+    ix = bindex.value
+    nodes = sum(len(t.nodes) for t in getattr(ix, "trees", [ix]))      # the most groups there can be
+    counts = to_arrow(small_result(samples.select("label_idx", *routed).mapInArrow(count, "group long, rows long")
+                                   .groupBy("group").agg(F.sum("rows").alias("rows")), nodes))
     g, c = counts.column("group").to_numpy(), counts.column("rows").to_numpy()
     order = np.argsort(g)
     g, c = g[order], c[order]

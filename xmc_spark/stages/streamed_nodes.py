@@ -53,7 +53,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_rows_to_arrays, to_arrow
-from ..compat import default_parallelism, task_slots
+from ..compat import default_parallelism, small_result, task_slots
 from ..kernels import tron
 from ..kernels.squared_hinge import _epoch, _row_norms
 from ..params import TrainParams
@@ -91,8 +91,9 @@ def write_blocks(rows: DataFrame, pack: Callable, uri: str) -> pa.Table:
             yield pa.RecordBatch.from_pydict({"node": pa.array([g], pa.int32()), "blocks": pa.array([1], pa.int64()),
                                               "rows": pa.array([n], pa.int64())})
 
-    return to_arrow(rows.mapInArrow(run, WRITTEN_SCHEMA).groupBy("node")
-                    .agg(F.sum("blocks").alias("blocks"), F.sum("rows").alias("rows")))
+    # a row per big node: the tasks those need (small_result), not the shuffle partitions
+    return to_arrow(small_result(rows.mapInArrow(run, WRITTEN_SCHEMA).groupBy("node")
+                                 .agg(F.sum("blocks").alias("blocks"), F.sum("rows").alias("rows")), 1))
 
 
 MIX_BLOCKS = 2          # block files a dual CD pass takes together (paired anew at every pass)
