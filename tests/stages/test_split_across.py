@@ -245,24 +245,27 @@ def test_the_driver_receives_a_row_per_node_and_step_not_a_score_per_label(spark
     assert len(collected) >= 3 and max(collected) == 1
 
 
-@pytest.mark.parametrize("T,connect", [(1, False), (3, False), (3, True)])
-def test_placed_rows_are_the_join_of_the_rows_with_their_entries(spark, Z, monkeypatch, T, connect):
+@pytest.mark.parametrize("T,connect,top", [(1, False, M + 3), (1, False, M // 2), (3, False, M + 3),
+                                           (3, True, M + 3)])
+def test_placed_rows_are_the_join_of_the_rows_with_their_entries(spark, Z, monkeypatch, T, connect, top):
     """Each entry (label, tree) gets its label's row and its own columns, a label of no entry
-    none, an entry of a label without a row none (brute force); on classic Spark no broadcast
-    join (whose table would travel through the driver), on Spark Connect the join (``is_connect``
+    none (also one above every entry's label: ``top`` M // 2), an entry of a label without a row
+    none (labels M..M+2), no entries no rows (brute force); on classic Spark no broadcast join
+    (whose table would travel through the driver), on Spark Connect the join (``is_connect``
     forced: the classic session takes that path too)."""
     monkeypatch.setattr(split_across, "is_connect", lambda df: connect)
     rng = np.random.default_rng(4)
-    pairs = np.array([(lab, t) for t in range(T) for lab in range(M + 3)], np.int64)     # M..M+2: no row
+    pairs = np.array([(lab, t) for t in range(T) for lab in range(top)], np.int64)
     pairs = pairs[rng.random(len(pairs)) < 0.6]
     if T > 1:
-        pairs = pairs[(pairs[:, 1] == T - 1) | (rng.random(len(pairs)) < 0.7)]           # some trees absent
+        pairs = pairs[(pairs[:, 1] != 1) & ((pairs[:, 1] == T - 1) | (rng.random(len(pairs)) < 0.7))]  # no tree 1
     pairs = pairs[rng.permutation(len(pairs))]
     node, part = rng.integers(0, 2 ** 40, len(pairs)), rng.integers(0, 9, len(pairs))
     emb = every_label(spark, Z)
     rows, shared = split_across.placed_rows(emb, pairs[:, 0], pairs[:, 1], {"node": (node, "long"),
                                                                             "part": (part, "int")}, "test")
-    assert rows.columns == ["label_idx", "emb_idx", "emb_val", "tree", "node", "part"]
+    assert rows.dtypes == [("label_idx", "int"), ("emb_idx", "binary"), ("emb_val", "binary"), ("tree", "int"),
+                           ("node", "bigint"), ("part", "int")]
     got, every = rows.toPandas(), emb.toPandas()
 
     def broadcasts(df):
@@ -278,6 +281,10 @@ def test_placed_rows_are_the_join_of_the_rows_with_their_entries(spark, Z, monke
     assert {(int(r.label_idx), int(r.tree)): (int(r.node), int(r.part)) for r in got.itertuples()} == want
     row = dict(zip(every.label_idx, every.emb_idx))
     assert all(bytes(r.emb_idx) == bytes(row[r.label_idx]) for r in got.itertuples())
+    none, shared = split_across.placed_rows(emb, [], [], {"node": (np.zeros(0), "long")}, "test")
+    assert none.count() == 0
+    if shared is not None:
+        shared.unpersist()
 
 
 def test_the_bound_is_the_setting_or_derived_from_memory(spark):

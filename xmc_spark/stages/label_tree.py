@@ -359,11 +359,9 @@ def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int,
     """The balanced tree whose first ``across`` levels hold nodes over ``bound`` labels: those
     levels split across tasks (:func:`.split_across.split_across`, the driver keeping each
     label's node), then the chained plan from that depth (:func:`_chained`). The rows of every
-    label are persisted meanwhile (the split's queries and the plan read them), in the split's
-    task count of partitions (:func:`~.shared_vectors.solver_tasks`: its rounds spread their rows
-    over as many; each pass over the rows is a job of that many tasks, each task reporting its
-    metrics to the driver, 5-10 KB, where the shuffle partitions made it 64 tasks at the 1M set's
-    benchmark settings)."""
+    label are persisted meanwhile (the split's queries and the plan read them) in the split's task
+    count of partitions (:func:`~.shared_vectors.solver_tasks`), not the shuffle partitions: each
+    pass over them is a job of that many tasks, and every task reports its metrics to the driver."""
     T, B = params.n_trees(), params.for_tree(0).nr_splits
     spark = packed.sparkSession
     # the join's shuffles planned with that many partitions (persist plans the cached query now)
@@ -379,10 +377,10 @@ def _chained_after_split(packed: DataFrame, params: TreeParams, n_features: int,
             emb, labels, trees, {"node": (nodes, "long"),
                                  "part": (keys[np.mod(_group_index(B, across, trees, nodes), parts)], "int")},
             "the labels' nodes")
-        log.info("tree: %d level(s) split across tasks (nodes over %d labels), then %d chained in one plan "
-                 "(%d labels)", across, bound, levels - across, n_labels)
-        rows = placed.select("label_idx", "node", "tree", "part", "emb_idx", "emb_val")
         try:
+            log.info("tree: %d level(s) split across tasks (nodes over %d labels), then %d chained in one plan "
+                     "(%d labels)", across, bound, levels - across, n_labels)
+            rows = placed.select("label_idx", "node", "tree", "part", "emb_idx", "emb_val")
             return _chained(packed, params, n_features, n_labels, levels, cap, start=across,
                             placed=rows).localCheckpoint()
         finally:

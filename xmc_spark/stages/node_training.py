@@ -206,7 +206,8 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
         n_samples = samples.count()
     spark = samples.sparkSession
     bound = node_row_bound(spark, params, samples, n_samples, n_features, row_nnz)
-    big, big_rows = big_nodes(samples, bindex, bound, n_samples)
+    big, big_rows = big_nodes(samples, bindex, bound, n_samples,
+                              sum(len(t.nodes) for t in (index.trees if isinstance(index, Forest) else [index])))
     par = default_parallelism(spark)
     cuts = unit_cuts(index, par, big)
     top = merged_top(index, cuts, big, task_slots(spark, par), label_counts, n_samples)
@@ -666,10 +667,12 @@ def mean_row_nnz(samples: DataFrame) -> float:
     return float(samples.select(F.avg(F.size("feature_idx"))).first()[0] or 0.0)
 
 
-def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] = None):
+def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] = None, n_nodes: int = 1):
     """(nodes with more than ``bound`` training rows (sorted), their rows). No node has more
     rows than there are samples (the root has them all), so nodes are counted only when the
-    samples exceed the bound: one aggregation over the label lists, O(nodes) rows to the driver."""
+    samples exceed the bound: one aggregation over the label lists, O(nodes) rows to the driver,
+    collected from the tasks ``n_nodes`` (the tree's nodes, the most the counts can have) rows
+    need (:func:`~..compat.small_result`)."""
     none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     if bound <= 0:
         return none
@@ -683,10 +686,8 @@ def big_nodes(samples: DataFrame, bindex, bound: int, n_samples: Optional[int] =
             yield pa.RecordBatch.from_pydict({"group": pa.array(g, pa.int64()), "rows": pa.array(c, pa.int64())})
 
     routed = ["man"] if "man" in samples.columns else []     # tfn+man: the matcher's rows count too
-    ix = bindex.value
-    nodes = sum(len(t.nodes) for t in getattr(ix, "trees", [ix]))      # the most groups there can be
     counts = to_arrow(small_result(samples.select("label_idx", *routed).mapInArrow(count, "group long, rows long")
-                                   .groupBy("group").agg(F.sum("rows").alias("rows")), nodes))
+                                   .groupBy("group").agg(F.sum("rows").alias("rows")), n_nodes))
     g, c = counts.column("group").to_numpy(), counts.column("rows").to_numpy()
     order = np.argsort(g)
     g, c = g[order], c[order]

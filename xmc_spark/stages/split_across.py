@@ -224,16 +224,18 @@ def placed_rows(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, columns: 
     """(rows, shared): the row of ``emb`` (``label_idx`` and its embedding) once for each entry
     (``labels[i]``, ``trees[i]``; no entry twice), with its ``tree`` (int) and the entry's
     ``columns`` (name -> (a value an entry, Spark type ``int`` or ``long``)); a label of no entry
-    gets no row. On classic Spark the entries are shared with the tasks (a broadcast, O(entries))
-    and a vectorized UDF that sees only the rows' label and tree looks them up: a join with the
-    entries as a local table broadcasts them as well, but Spark's broadcast of a table collects it
-    through the driver first (1.4 MB at the 1M set's 100K labels). ``shared``: to unpersist once
-    the rows are computed (a task that computes them again fetches it again), None on Spark
-    Connect, where the join stays (a shared value would travel inside the query plan)."""
+    gets no row. On classic Spark the entries are shared with the tasks (a broadcast of their
+    sorted (tree, label) codes and columns, O(entries)) and a vectorized UDF that sees only the
+    rows' label and tree looks them up: a join with the entries as a local table broadcasts them
+    as well, but Spark's broadcast of a table collects it through the driver first (1.4 MB at the
+    1M set's 100K labels). ``shared``: to unpersist once the rows are computed (a task that
+    computes them again fetches it again), None on Spark Connect, where the join stays (a shared
+    value would travel inside the query plan)."""
     labels, trees = np.asarray(labels, np.int64), np.asarray(trees, np.int64)
-    T = int(trees.max()) + 1 if len(trees) else 1
     spark = emb.sparkSession
-    emb = emb.withColumn("tree", F.explode(F.sequence(F.lit(0), F.lit(T - 1))) if T > 1 else F.lit(0))
+    present = [int(t) for t in np.unique(trees)] or [0]
+    emb = emb.withColumn("tree", F.lit(present[0]) if len(present) == 1 else      # a row a tree of the entries
+                         F.explode(F.array(*[F.lit(t) for t in present])))
     types = {"int": np.int32, "long": np.int64}
     names = list(columns)
     if is_connect(emb):
@@ -241,19 +243,20 @@ def placed_rows(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, columns: 
                  **{c: pa.array(np.asarray(v).astype(types[t])) for c, (v, t) in columns.items()}}
         return emb.join(local_frame(spark, table), ["label_idx", "tree"]).select(*emb.columns, *names), None
     L = int(labels.max()) + 1 if len(labels) else 1
-    at = np.full(T * L, -1, np.int64)                   # entry of (tree, label) at tree * L + label, -1: none
-    at[trees * L + labels] = np.arange(len(labels))
-    # each column with one more value at its end: what index -1 (no entry) picks, filtered out after
-    vals = [np.append(np.asarray(v).astype(types[t]), types[t](0)) for v, t in columns.values()]
-    shared = share(spark, (L, at, vals), name=name)
+    codes = trees * L + labels
+    order = np.argsort(codes)
+    # the columns in code order, each with one more value at its end: what no entry (-1) picks, filtered out
+    vals = [np.append(np.asarray(v).astype(types[t])[order], types[t](0)) for v, t in columns.values()]
+    shared = share(spark, (L, codes[order], vals), name=name)
 
     @F.pandas_udf(", ".join(["_at long"] + [f"{c} {t}" for c, (_, t) in columns.items()]))
     def look(label: pd.Series, tree: pd.Series) -> pd.DataFrame:
-        L, at, vals = shared.value
+        L, codes, vals = shared.value
         lab, tr = label.to_numpy(np.int64), tree.to_numpy(np.int64)
-        i = np.full(len(lab), -1, np.int64)
-        ok = (lab >= 0) & (lab < L)
-        i[ok] = at[tr[ok] * L + lab[ok]]
+        code = tr * L + lab
+        k = np.minimum(np.searchsorted(codes, code), max(len(codes) - 1, 0))
+        hit = (lab >= 0) & (lab < L) & (codes[k] == code) if len(codes) else np.zeros(len(lab), bool)
+        i = np.where(hit, k, -1)
         return pd.DataFrame({"_at": i, **{c: v[i] for c, v in zip(names, vals)}})
 
     # not deterministic for the optimizer, so that it does not copy the call into the filter (twice the work)
@@ -277,14 +280,16 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
     # partition keys computed here (no sampling job as for a range shuffle)
     parts = max(1, min(par, n))
     pos = np.arange(n, dtype=np.int64)
-    placed, shared = placed_rows(emb, lvl.labels, np.array([t for t, _ in lvl.keys], np.int64)[lvl.g],
-                                 {"pos": (pos, "long"), "g": (lvl.g, "int"),
-                                  "_p": (partition_keys(parts)[(pos * parts) // n], "int")}, "the split's labels")
     files = _RoundFiles(root, lvl.ptr, k, d)         # the folder first: a scratch it cannot write fails here
-    # rows in position order within a partition: the float32 partial sums do not depend on the shuffle
-    rows = (placed.repartition(parts, "_p").sortWithinPartitions("pos").drop("_p", "tree")
-            .persist(StorageLevel.MEMORY_AND_DISK))
+    rows = shared = None
     try:
+        placed, shared = placed_rows(emb, lvl.labels, np.array([t for t, _ in lvl.keys], np.int64)[lvl.g],
+                                     {"pos": (pos, "long"), "g": (lvl.g, "int"),
+                                      "_p": (partition_keys(parts)[(pos * parts) // n], "int")},
+                                     "the split's labels")
+        # rows in position order within a partition: the float32 partial sums do not depend on the shuffle
+        rows = (placed.repartition(parts, "_p").sortWithinPartitions("pos").drop("_p", "tree")
+                .persist(StorageLevel.MEMORY_AND_DISK))
         # step 0's sums: each group's k seeded rows (initial_rows of its seed for the node, over its
         # labels in order), child j the j-th: their float32 values, as the kernel's initial centroids
         seeds = np.concatenate([lvl.ptr[g] + initial_rows(int(m[g]), int(k[g]), split_seed(tps[g].seed, key[1]))
@@ -310,11 +315,14 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
             child[lvl.ptr[g]:lvl.ptr[g + 1]] = node * tps[g].nr_splits + 1 + files.assignment(fs, int(latest[g]), g)
     finally:
         try:
-            rows.unpersist()
-            if shared is not None:
-                shared.unpersist()
+            if rows is not None:
+                rows.unpersist()
         finally:
-            files.delete()
+            try:
+                if shared is not None:
+                    shared.unpersist()
+            finally:
+                files.delete()
     return child
 
 

@@ -91,7 +91,7 @@ def write_blocks(rows: DataFrame, pack: Callable, uri: str) -> pa.Table:
             yield pa.RecordBatch.from_pydict({"node": pa.array([g], pa.int32()), "blocks": pa.array([1], pa.int64()),
                                               "rows": pa.array([n], pa.int64())})
 
-    # a row per big node: the tasks those need (small_result), not the shuffle partitions
+    # a row per big node (a few): the default parallelism's tasks (small_result), not the shuffle partitions
     return to_arrow(small_result(rows.mapInArrow(run, WRITTEN_SCHEMA).groupBy("node")
                                  .agg(F.sum("blocks").alias("blocks"), F.sum("rows").alias("rows")), 1))
 
