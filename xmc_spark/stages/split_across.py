@@ -11,9 +11,11 @@ the centroids' difference or the similarities, the balanced assignment, the norm
 with the driver holding which node each label is in and the steps' scalars, and the tasks the
 rest:
 
-- the labels of the level's big nodes are joined to their embeddings and spread over the
-  solver's task count of partitions (:func:`~.shared_vectors.solver_tasks`), a node's labels
-  consecutive (partition keys computed on the driver: no sampling job), and persisted;
+- the embeddings of the level's big nodes' labels are tagged with each label's position and node
+  (:func:`placed_rows`: a lookup in a broadcast, not a join with a table that would travel
+  through the driver) and spread over the solver's task count of partitions
+  (:func:`~.shared_vectors.solver_tasks`), a node's labels consecutive (partition keys computed on
+  the driver: no sampling job), and persisted;
 - each step is two Spark jobs over those rows (one at a group's last step), which share the
   step's state through files in a folder of the round's under the scratch folder
   (:class:`_RoundFiles`: the run folder's ``_scratch`` in the pipeline, the machine's temp folder
