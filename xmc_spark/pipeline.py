@@ -27,7 +27,7 @@ from . import prime_model
 from .arrow_utils import list_offsets_values, local_frame, to_arrow, to_pandas
 from .compat import shuffle_partitions
 from .config import dump_params
-from .kernels.tree import Forest, TreeIndex
+from .kernels.tree import Forest, TreeIndex, tree_list
 from .model import EnsembleModel, ModelTrainParams, XMCModel, is_chunked, split_columns
 from .params import ConfigError, PipelineParams, PredictParams
 from .registry import ORDER
@@ -152,7 +152,7 @@ def tree_index(rows: pd.DataFrame, n_labels: int, params: PipelineParams):
 
 def slots_index(slots: pd.DataFrame, like):
     """The tree (or forest) of (label_idx, node, tree) slots, with the branching of ``like``."""
-    trees = like.trees if isinstance(like, Forest) else [like]
+    trees = tree_list(like)
     t = slots["tree"].to_numpy() if "tree" in slots else np.zeros(len(slots), np.int64)
     new = [TreeIndex(slots["label_idx"].to_numpy()[t == k], slots["node"].to_numpy()[t == k], ix.n_labels, ix.B)
            for k, ix in enumerate(trees)]
@@ -161,7 +161,7 @@ def slots_index(slots: pd.DataFrame, like):
 
 def slots_frame(index) -> pd.DataFrame:
     """(label_idx, node, tree) rows of a tree's or forest's label slots (the ``slots`` table)."""
-    trees = index.trees if isinstance(index, Forest) else [index]
+    trees = tree_list(index)
     return pd.concat([pd.DataFrame({"label_idx": ix.slot_label.astype(np.int32), "node": ix.slot_leaf.astype(np.int64),
                                     "tree": np.full(len(ix.slot_label), t, np.int32)})
                       for t, ix in enumerate(trees)], ignore_index=True)

@@ -296,3 +296,8 @@ class Forest:
     def label_depth(self) -> np.ndarray:
         """Mean over the trees of each label's depth (expected depth@k of an ensemble)."""
         return np.mean([ix.label_depth() for ix in self.trees], axis=0)
+
+
+def tree_list(index) -> list:
+    """The trees of ``index``: a :class:`Forest`'s, or the one :class:`TreeIndex`."""
+    return index.trees if isinstance(index, Forest) else [index]

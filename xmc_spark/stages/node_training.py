@@ -125,7 +125,7 @@ from ..compat import (
 )
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
-from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth
+from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth, tree_list
 from ..model import add_pairs, train_group
 from ..params import ConfigError, TrainParams
 from ..progress import worker_progress
@@ -207,7 +207,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     spark = samples.sparkSession
     bound = node_row_bound(spark, params, samples, n_samples, n_features, row_nnz)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples,
-                              sum(len(t.nodes) for t in (index.trees if isinstance(index, Forest) else [index])))
+                              sum(len(t.nodes) for t in tree_list(index)))
     par = default_parallelism(spark)
     cuts = unit_cuts(index, par, big)
     top = merged_top(index, cuts, big, task_slots(spark, par), label_counts, n_samples)
@@ -237,7 +237,7 @@ def node_costs(index, label_counts=None, n_samples: Optional[int] = None):
     cover the tree's labels), at most ``n_samples`` and at least 1: exact at the root and for
     labels that share no row, an overestimate where they do. The estimate only places work on
     tasks; a wrong one costs balance, never a result."""
-    trees = index.trees if isinstance(index, Forest) else [index]
+    trees = tree_list(index)
     top = max((int(ix.slot_label.max(initial=-1)) for ix in trees), default=-1)
     if label_counts is not None and len(label_counts) <= top:
         log.warning("%d label counts for a tree of label ids up to %d: training units placed by label "
@@ -345,7 +345,7 @@ def unit_depth(B: int, slots: int, big_depth: int = -1) -> int:
 
 def unit_cuts(index, slots: int, big: np.ndarray):
     """The cut depth of each tree (one for a single tree) for :func:`training_units`."""
-    trees = index.trees if isinstance(index, Forest) else [index]
+    trees = tree_list(index)
     tree, ids = decode_keys(big) if isinstance(index, Forest) else (np.zeros(len(big), np.int64), np.asarray(big))
     cuts = [unit_depth(ix.B, slots, int(node_depth(ids[tree == t], ix.B).max(initial=-1)))
             for t, ix in enumerate(trees)]
