@@ -133,6 +133,13 @@ def test_partitioned_checkpoint_keeps_its_partitioning_for_a_join(spark):
     assert sorted(joined.select("k", "v", "w").collect()) == [(k, 3 * k, k % 7) for k in range(200)]
     _, parts_plain = exchanges(rows.repartition(3, "k").localCheckpoint())   # under adaptive execution
     assert len(parts_plain) == 2
+    # a grouping after the repartition keeps it too (kept_checkpoint: the sharded search's beam),
+    # and a join of two such checkpoints in equal partitions shuffles neither side
+    grouped = compat.kept_checkpoint(rows.repartition(3, "k").groupBy("k").agg(F.sum("v").alias("v")))
+    joined = grouped.join(compat.never_broadcast(kept.withColumnRenamed("v", "v2")), "k")
+    from tests.conftest import executed_plan
+    assert "Exchange" not in executed_plan(joined) and joined.rdd.getNumPartitions() == 3
+    assert sorted(joined.select("k", "v", "v2").collect()) == [(k, 3 * k, 3 * k) for k in range(200)]
 
 
 def test_session_settings_restore_and_survive_a_refusal(spark, monkeypatch, caplog):

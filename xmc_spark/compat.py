@@ -311,9 +311,17 @@ def partitioned_checkpoint(df, n_parts: int, *keys: str):
     output partitioning (Spark 4.2: both sides of such a join were shuffled to
     ``spark.sql.shuffle.partitions``); where the server refuses the setting, the checkpoint is
     the same rows, and such a join shuffles both sides as before."""
+    return kept_checkpoint(df.repartition(n_parts, *keys))
+
+
+def kept_checkpoint(df):
+    """``df`` checkpointed on the executors (``localCheckpoint``, eager) without adaptive execution
+    (:class:`session_settings`), so that the checkpoint keeps the partitioning its plan ends with
+    (a ``repartition`` on keys, or a grouping after one): a later join or grouping on those keys
+    then shuffles nothing of it (:func:`partitioned_checkpoint`)."""
     with session_settings(df.sparkSession, {"spark.sql.adaptive.enabled": "false"},
                           "a checkpoint that keeps its partitioning"):
-        return df.repartition(n_parts, *keys).localCheckpoint()
+        return df.localCheckpoint()
 
 
 def never_broadcast(df):

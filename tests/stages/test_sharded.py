@@ -471,37 +471,50 @@ def test_search_partitions_follow_the_rows_not_the_shuffle_partitions(spark, pro
     """The search's own shuffles take about SEARCH_TASK_ROWS rows a task, between the default
     parallelism and the shuffle partitions: with 64 shuffle partitions and no adaptive
     coalescing, a small input's cogroups and merges run on the default parallelism's tasks, a
-    large one's (here: SEARCH_TASK_ROWS made 1) on all 64, with the same answer either way (the
-    features' rejoin, a join, takes the partitions the features were checkpointed in)."""
+    large one's (here: SEARCH_TASK_ROWS made 1) on all 64, with the same answer either way. A
+    layer's merge by sample takes the partitions the rows' features were checkpointed in, so the
+    next layer's rejoin (a join on sample_id) shuffles neither side; a merge of more than
+    MERGE_TASK_ROWS rows a task (here: made 1) takes more partitions, and its beam is shuffled
+    back into the features' for the rejoin."""
     from xmc_spark.compat import default_parallelism, shuffle_partitions
     dp, sp_ = default_parallelism(spark), shuffle_partitions(spark)
     monkeypatch.setattr(sharded, "SEARCH_TASK_ROWS", 10)
     for rows, want in ((1, min(sp_, dp)), (10 * sp_ + 5, sp_), (10 * dp + 1, min(sp_, dp + 1))):
         assert sharded.search_partitions(spark, rows) == max(1, want), rows
     assert sharded.search_partitions(spark, 10 * sp_ + 5, (dp, None)) == sp_ + 1     # 'auto': no cap
+    monkeypatch.setattr(sharded, "MERGE_TASK_ROWS", 100)
+    assert sharded.merge_partitions(spark, 1000, 3, (2, 64)) == 10                  # the rows need more
+    assert sharded.merge_partitions(spark, 1000, 12, (2, 64)) == 12                 # the features' partitions
+    assert sharded.merge_partitions(spark, 10 ** 6, 12, (2, 64)) == 64              # up to the cap
     monkeypatch.undo()
     samples, _, _ = problem
     want = _rows(sharded.predict(samples, as_sharded(spark, models["plain"], 0.0), beam_size=3, topk=4))
     old = {key: spark.conf.get(key) for key in ("spark.sql.shuffle.partitions",
                                                 "spark.sql.adaptive.coalescePartitions.enabled")}
-    counts, default_rows = {}, sharded.SEARCH_TASK_ROWS
+    counts, joins, default_rows = {}, {}, (sharded.SEARCH_TASK_ROWS, sharded.MERGE_TASK_ROWS)
     try:
         spark.conf.set("spark.sql.shuffle.partitions", "64")
         spark.conf.set("spark.sql.adaptive.coalescePartitions.enabled", "false")
-        for task_rows in (default_rows, 1):
-            monkeypatch.setattr(sharded, "SEARCH_TASK_ROWS", task_rows)
+        for task_rows in (default_rows, (1, default_rows[1]), (default_rows[0], 1)):
+            monkeypatch.setattr(sharded, "SEARCH_TASK_ROWS", task_rows[0])
+            monkeypatch.setattr(sharded, "MERGE_TASK_ROWS", task_rows[1])
             got = sharded.predict(samples, as_sharded(spark, models["plain"], 0.0), beam_size=3, topk=4)
             assert _rows(got) == want
+            # the last layer's query: the rejoin of the layer above's beam with the rows'
+            # features, the cogroup's shuffles, the merge
             shuffles = re.findall(r"Exchange hashpartitioning\((.*?), (\d+)\), (\w+)", executed_plan(got))
             counts[task_rows] = {int(c) for _, c, why in shuffles if why == "REPARTITION_BY_NUM"}
-            # the only other shuffles: the beam's, into the partitions of the rows' features (kept
-            # partitioned by sample, sized as the search's own), for their rejoin; the features stay
-            joins = {(keys.split("#")[0], int(c)) for keys, c, why in shuffles if why == "ENSURE_REQUIREMENTS"}
-            assert joins and joins <= {("sample_id", c) for c in counts[task_rows]}, shuffles
+            joins[task_rows] = {(keys.split("#")[0], int(c)) for keys, c, why in shuffles
+                                if why == "ENSURE_REQUIREMENTS"}
     finally:
         for key, value in old.items():
             spark.conf.set(key, value)
-    assert counts[default_rows] == {dp} and counts[1] == {64}, counts
+    assert counts[default_rows] == {dp} and counts[(1, default_rows[1])] == {64}, counts
+    assert counts[(default_rows[0], 1)] == {dp, 64}, counts
+    # the beam merged in the features' partitions is rejoined where it is; merged in more, it
+    # is shuffled back into the features' (the features themselves stay where they are)
+    assert joins[default_rows] == set() and joins[(1, default_rows[1])] == set(), joins
+    assert joins[(default_rows[0], 1)] == {("sample_id", dp)}, joins
 
 
 def test_placed_weights_are_looked_up_without_a_broadcast(spark, models):

@@ -67,6 +67,7 @@ from ..compat import (
     CONNECT_MAX_MB,
     default_parallelism,
     is_connect,
+    kept_checkpoint,
     never_broadcast,
     partitioned_checkpoint,
     scratch_root,
@@ -98,6 +99,7 @@ log = logging.getLogger("xmc_spark.predict")
 
 GROUP_ROWS = 20000               # rows of one (parent, salt) group: bounds a task's share of a layer
 SEARCH_TASK_ROWS = 1 << 16       # rows (sample x candidate) a task of the search's own shuffles reads
+MERGE_TASK_ROWS = 1 << 19        # candidate rows (sample, position, score) a task of a layer's merge reads at most
 PART_BYTES = 64 << 20            # a saved part file holds about this many bytes of weights
 BYTES_PER_NNZ = 8                # int32 index + float32 value
 
@@ -237,6 +239,18 @@ def search_partitions(spark, rows: float, bounds: Optional[Tuple[int, Optional[i
     default parallelism and ``spark.sql.shuffle.partitions`` (:func:`search_bounds`,
     :func:`~..compat.sized_partitions`): each task of a layer also starts a Python worker pass."""
     return sized_partitions(spark, rows, SEARCH_TASK_ROWS, bounds if bounds is not None else search_bounds(spark))
+
+
+def merge_partitions(spark, rows: float, feats_parts: int, bounds: Optional[Tuple[int, Optional[int]]] = None) -> int:
+    """Partitions of a layer's merge of its candidates by sample (``rows`` rows of a sample, a
+    candidate and its score: a few dozen bytes each, against a scored row's features): the
+    ``feats_parts`` partitions the rows' features were checkpointed in, so that the merged beam
+    already sits where the next layer's rejoin needs it (no shuffle of it) and the predictions
+    take that many tasks (each task returns its metrics to the driver, 8-12 KB), unless that
+    leaves more than :data:`MERGE_TASK_ROWS` rows a task: then that many a task
+    (:func:`~..compat.sized_partitions`)."""
+    bounds = bounds if bounds is not None else search_bounds(spark)
+    return max(int(feats_parts), sized_partitions(spark, rows, MERGE_TASK_ROWS, bounds))
 
 
 def _mean_fan(child_ptr: np.ndarray) -> float:
@@ -566,9 +580,10 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     bounds = search_bounds(spark)
     # the rows' features, read once and kept on the executors (memory and disk): every layer
     # rejoins its beam with them, which would otherwise read the input (a Delta table) again;
-    # partitioned by sample, so that the join shuffles only the beam, into these partitions
-    feats = partitioned_checkpoint(samples.select("sample_id", "feature_idx", "feature_val"),
-                                   search_partitions(spark, n * beam_size, bounds), "sample_id")
+    # partitioned by sample, so that the join shuffles at most the beam, into these partitions
+    feats_parts = search_partitions(spark, n * beam_size, bounds)
+    feats = partitioned_checkpoint(samples.select("sample_id", "feature_idx", "feature_val"), feats_parts,
+                                   "sample_id")
 
     def by(df: DataFrame, rows: float, *keys: str) -> DataFrame:    # the search's own shuffles
         return df.repartition(search_partitions(spark, rows, bounds), *keys)
@@ -576,8 +591,9 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
     def rejoin(top: DataFrame) -> DataFrame:
         # a shuffled hash join on sample_id (each task hashes its share of the rows' features): a
         # small input table would otherwise be broadcast, its rows through the driver every layer.
-        # The features stay where they are (:func:`~..compat.partitioned_checkpoint`); the beam is
-        # shuffled into their partitions.
+        # The features stay where they are (:func:`~..compat.partitioned_checkpoint`); a layer's
+        # beam, merged into the same partitions and checkpointed keeping them, is not shuffled
+        # either (:func:`merge_partitions`); one merged into more is shuffled into theirs.
         return (top.join(never_broadcast(feats), "sample_id")
                 .select("sample_id", "feature_idx", "feature_val", F.posexplode("beam").alias("rank", "e"))
                 .select("sample_id", "feature_idx", "feature_val", F.col("e.pos").alias("ppos"),
@@ -604,6 +620,7 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         salt = max(1, math.ceil(rows_in / m_prev / group_rows))
         fan = _mean_fan(child_ptr)
         rows_out = rows_in * (min(topk, fan) if last and topk else fan)   # their candidates
+        parts = merge_partitions(spark, rows_out, feats_parts, bounds)     # their merge by sample
 
         score = _scorer(model, child_ptr, through, slot_label[keys] if last else None, topk if last else None)
         # both sides' keys must have one type: a long and an int of equal value hash apart
@@ -614,14 +631,18 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
                                ["ppos", "salt"], score,
                                "sample_id long, prank int, pos long, score double")
         if last and topk:  # every label in one leaf: its one score
-            return by(cand, rows_out, "sample_id").select("sample_id", "pos", "score")
+            return cand.repartition(parts, "sample_id").select("sample_id", "pos", "score")
         if last:           # (sample_id, label, mean score over the leaves that reach it)
-            return by(cand, rows_out, "sample_id").groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
+            return cand.repartition(parts, "sample_id").groupBy("sample_id", "pos").agg(F.avg("score").alias("score"))
         best = F.slice(F.sort_array(F.collect_list(F.struct((-F.col("score")).alias("neg"), "prank", "pos"))), 1,
                        beam_size)
         # checkpointed (computed once, here): the next layer's plan starts from it, so a layer's
-        # planning and its tasks' metric updates stay the size of one layer, not of all above it
-        top = by(cand, rows_out, "sample_id").groupBy("sample_id").agg(best.alias("beam")).localCheckpoint()
+        # planning and its tasks' metric updates stay the size of one layer, not of all above
+        # it; in the features' partitions, keeping them, so that its rejoin shuffles neither side
+        # (in more partitions, with no partitioning: the rejoin shuffles it into the features',
+        # where a kept one would have the features shuffled into its own)
+        top = cand.repartition(parts, "sample_id").groupBy("sample_id").agg(best.alias("beam"))
+        top = kept_checkpoint(top) if parts == feats_parts else top.localCheckpoint()
         if keep is not None:
             keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
         if t < n_layers - 1:
