@@ -18,13 +18,15 @@ with the arithmetic of :func:`~xmc_spark.kernels.beam_search.beam_search`:
 2. the task scores the children (:func:`~xmc_spark.kernels.beam_search.score_children`);
 3. the candidates are merged per sample (top ``beam_size`` by score, ties by position; at the
    label layer, a label reached through several leaves gets the mean of its scores, then the
-   top ``topk``), checkpointed on the executors, and joined back to the rows' features for the
-   next layer.
+   top ``topk``), checkpointed on the executors in the partitions of the rows' features
+   (:func:`merge_partitions`), and joined back to those features, where they are, for the next
+   layer.
 
 The answer equals the broadcast beam search (same candidates, same products of the same
 factors; only the summation order of a dot product differs). It costs three shuffles per
-layer, so the pipeline takes it only above the bound. ``search = tree | adaptive`` is a
-broadcast-path option; the sharded path is always ``layered``.
+layer (the rows, their nodes' weights, the merge; four where the merge takes more partitions
+than the features'), so the pipeline takes it only above the bound. ``search = tree |
+adaptive`` is a broadcast-path option; the sharded path is always ``layered``.
 
 The saved model of a sharded model is chunked (:func:`save`, format version 2): the driver
 writes ``param.json`` and ``tree.npz`` (O(labels)); Spark tasks write ``weights/part-*.npz``,
@@ -234,8 +236,8 @@ def search_bounds(spark) -> Tuple[int, Optional[int]]:
 
 
 def search_partitions(spark, rows: float, bounds: Optional[Tuple[int, Optional[int]]] = None) -> int:
-    """Partitions of one of the sharded search's own shuffles (a layer's cogroup, the merge of its
-    candidates) that carries about ``rows`` rows: ``SEARCH_TASK_ROWS`` a task, between the
+    """Partitions of one of the sharded search's own shuffles (a layer's cogroup; the rows'
+    features, checkpointed) that carries about ``rows`` rows: ``SEARCH_TASK_ROWS`` a task, between the
     default parallelism and ``spark.sql.shuffle.partitions`` (:func:`search_bounds`,
     :func:`~..compat.sized_partitions`): each task of a layer also starts a Python worker pass."""
     return sized_partitions(spark, rows, SEARCH_TASK_ROWS, bounds if bounds is not None else search_bounds(spark))
@@ -247,8 +249,9 @@ def merge_partitions(spark, rows: float, feats_parts: int, bounds: Optional[Tupl
     ``feats_parts`` partitions the rows' features were checkpointed in, so that the merged beam
     already sits where the next layer's rejoin needs it (no shuffle of it) and the predictions
     take that many tasks (each task returns its metrics to the driver, 8-12 KB), unless that
-    leaves more than :data:`MERGE_TASK_ROWS` rows a task: then that many a task
-    (:func:`~..compat.sized_partitions`)."""
+    leaves more than :data:`MERGE_TASK_ROWS` rows a task: then that many a task, up to
+    ``spark.sql.shuffle.partitions`` as every sized shuffle (:func:`~..compat.sized_partitions`;
+    the rows are an estimate from the layer's mean fan-out)."""
     bounds = bounds if bounds is not None else search_bounds(spark)
     return max(int(feats_parts), sized_partitions(spark, rows, MERGE_TASK_ROWS, bounds))
 
@@ -639,13 +642,15 @@ def _beam(samples: DataFrame, model: ShardedModel, beam_size: int, n_layers: int
         # checkpointed (computed once, here): the next layer's plan starts from it, so a layer's
         # planning and its tasks' metric updates stay the size of one layer, not of all above
         # it; in the features' partitions, keeping them, so that its rejoin shuffles neither side
-        # (in more partitions, with no partitioning: the rejoin shuffles it into the features',
-        # where a kept one would have the features shuffled into its own)
+        # (in more partitions, a plain checkpoint: under adaptive execution it keeps no
+        # partitioning and the rejoin shuffles it into the features', where a kept one would have
+        # the features shuffled into its own)
         top = cand.repartition(parts, "sample_id").groupBy("sample_id").agg(best.alias("beam"))
-        top = kept_checkpoint(top) if parts == feats_parts else top.localCheckpoint()
+        rejoined = t < n_layers - 1
+        top = kept_checkpoint(top) if rejoined and parts == feats_parts else top.localCheckpoint()
         if keep is not None:
             keep.append(top.select("sample_id", F.explode("beam.pos").alias("pos")))
-        if t < n_layers - 1:
+        if rejoined:
             cur = rejoin(top)
     return top.select("sample_id", F.explode("beam").alias("e")).select(
         "sample_id", F.col("e.pos").alias("pos"), (-F.col("e.neg")).alias("score"))
