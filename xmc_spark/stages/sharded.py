@@ -101,8 +101,9 @@ log = logging.getLogger("xmc_spark.predict")
 
 GROUP_ROWS = 20000               # rows of one (parent, salt) group: bounds a task's share of a layer
 SEARCH_TASK_ROWS = 1 << 16       # rows (sample x candidate) a task of the search's own shuffles reads
-# candidate rows (sample, position, score) a task of a layer's merge reads at most: two a row of a
-# task of the search's own shuffles, so that a binary layer's merge takes the features' partitions
+# candidate rows (sample, position, score) a task of a layer's merge reads at most: two for each
+# row a task of the search's own shuffles reads, so that a binary layer's merge fits the features'
+# partitions
 MERGE_TASK_ROWS = 2 * SEARCH_TASK_ROWS
 PART_BYTES = 64 << 20            # a saved part file holds about this many bytes of weights
 BYTES_PER_NNZ = 8                # int32 index + float32 value
