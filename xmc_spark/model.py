@@ -33,6 +33,7 @@ from .kernels.tree import (
     ancestor_at,
     decode_keys,
     encode_keys,
+    find_keys,
     keyed_pairs,
     node_depth,
     tree_from_params,
@@ -79,8 +80,7 @@ class KeyedColumns:
         keys = np.asarray(keys, dtype=np.int64)
         if len(self.keys) == 0:
             return sp.csc_matrix((self.W.shape[0], len(keys)), dtype=np.float32)
-        pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
-        found = self.keys[pos] == keys
+        pos, found = find_keys(self.keys, keys)
         run = pos[found]
         if len(run) and (np.diff(run) == 1).all():
             return _column_run(self.W, found, int(run[0]), int(run[-1]) + 1)

@@ -140,3 +140,19 @@ def test_splits_balanced_by_lambda_and_depth():
     assert all(splits_balanced(n, 2, 0.0, 1) for n in (0, 1, 6))
     assert [splits_balanced(n, 2, 0.5, 2) for n in (0, 2, 3, 6, 7)] == [False, False, True, True, True]
     assert [splits_balanced(n, 3, 0.5, 2) for n in (3, 4, 12)] == [False, True, True]
+
+
+def test_find_keys_against_brute_force():
+    """Position and presence of each key in a sorted array, as a linear scan finds them; an
+    empty array finds nothing (positions 0)."""
+    from xmc_spark.kernels.tree import find_keys
+    rng = np.random.default_rng(3)
+    sorted_keys = np.unique(rng.integers(0, 50, 20))
+    keys = rng.integers(-5, 60, 200)
+    pos, found = find_keys(sorted_keys, keys)
+    for k, p, f in zip(keys, pos, found):
+        hits = np.flatnonzero(sorted_keys == k)
+        assert f == bool(len(hits)) and (not f or p == hits[0])
+        assert 0 <= p < len(sorted_keys)
+    pos, found = find_keys(np.zeros(0, np.int64), keys)
+    assert not found.any() and (pos == 0).all() and len(pos) == len(keys)

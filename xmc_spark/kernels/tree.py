@@ -301,3 +301,13 @@ class Forest:
 def tree_list(index) -> list:
     """The trees of ``index``: a :class:`Forest`'s, or the one :class:`TreeIndex`."""
     return index.trees if isinstance(index, Forest) else [index]
+
+
+def find_keys(sorted_keys: np.ndarray, keys) -> tuple:
+    """(pos, found): where each of ``keys`` sits in ``sorted_keys`` (ascending) and whether it is
+    there; ``pos`` is a valid index wherever found (0 for every key when ``sorted_keys`` is empty)."""
+    keys = np.asarray(keys)
+    if not len(sorted_keys):
+        return np.zeros(len(keys), np.int64), np.zeros(len(keys), bool)
+    pos = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    return pos, sorted_keys[pos] == keys

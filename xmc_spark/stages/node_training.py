@@ -125,7 +125,16 @@ from ..compat import (
 )
 from ..kernels import tron
 from ..kernels.sparse import append_bias, csr_from_lists
-from ..kernels.tree import Forest, TreeIndex, ancestor_at, decode_keys, encode_keys, node_depth, tree_list
+from ..kernels.tree import (
+    Forest,
+    TreeIndex,
+    ancestor_at,
+    decode_keys,
+    encode_keys,
+    find_keys,
+    node_depth,
+    tree_list,
+)
 from ..model import add_pairs, train_group
 from ..params import ConfigError, TrainParams
 from ..progress import worker_progress
@@ -311,8 +320,8 @@ def unit_parts(units: np.ndarray, unit_ids: np.ndarray, unit_keys: np.ndarray) -
     units = np.asarray(units, np.int64)
     if not len(units):
         return np.zeros(0, np.int32)
-    at = np.minimum(np.searchsorted(unit_ids, units), len(unit_ids) - 1)
-    missing = units != unit_ids[at] if len(unit_ids) else np.ones(len(units), bool)
+    at, found = find_keys(unit_ids, units)
+    missing = ~found
     if missing.any():
         raise ValueError(f"training unit {int(units[missing][0])} is not a node of the tree")
     return unit_keys[at]
@@ -716,8 +725,7 @@ def _big_rows(samples: DataFrame, bindex, big: np.ndarray, node_ptr: np.ndarray)
     def tag(batches):
         ix = bindex.value
         for t, off, labels, rows, groups in _fan_out(bindex, batches):
-            j = np.minimum(np.searchsorted(big, groups), len(big) - 1)
-            keep = big[j] == groups
+            j, keep = find_keys(big, groups)
             rows, j = rows[keep], j[keep]
             if not len(rows):
                 continue

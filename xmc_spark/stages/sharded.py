@@ -79,7 +79,7 @@ from ..compat import (
 )
 from ..kernels.beam_search import beam_layers, score_children
 from ..kernels.sparse import append_bias
-from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys
+from ..kernels.tree import TREE_SHIFT, Forest, TreeIndex, encode_keys, find_keys
 from ..model import (
     CHUNKED_VERSION,
     ENSEMBLE_VERSION,
@@ -323,8 +323,8 @@ def place_of(table, is_leaf: np.ndarray, key: np.ndarray):
     is_leaf, key = np.asarray(is_leaf, bool), np.asarray(key, np.int64)
     layer, ppos, pos = np.full(len(key), -1, np.int32), np.zeros(len(key), np.int64), np.zeros(len(key), np.int64)
     if len(nid):
-        at = np.minimum(np.searchsorted(nid, key), len(nid) - 1)
-        inner = ~is_leaf & (nid[at] == key)
+        at, hit = find_keys(nid, key)
+        inner = ~is_leaf & hit
         layer[inner], ppos[inner], pos[inner] = nlayer[at[inner]], nparent[at[inner]], npos[at[inner]]
     slot = is_leaf & (key >= 0) & (key < len(slot_pos))
     layer[slot], ppos[slot], pos[slot] = slot_layer, slot_ppos[key[slot]], slot_pos[key[slot]]

@@ -84,7 +84,7 @@ from ..kernels.balanced_kmeans import (
     normalized,
     split_caps,
 )
-from ..kernels.tree import TREE_SHIFT, split_seed
+from ..kernels.tree import TREE_SHIFT, find_keys, split_seed
 from ..params import ConfigError, TreeParams
 from ..progress import worker_progress
 from ..storage import client_fs, write_whole
@@ -256,9 +256,8 @@ def placed_rows(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, columns: 
         L, codes, vals = shared.value
         lab, tr = label.to_numpy(np.int64), tree.to_numpy(np.int64)
         code = tr * L + lab
-        k = np.minimum(np.searchsorted(codes, code), max(len(codes) - 1, 0))
-        hit = (lab >= 0) & (lab < L) & (codes[k] == code) if len(codes) else np.zeros(len(lab), bool)
-        i = np.where(hit, k, -1)
+        k, hit = find_keys(codes, code)
+        i = np.where(hit & (lab >= 0) & (lab < L), k, -1)
         return pd.DataFrame({"_at": i, **{c: v[i] for c, v in zip(names, vals)}})
 
     # not deterministic for the optimizer, so that it does not copy the call into the filter (twice the work)
