@@ -684,12 +684,20 @@ def test_bibtex_with_streamed_big_nodes_is_as_accurate_as_grouped(bibtex, tmp_pa
     """The real CLI on bibtex with a bound of n/4 and ``train.big_node_solver=streamed``: the
     three big nodes (root and both leaves) trained one task each by dual CD over their rows read
     back from block files; P@1/3/5 within 0.3 of the all-grouped model (as the distributed run
-    above)."""
+    above), both solved to ``train.eps`` 0.01. At the default 0.1 the dual CD stops where the order
+    it visits the rows leaves it, and P@1 moves by that much with the order alone: the grouped
+    model gives 63.38 / 63.18 / 63.18 with seeds 0 / 1 / 2, streamed 63.06 / 63.14 / 63.18 (README,
+    thirteenth session); at 0.01 both give 63.2-63.3."""
+    import dataclasses
+
     from tests.oracles import reference_run
+    from xmc_spark.model import ModelTrainParams
     big, log_big = _cli_run(bibtex, tmp_path, "streamed", "--set", f"train.max_node_rows={4880 // 4}",
-                            "--set", "train.big_node_solver=streamed")
+                            "--set", "train.big_node_solver=streamed", "--set", "train.eps=0.01")
     assert "3 big nodes, 161 classifiers, 10533 rows in" in log_big and "a node or a run of its classifiers" in log_big
     assert "distributed TRON" not in log_big
-    grouped = reference_run(bibtex)[3]
+    tp = ModelTrainParams()
+    grouped = reference_run(bibtex, train_params=dataclasses.replace(tp, train=dataclasses.replace(tp.train,
+                                                                                                   eps=0.01)))[3]
     for k in ("p@1", "p@3", "p@5"):
         assert abs(big[k] - grouped[k]) <= 0.3, (k, big[k], grouped[k])

@@ -4,7 +4,6 @@ after a failure. The stage's weights against the kernel's optimum and the bibtex
 test_node_training.py, beside the distributed solver's."""
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pytest
 import scipy.sparse as sp
 
@@ -39,9 +38,11 @@ def only(rows: tron.RowBlock, g: int) -> tron.RowBlock:
     return tron.RowBlock(rows.X[r], rows.node[r], rows.cost[r], rows.pos[r])
 
 
-def write_node_files(rows: tron.RowBlock, g: int, size: int, folder, C: float = 1.0):
+def write_node_files(rows: tron.RowBlock, g: int, size: int, folder, C: float = 1.0, pieces: int = 1):
     """Node g's rows packed as the stage packs them (node_training._pack_rows, blocks of ``size``
-    rows, cost = C x weight) and written one block file each, without Spark: (fs, paths, unpack)."""
+    rows, cost = C x weight) and written one block file each, without Spark: (fs, paths, unpack).
+    ``pieces``: the rows cut in that many parts packed on their own, as write tasks would (each
+    leaves a short last block)."""
     mine = only(rows, g)
     X, P = mine.X[:, :-1].tocsr(), mine.pos
     bias = float(mine.X[0, -1])
@@ -54,9 +55,12 @@ def write_node_files(rows: tron.RowBlock, g: int, size: int, folder, C: float = 
         "pos_w": list_array(P.indptr, P.data.astype(np.float32), pa.float32())})
     pack = node_training._pack_rows(X.shape[1], P.shape[1], bias, C, max_rows=size)
     folder.mkdir(parents=True, exist_ok=True)
-    for seq, b in enumerate(pack(iter(table.to_batches(max_chunksize=25)))):
-        with pa.OSFile(str(folder / f"{seq:06d}.arrow"), "wb") as f, pa.ipc.new_file(f, b.schema) as w:
-            w.write_batch(b)
+    cuts = np.linspace(0, table.num_rows, pieces + 1).astype(int)
+    for part, (a, e) in enumerate(zip(cuts[:-1], cuts[1:])):
+        for seq, b in enumerate(pack(iter(table.slice(a, e - a).to_batches(max_chunksize=25)))):
+            name = f"p{part}-{seq:06d}-{b.column('rows')[0].as_py()}.arrow"
+            with pa.OSFile(str(folder / name), "wb") as f, pa.ipc.new_file(f, b.schema) as w:
+                w.write_batch(b)
     fs, root = client_fs(str(folder))
     return fs, streamed_nodes.block_files(fs, root), lambda b: node_training._unpack(b, X.shape[1] + 1, P.shape[1])
 
@@ -74,9 +78,11 @@ def optimum(rows: tron.RowBlock, lo: int, hi: int):
     return f, opt, f(opt)
 
 
-@pytest.mark.parametrize("g,lo,hi,mix", [(0, 0, 3, 2), (1, 3, 5, 2), (0, 1, 3, 3), (0, 0, 3, 1)])
-def test_a_streamed_node_reaches_the_kernels_optimum(tmp_path, g, lo, hi, mix):
-    """dcd_node over a node's rows in blocks of 16 (several files), on its classifiers or a run of
+@pytest.mark.parametrize("g,lo,hi,mix,pieces", [(0, 0, 3, 2, 1), (1, 3, 5, 2, 1), (0, 1, 3, 3, 1), (0, 0, 3, 1, 1),
+                                                (0, 0, 3, 2, 5)])
+def test_a_streamed_node_reaches_the_kernels_optimum(tmp_path, g, lo, hi, mix, pieces):
+    """dcd_node over a node's rows in blocks of 16 (several files; with ``pieces`` 5, as five write
+    tasks leave them, with short blocks), on its classifiers or a run of
     them, with sample and label weights: every classifier meets the dual CD's test at eps 0.1
     within max_iter and ends within a relative objective gap of 1e-3 of the optimum, with its
     signs where the optimum's weight is over 0.05; the same seed gives the same weights, bit for
@@ -85,8 +91,8 @@ def test_a_streamed_node_reaches_the_kernels_optimum(tmp_path, g, lo, hi, mix):
     rows = mixed_rows(n=300, seed=1)
     d = rows.X.shape[1]
     mine = only(rows, g)
-    fs, paths, unpack = write_node_files(rows, g, 16, tmp_path / "blocks")
-    assert len(paths) >= 4
+    fs, paths, unpack = write_node_files(rows, g, 16, tmp_path / "blocks", pieces=pieces)
+    assert len(paths) >= 4 and (pieces == 1 or sum(streamed_nodes.block_rows(p) < 16 for p in paths) == pieces)
     params = TrainParams()
     W, info = streamed_nodes.dcd_node(fs, paths, unpack, lo, hi, d, params, 7, str(tmp_path / "state"), mix=mix)
     assert W.shape == (d, hi - lo) and info.converged.all() and np.all(info.passes < params.max_iter)
@@ -140,32 +146,43 @@ def big_frame(spark, rows: tron.RowBlock, d: int):
     return spark.createDataFrame(data, node_training.BIG_SCHEMA)
 
 
+def node_blocks(fs, root: str, written: pa.Table, g: int, d: int) -> list:
+    """The blocks of node g in the folders ``written`` reports for it, read back."""
+    folders = [f for n, f in zip(written.column("node").to_pylist(), written.column("folder").to_pylist()) if n == g]
+    return [streamed_nodes.read_block(fs, p, lambda b: node_training._unpack(b, d + 1, 5))
+            for f in folders for p in streamed_nodes.block_files(fs, f"{root}/{f}")]
+
+
 def test_the_block_files_hold_the_rows(spark, tmp_path, monkeypatch):
-    """write_blocks over 3 partitions (blocks of at most 7 rows): per node the rows and block
-    counts it reports, and read_block reads back exactly the node's rows (bias appended, cost =
-    C x weight, positives with their label weights), one file a block; a node without rows reads
-    as nothing."""
+    """write_blocks over 3 partitions whose rows come in no order of their nodes (blocks of at most
+    7 rows): per node the rows and block counts it reports, one folder a node and write task, and
+    read_block reads back exactly the node's rows (bias appended, cost = C x weight, positives
+    with their label weights), one file a block named with its rows; a node without rows has no
+    folder."""
     rows = mixed_rows(n=60, seed=2)
     d = rows.X.shape[1] - 1
-    df = big_frame(spark, rows, d).repartition(3).sortWithinPartitions("node")
+    df = big_frame(spark, rows, d).repartition(3)
     pack = node_training._pack_rows(d, 5, 0.5, 2.0, max_rows=7)
     uri = str(tmp_path / "blocks")
     tasks, real = [], streamed_nodes.to_arrow
     monkeypatch.setattr(streamed_nodes, "to_arrow", lambda df: tasks.append(df.rdd.getNumPartitions()) or real(df))
     with session_settings(spark, {"spark.sql.shuffle.partitions": "64",
                                   "spark.sql.adaptive.coalescePartitions.enabled": "false"}, "a test"):
-        written = streamed_nodes.write_blocks(df, pack, uri).sort_by("node")
-    assert tasks == [2]             # a row a node: the default parallelism's tasks, not 64 (their metrics)
+        written = streamed_nodes.write_blocks(df.localCheckpoint(), pack, uri, 6)
+    assert tasks == [2]             # a row a node and task: the default parallelism's tasks, not 64 (their metrics)
     counts = np.bincount(rows.node, minlength=2)
-    assert written.column("node").to_pylist() == [0, 1]
-    assert written.column("rows").to_pylist() == counts.tolist()
+    nodes = written.column("node").to_numpy()
+    assert sorted(set(nodes.tolist())) == [0, 1] and len(written) == len(set(written.column("folder").to_pylist()))
+    assert np.bincount(nodes, weights=written.column("rows").to_numpy()).tolist() == counts.tolist()
+    assert all(f.startswith(f"n{g}/p") for g, f in zip(nodes, written.column("folder").to_pylist()))
     fs, root = client_fs(uri)
     for g in (0, 1):
-        files = [f for f in fs.get_file_info(pafs.FileSelector(f"{root}/n{g}")) if f.path.endswith(".arrow")]
-        assert len(files) == written.column("blocks").to_pylist()[g] >= counts[g] / 7
-        got = [streamed_nodes.read_block(fs, p, lambda b: node_training._unpack(b, d + 1, 5))
-               for p in streamed_nodes.block_files(fs, f"{root}/n{g}")]
+        got = node_blocks(fs, root, written, g, d)
+        assert len(got) == written.column("blocks").to_numpy()[nodes == g].sum() >= counts[g] / 7
         assert all(b.X.shape[0] <= 7 and (b.node == g).all() for b in got)
+        names = [p for f in written.column("folder").to_pylist() if f.startswith(f"n{g}/")
+                 for p in streamed_nodes.block_files(fs, f"{root}/{f}")]
+        assert [streamed_nodes.block_rows(p) for p in names] == [b.X.shape[0] for b in got]
         X = sp.vstack([b.X for b in got]).toarray()
         P = sp.vstack([b.pos for b in got]).toarray()
         cost = np.concatenate([b.cost for b in got])
@@ -176,7 +193,57 @@ def test_the_block_files_hold_the_rows(spark, tmp_path, monkeypatch):
         np.testing.assert_allclose(X[a], ref_X[b], rtol=1e-6)
         np.testing.assert_allclose(cost[a], 2.0 * mine.cost[b], rtol=1e-6)
         np.testing.assert_allclose(P[a], mine.pos.toarray()[b], rtol=1e-6)
-    assert streamed_nodes.block_files(fs, f"{root}/n7") == []
+    assert sorted(p.name for p in (tmp_path / "blocks").iterdir()) == ["n0", "n1"]
+
+
+def test_packing_holds_back_a_bounded_number_of_rows():
+    """_pack_rows over batches of rows of 12 nodes in no order (and an empty batch): every row lands
+    in exactly one block of its node, with its features, each node's rows in input order; no
+    block over max_rows; the rows read but not yet packed stay within PENDING_BLOCKS blocks and a
+    batch (so some blocks are packed short); rows sorted by node give blocks of exactly max_rows,
+    each node's last aside."""
+    rng = np.random.default_rng(0)
+    n, d, size, chunk = 400, 6, 8, 37
+    X = sp.random(n, d, density=0.5, random_state=1, format="csr", dtype=np.float32)
+    empty = list_array(np.zeros(n + 1, np.int64), np.zeros(0, np.int32), pa.int32())
+    pack = node_training._pack_rows(d, 1, 1.0, 1.0, max_rows=size)
+
+    def blocks(node):
+        t = pa.Table.from_pydict({
+            "node": pa.array(node.astype(np.int32)),
+            "feature_idx": list_array(X.indptr, X.indices.astype(np.int32), pa.int32()),
+            "feature_val": list_array(X.indptr, X.data.astype(np.float32), pa.float32()),
+            "weight": pa.array(np.arange(n, dtype=np.float32) + 1.0),          # a row's id + 1, as its weight
+            "pos": empty, "pos_w": empty.cast(pa.list_(pa.float32()))})
+        batches = t.to_batches(max_chunksize=chunk)
+        batches.insert(2, pa.RecordBatch.from_pylist([], schema=t.schema))
+        read = [0]
+
+        def counted():
+            for b in batches:
+                read[0] += b.num_rows
+                yield b
+        out, packed = [], 0
+        for b in pack(counted()):
+            blk = next(node_training._unpack(b, d + 1, 1))
+            packed += blk.X.shape[0]
+            assert read[0] - packed <= node_training.PENDING_BLOCKS * size + chunk
+            out.append((int(b.column("node")[0].as_py()), blk))
+        return out
+
+    node = rng.integers(0, 12, n)
+    got = blocks(node)
+    for g in range(12):
+        mine = [blk for h, blk in got if h == g]
+        ids = np.concatenate([blk.cost for blk in mine]).astype(np.int64) - 1
+        np.testing.assert_array_equal(ids, np.flatnonzero(node == g))
+        np.testing.assert_array_equal(sp.vstack([blk.X for blk in mine])[:, :d].toarray(), X[ids].toarray())
+    lens = [blk.X.shape[0] for _, blk in got]
+    assert max(lens) <= size and sum(n < size for n in lens) > 12          # more short blocks than nodes
+    got = blocks(np.sort(node))
+    for g in range(12):
+        lens = [blk.X.shape[0] for h, blk in got if h == g]
+        assert lens[:-1] == [size] * (len(lens) - 1) and 0 < lens[-1] <= size
 
 
 @pytest.mark.parametrize("where", ["writing", "training"])
@@ -208,21 +275,49 @@ def test_a_failed_run_leaves_no_files(spark, tmp_path, where):
 
 def test_writing_the_blocks_again_changes_nothing(spark, tmp_path):
     """A rerun of the write (a retried or speculative attempt) over the same partitions writes the
-    same file names with the same bytes and reports the same counts: a reader never sees a row
-    twice."""
+    same blocks, byte for byte, in folders of its own, and reports the same counts; the folders a
+    result names hold its own attempts' blocks only, so a reader never sees a row twice."""
     rows = mixed_rows(n=50, seed=5)
     d = rows.X.shape[1] - 1
-    df = big_frame(spark, rows, d).repartition(3).sortWithinPartitions("node")
+    df = big_frame(spark, rows, d).repartition(3).localCheckpoint()
     pack = node_training._pack_rows(d, 5, 0.5, 1.0, max_rows=6)
     uri = str(tmp_path / "blocks")
+    fs, root = client_fs(uri)
 
-    def files():
-        return {p.relative_to(tmp_path): p.read_bytes() for p in sorted((tmp_path / "blocks").rglob("*.arrow"))}
-    first = streamed_nodes.write_blocks(df, pack, uri).sort_by("node")
-    before = files()
-    again = streamed_nodes.write_blocks(df, pack, uri).sort_by("node")
-    assert again.equals(first) and files() == before and len(before) == sum(first.column("blocks").to_pylist())
+    def files(written):
+        out = {}
+        for f in sorted(written.column("folder").to_pylist()):
+            node, part = f.split("/")
+            for p in streamed_nodes.block_files(fs, f"{root}/{f}"):
+                out[(node, part.split("-t")[0], p.rsplit("/", 1)[1])] = open(p, "rb").read()
+        return out
+    first = streamed_nodes.write_blocks(df, pack, uri)
+    before = files(first)
+    again = streamed_nodes.write_blocks(df, pack, uri)
+    assert set(again.column("folder").to_pylist()).isdisjoint(first.column("folder").to_pylist())
+    assert again.drop(["folder"]).sort_by([("node", "ascending"), ("rows", "ascending")]).equals(
+        first.drop(["folder"]).sort_by([("node", "ascending"), ("rows", "ascending")]))
+    assert files(again) == before and len(before) == sum(first.column("blocks").to_pylist())
+    assert sum(b.X.shape[0] for g in (0, 1) for b in node_blocks(fs, root, again, g, d)) == 50
     assert not [p for p in (tmp_path / "blocks").rglob("*") if p.is_file() and p.suffix != ".arrow"]
+
+
+def test_mix_groups_take_blocks_by_rows():
+    """Blocks of equal size go ``mix`` a group (the last group may hold fewer); short blocks join
+    until a group holds more than ``mix`` - 1 of the largest; every block in exactly one group, in
+    the order given; a file name gives its block's rows."""
+    order = np.array([4, 0, 3, 1, 2])
+    assert [g.tolist() for g in streamed_nodes.mix_groups(order, np.full(5, 16), 2)] == [[4, 0], [3, 1], [2]]
+    assert [g.tolist() for g in streamed_nodes.mix_groups(order, np.full(5, 16), 1)] == [[4], [0], [3], [1], [2]]
+    rows = np.array([16, 3, 5, 16, 2])
+    assert [g.tolist() for g in streamed_nodes.mix_groups(order, rows, 2)] == [[4, 0], [3, 1], [2]]
+    assert [g.tolist() for g in streamed_nodes.mix_groups(np.array([1, 2, 4, 0, 3]), rows, 2)] == [[1, 2, 4, 0],
+                                                                                                 [3]]
+    assert [g.tolist() for g in streamed_nodes.mix_groups(order, rows, 3)] == [[4, 0, 3], [1, 2]]
+    assert streamed_nodes.mix_groups(np.zeros(0, np.int64), np.zeros(0), 2) == []
+    assert streamed_nodes.block_rows("/x/n3/p00001-t7/000002-32768.arrow") == 32768
+    with pytest.raises(ValueError, match="not a block file name"):
+        streamed_nodes.block_rows("/x/n3/000002.arrow")
 
 
 def test_work_units_cut_wide_nodes_and_put_the_most_work_first():

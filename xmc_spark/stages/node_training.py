@@ -158,6 +158,7 @@ PARTIAL_SCHEMA = "block int, part int, vals array<double>"
 ROUTED_SCHEMA = ddl("negatives")
 BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
 PACK_ROWS = 1 << 15             # rows per packed block of one node
+PENDING_BLOCKS = 2              # blocks of rows a packing task holds back for nodes still filling theirs
 MEMORY_FRACTION = 0.5
 WORKER_BYTES = 768 * 2**20      # address space a Python worker maps before any row (~700 MiB measured)
 SOLVER_VECTORS = 16             # features x classifiers float64 arrays a solver task may hold for a node
@@ -719,7 +720,11 @@ def _gather(offsets: np.ndarray, rows: np.ndarray):
 def _big_rows(samples: DataFrame, bindex, big: np.ndarray, node_ptr: np.ndarray) -> DataFrame:
     """The big nodes' rows: (node = index into ``big``, features, weight, positives as global
     classifier ids ``pos`` with their label weights ``pos_w``)."""
-    weighted = "label_weight" in samples.columns
+    return samples.mapInArrow(_tagger(bindex, big, node_ptr, "label_weight" in samples.columns), BIG_SCHEMA)
+
+
+def _tagger(bindex, big: np.ndarray, node_ptr: np.ndarray, weighted: bool):
+    """The function of :func:`_big_rows`: Arrow batches of samples -> :data:`BIG_SCHEMA` batches."""
     n_cls = int(node_ptr[-1])
 
     def tag(batches):
@@ -747,8 +752,7 @@ def _big_rows(samples: DataFrame, bindex, big: np.ndarray, node_ptr: np.ndarray)
             yield from pa.table({"node": pa.array(j, pa.int32()), "feature_idx": out.column("feature_idx"),
                                  "feature_val": out.column("feature_val"), "weight": out.column("weight"),
                                  "pos": pos, "pos_w": pos_w}).to_batches()
-
-    return samples.mapInArrow(tag, BIG_SCHEMA)
+    return tag
 
 
 def big_row_partitions(spark, rows: int, bound: int) -> int:
@@ -816,13 +820,19 @@ def _bytes(a: np.ndarray, dtype) -> bytes:
 
 
 def _pack_rows(n_features: int, n_cls: int, bias: float, C: float, max_rows: int = PACK_ROWS):
-    """``mapInArrow`` function: :data:`BIG_SCHEMA` rows, sorted by node within the partition ->
-    :data:`PACK_SCHEMA` blocks of one node's consecutive rows (at most ``max_rows``): the rows as
-    CSR arrays (bias column appended, cost = C x sample weight, positives as a CSR over the
+    """``mapInArrow`` function: :data:`BIG_SCHEMA` rows, in any order of their nodes ->
+    :data:`PACK_SCHEMA` blocks of one node's rows (at most ``max_rows``, in their input order): the
+    rows as CSR arrays (bias column appended, cost = C x sample weight, positives as a CSR over the
     classifiers) in binary columns. A query then reads a few large binary values per task and
     views them as numpy arrays, instead of converting every row's lists from Spark's cache and
     rebuilding the matrices, and calls the kernel once per block, not per Arrow batch and node:
-    what a query pays per row is the arithmetic of :func:`..kernels.tron.partial_fun_grad`."""
+    what a query pays per row is the arithmetic of :func:`..kernels.tron.partial_fun_grad`.
+
+    Each node's rows wait until they fill a block; when all nodes' waiting rows exceed
+    :data:`PENDING_BLOCKS` blocks, those of the node whose last row came longest ago are packed
+    as a shorter block, so a task holds at most that many blocks' rows besides its input batch,
+    however many nodes its rows reach; the rest are packed at the end, by node. Rows sorted by node
+    give each node's rows cut every ``max_rows`` (a node that came longest ago has no more rows)."""
     def block(parts):
         X = sp.vstack([p[0] for p in parts], format="csr")
         P = sp.vstack([p[1] for p in parts], format="csr")
@@ -835,25 +845,36 @@ def _pack_rows(n_features: int, n_cls: int, bias: float, C: float, max_rows: int
             "p_val": [_bytes(P.data, np.float32)]}, schema=_PACK_ARROW)
 
     def pack(batches):
-        pending, rows = [], 0
-        for b in batches:
+        pending, count, last = {}, {}, {}        # per node: waiting pieces, their rows, when its last row came
+        for seq, b in enumerate(batches):
             t = pa.Table.from_batches([b])
             X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
             P = csr_from_table(t, "pos", "pos_w", n_cls)
             cost = C * t.column("weight").to_numpy().astype(np.float64)
             node = t.column("node").to_numpy()
-            cut = np.flatnonzero(np.diff(node)) + 1              # runs of one node (sorted input)
-            for lo, end in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(node)]])):
-                while lo < end:
-                    if pending and (pending[0][3] != node[lo] or rows == max_rows):
-                        yield block(pending)
-                        pending, rows = [], 0
-                    hi = min(end, lo + max_rows - rows)
-                    pending.append((X[lo:hi], P[lo:hi], cost[lo:hi], node[lo]))
-                    rows += hi - lo
-                    lo = hi
-        if pending:
-            yield block(pending)
+            if not len(node):
+                continue
+            order = np.argsort(node, kind="stable")            # each node's rows, in input order
+            bounds = np.concatenate([[0], np.flatnonzero(np.diff(node[order])) + 1, [len(node)]])
+            for a, e in zip(bounds[:-1], bounds[1:]):
+                g, r = int(node[order[a]]), order[a:e]
+                last[g] = (seq, int(r[-1]))
+                while len(r):
+                    take = min(len(r), max_rows - count.get(g, 0))
+                    q, r = r[:take], r[take:]
+                    if q[-1] - q[0] + 1 == len(q):               # a run of rows (sorted input): a slice
+                        q = slice(int(q[0]), int(q[-1]) + 1)
+                    pending.setdefault(g, []).append((X[q], P[q], cost[q], g))
+                    count[g] = count.get(g, 0) + take
+                    if count[g] == max_rows:
+                        yield block(pending.pop(g))
+                        del count[g]
+            while count and sum(count.values()) > PENDING_BLOCKS * max_rows:
+                g = min(count, key=last.__getitem__)
+                yield block(pending.pop(g))
+                del count[g]
+        for g in sorted(pending):
+            yield block(pending[g])
     return pack
 
 
@@ -1056,17 +1077,20 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
                         len(kids[widest]) if one else n_cls, STREAMED_VECTORS if streamed else SOLVER_VECTORS,
                         state_bytes(min(PACK_ROWS, int(bound)), len(kids[widest])) if streamed else 0)
     is_leaf = np.isin(big, index.leaves)
+    pack = _pack_rows(n_features, n_cls, params.bias, params.C, max(1, min(PACK_ROWS, int(bound))))
+    if streamed:
+        # written by the tasks that read the samples, fanned out and packed in the same Python
+        # worker: no shuffle of the rows, and no round trip of them through Spark's rows
+        tag = _tagger(bindex, big, node_ptr, "label_weight" in samples.columns)
+        return train_streamed(spark, samples, lambda batches: pack(tag(batches)),
+                              lambda b: _unpack(b, d_vec, n_cls), big, kids, node_ptr, d_vec, is_leaf, params, root,
+                              _weights_table)
     # partitioned by (node, row hash) ranges: a node's rows fill consecutive partitions of about
     # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
     h = F.xxhash64("feature_idx", "feature_val", "pos", "pos_w", "weight")
     spread = _big_rows(samples, bindex, big, node_ptr).withColumn("_h", h)
     spread = spread.withColumn("_p", row_partition(F.col("node"), F.col("_h"), big_rows, parts)).repartition(
         parts, "_p").drop("_p")
-    pack = _pack_rows(n_features, n_cls, params.bias, params.C, max(1, min(PACK_ROWS, int(bound))))
-    if streamed:
-        return train_streamed(spark, spread.sortWithinPartitions("node", "_h").drop("_h"), pack,
-                              lambda b: _unpack(b, d_vec, n_cls), big, kids, node_ptr, d_vec, is_leaf, params, root,
-                              _weights_table)
     rows = (spread.drop("_h").sortWithinPartitions("node").mapInArrow(pack, PACK_SCHEMA)
             .persist(StorageLevel.MEMORY_AND_DISK))
     space = None

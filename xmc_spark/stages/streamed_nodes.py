@@ -10,13 +10,16 @@ task per big node, with no Spark job per pass, by the grouped path's own solver 
 descent with shrinking, :func:`..kernels.squared_hinge._epoch`; its tolerance ``train.eps`` and
 ``train.max_iter``), so a big node's weights are as close to the optimum as a grouped node's:
 
-1. the big nodes' rows, fanned out, tagged and packed exactly as for the distributed solver
+1. the big nodes' rows, fanned out, tagged and packed as for the distributed solver
    (:func:`.node_training._pack_rows`: CSR blocks of at most the bound's rows, capped at
-   :data:`.node_training.PACK_ROWS`, bias appended, costs and positives), are written by the
-   tasks that pack them as Arrow IPC files, one per block, under the run's scratch folder
-   (``<scratch>/streamed-<id>/n<node>/<partition>-<block>.arrow``; one Spark job, its partitions
-   computed from the nodes' row counts (:func:`.node_training.row_partition`), whose driver side
-   receives one row per big node);
+   :data:`.node_training.PACK_ROWS`, bias appended, costs and positives), are written as Arrow
+   IPC files, one per block, under the run's scratch folder
+   (``<scratch>/streamed-<id>/n<node>/p<partition>-t<task attempt>/<block>-<rows>.arrow``) by
+   the tasks that read the samples: one Spark job with no shuffle of the rows (the fan-out and
+   the packing run in the same Python worker, so the rows never pass through Spark's own rows),
+   whose driver side receives a row per big node and write task; each task leaves a node at most
+   one short block (a few more where its rows reach many nodes: :func:`.node_training._pack_rows`
+   holds back a bounded number of rows);
 2. one task per big node (a wide node's classifiers cut into runs, one task each:
    :func:`work_units`), the most work first, runs the dual CD of its classifiers (:func:`dcd_node`),
    each pass over the node's block files :data:`MIX_BLOCKS` at a time, paired anew at every pass,
@@ -32,10 +35,11 @@ The block files are read once per pass (from the page cache in local mode; from 
 folder's storage on a cluster), and each block's dual state is read and written once per pass on
 the task's local disk (a temporary folder, removed when the task's node is done).
 
-A retried or speculative write task writes the same files (each whole, :func:`..storage.write_whole`):
-a partition's rows are sorted by (node, a hash of the whole row), so its blocks and their names do
-not depend on the shuffle's order (rows that tie are equal, so either order writes the same
-bytes). A training task only reads them; its dual state is its own (a local temporary folder).
+A retried or speculative write task writes folders of its own (each file whole,
+:func:`..storage.write_whole`), and the training tasks read only the folders of the attempts whose
+output Spark kept: an attempt whose input came in another order (after a shuffle upstream) packs
+other blocks, but never beside another attempt's. A training task only reads them; its dual state
+is its own (a local temporary folder).
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_rows_to_arrays, to_arrow
-from ..compat import default_parallelism, small_result, task_slots
+from ..compat import default_parallelism, is_connect, small_result, task_slots
 from ..kernels import tron
 from ..kernels.squared_hinge import _epoch, _row_norms
 from ..params import TrainParams
@@ -62,38 +66,50 @@ from ..schemas import WEIGHTS_SCHEMA
 from ..storage import client_fs, write_whole
 
 log = logging.getLogger("xmc_spark.train")
-WRITTEN_SCHEMA = "node int, blocks long, rows long"
+WRITTEN_SCHEMA = "node int, folder string, blocks long, rows long"
 
 
-def write_blocks(rows: DataFrame, pack: Callable, uri: str) -> pa.Table:
-    """Pack ``rows`` (:data:`.node_training.BIG_SCHEMA`, sorted by node within each partition)
-    with ``pack`` (a :func:`.node_training._pack_rows` function) and write every packed block as
-    an Arrow IPC file under ``uri``/n<node>/; returns (node, blocks, rows) per big node with rows."""
+def write_blocks(rows: DataFrame, pack: Callable, uri: str, n_rows: float = 1) -> pa.Table:
+    """Pack ``rows`` (:data:`.node_training.BIG_SCHEMA`, nodes in any order) with ``pack`` (a
+    :func:`.node_training._pack_rows` function) and write every packed block as an Arrow IPC file
+    ``<seq>-<rows>.arrow`` under ``uri``/n<node>/p<partition>-t<task attempt>/, in the tasks that
+    read the rows (no shuffle of the rows); returns (node, folder relative to ``uri``, blocks,
+    rows) per big node and write task, about ``n_rows`` rows (for the tasks collecting them:
+    :func:`~..compat.small_result`). Each attempt writes a folder of its own and the result names
+    the folders of the attempts whose output Spark kept, so a retried or speculative attempt,
+    whose input may come in another order, never adds its blocks to another's."""
     def run(batches):
         from pyspark import TaskContext
         fs, root = client_fs(uri)
         tc = TaskContext.get()
-        pid = tc.partitionId() if tc else 0
-        made = set()
+        part = f"p{tc.partitionId() if tc else 0:05d}-t{tc.taskAttemptId() if tc else 0}"
+        made = {}                               # node -> [blocks, rows]
         for seq, b in enumerate(pack(batches)):
             g = int(b.column("node")[0].as_py())
-            folder = f"{root}/n{g}"
+            n = int(b.column("rows")[0].as_py())
+            folder = f"{root}/n{g}/{part}"
             if g not in made:
                 fs.create_dir(folder, recursive=True)
-                made.add(g)
+                made[g] = [0, 0]
 
             def write(f, b=b):
                 with pa.ipc.new_file(f, b.schema) as out:
                     out.write_batch(b)
-            write_whole(fs, f"{folder}/{pid:05d}-{seq:06d}.arrow", write)
-            n = int(b.column("rows")[0].as_py())
+            write_whole(fs, f"{folder}/{seq:06d}-{n}.arrow", write)
+            made[g][0] += 1
+            made[g][1] += n
             worker_progress("train (streamed: writing the big nodes' rows)", rows=n)
-            yield pa.RecordBatch.from_pydict({"node": pa.array([g], pa.int32()), "blocks": pa.array([1], pa.int64()),
-                                              "rows": pa.array([n], pa.int64())})
+        if made:
+            nodes = sorted(made)
+            yield pa.RecordBatch.from_pydict({
+                "node": pa.array(nodes, pa.int32()), "folder": pa.array([f"n{g}/{part}" for g in nodes]),
+                "blocks": pa.array([made[g][0] for g in nodes], pa.int64()),
+                "rows": pa.array([made[g][1] for g in nodes], pa.int64())})
 
-    # a row per big node (a few): the default parallelism's tasks (small_result), not the shuffle partitions
-    return to_arrow(small_result(rows.mapInArrow(run, WRITTEN_SCHEMA).groupBy("node")
-                                 .agg(F.sum("blocks").alias("blocks"), F.sum("rows").alias("rows")), 1))
+    # the rows written where they are read; the grouping is the shuffle the few result rows need
+    # (coalescing the write's own tasks would shrink its parallelism)
+    return to_arrow(small_result(rows.mapInArrow(run, WRITTEN_SCHEMA).groupBy("node", "folder")
+                                 .agg(F.sum("blocks").alias("blocks"), F.sum("rows").alias("rows")), n_rows))
 
 
 MIX_BLOCKS = 2          # block files a dual CD pass takes together (paired anew at every pass)
@@ -104,6 +120,35 @@ def block_files(fs, folder: str) -> list:
     import pyarrow.fs as pafs
     return sorted(i.path for i in fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
                   if i.path.endswith(".arrow"))
+
+
+def block_rows(path: str) -> int:
+    """The rows of a block file, from its name (``<seq>-<rows>.arrow``, :func:`write_blocks`)."""
+    name = path.rsplit("/", 1)[-1]
+    try:
+        return int(name[:-len(".arrow")].rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"{path}: not a block file name (<seq>-<rows>.arrow)") from None
+
+
+def mix_groups(order: np.ndarray, rows: np.ndarray, mix: int) -> list:
+    """The blocks ``order`` (indices into ``rows``, each block's rows) cut into groups a dual CD
+    pass takes together: consecutive blocks until a group holds more rows than ``mix`` - 1 of the
+    largest blocks (so ``mix`` blocks of equal size, or more of the short blocks a write task
+    leaves per node; at most ``mix`` largest blocks' rows)."""
+    order = np.asarray(order, np.int64)
+    if not len(order):
+        return []
+    need = (max(1, int(mix)) - 1) * int(np.max(rows))
+    groups, start, held = [], 0, 0
+    for i, b in enumerate(order):
+        held += int(rows[b])
+        if held > need:
+            groups.append(order[start:i + 1])
+            start, held = i + 1, 0
+    if start < len(order):
+        groups.append(order[start:])
+    return groups
 
 
 def read_block(fs, path: str, unpack: Callable[[pa.RecordBatch], Iterable[tron.RowBlock]]) -> tron.RowBlock:
@@ -175,8 +220,9 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
     """The per-node kernel's dual coordinate descent (:func:`..kernels.squared_hinge._epoch`: the
     same problem, tolerance ``train.eps``, at most ``train.max_iter`` passes, shrinking) for the
     classifiers ``lo`` .. ``hi - 1`` (global ids, all of one node) over the node's rows in the
-    block files ``paths``, read ``mix`` at a time: each pass takes the blocks in a new random
-    order, in groups of ``mix`` whose rows it shuffles together. (Blocks taken one at a time
+    block files ``paths`` (named with their rows, :func:`write_blocks`), read ``mix`` at a time:
+    each pass takes the blocks in a new random order, in groups of ``mix`` (more where blocks are
+    short: :func:`mix_groups`) whose rows it shuffles together. (Blocks taken one at a time
     converge far more slowly: after 40 passes a relative objective gap of 7e-4 to 7e-3, against
     6e-9 to 9e-9 with the rows in one piece, on bibtex and delicious root-like problems cut into 4
     or 16 blocks; paired anew at every pass, 5e-9 to 2e-6. README, 2026-12-05, ninth session.)
@@ -189,7 +235,7 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
     live, reset = np.ones(K, bool), np.zeros(K, bool)
     passes = np.zeros(K, np.int64)
     states = [_BlockState(os.path.join(state_dir, f"{i:06d}.state")) for i in range(len(paths))]
-    rows_of = np.zeros(len(paths), np.int64)
+    rows_of = np.array([block_rows(p) for p in paths], np.int64)
     rng = np.random.default_rng(int(seed) % 2 ** 63)
     os.makedirs(state_dir, exist_ok=True)
     for it in range(int(params.max_iter)):
@@ -198,11 +244,10 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
         run = np.flatnonzero(live)
         pmax, pmin = np.full(K, -np.inf), np.full(K, np.inf)
         shrunk = np.zeros(K, np.int64)
-        order = rng.permutation(len(paths))
-        for q in range(0, len(paths), mix):
-            ids = order[q:q + mix]
+        for ids in mix_groups(rng.permutation(len(paths)), rows_of, mix):
             blocks = [read_block(fs, paths[i], unpack) for i in ids]
-            rows_of[ids] = [b.X.shape[0] for b in blocks]
+            if [b.X.shape[0] for b in blocks] != rows_of[ids].tolist():
+                raise ValueError(f"{paths[ids[0]]} ...: block files whose rows differ from their names")
             cuts = np.concatenate([[0], np.cumsum(rows_of[ids])])
             rb = _stacked(blocks)
             del blocks
@@ -285,9 +330,13 @@ def train_streamed(spark, rows: DataFrame, pack: Callable, unpack: Callable, big
     fs, base = client_fs(uri)
     fs.create_dir(base, recursive=True)
     try:
-        written = write_blocks(rows, pack, uri)
-        n_rows = np.zeros(len(big), np.int64)          # a big node always has rows; 0 would train to w = 0
-        n_rows[written.column("node").to_numpy()] = written.column("rows").to_numpy()
+        tasks = 1 if is_connect(rows) else rows.rdd.getNumPartitions()      # small_result ignores it on Connect
+        written = write_blocks(rows, pack, uri, len(big) * max(1, tasks))
+        at = written.column("node").to_numpy()
+        n_rows = np.bincount(at, weights=written.column("rows").to_numpy(), minlength=len(big)).astype(np.int64)
+        folders = [[] for _ in big]                     # a big node always has rows; none would train to w = 0
+        for g, f in sorted(zip(at.tolist(), written.column("folder").to_pylist())):
+            folders[g].append(f)
         units = work_units(n_rows, node_ptr, task_slots(spark, default_parallelism(spark)))
         log.info("train: %d big nodes, %d classifiers, %d rows in %d block files: %d tasks (a node or a run of its "
                  "classifiers each), dual CD over the node's rows streamed from the files, %d blocks at a time "
@@ -301,7 +350,8 @@ def train_streamed(spark, rows: DataFrame, pack: Callable, unpack: Callable, big
                 for i in b.column("id").to_pylist():
                     g, lo, hi = (int(v) for v in units[i])
                     with tempfile.TemporaryDirectory(prefix="xmc-dual-state-") as state:    # this attempt's own
-                        W, info = dcd_node(rfs, block_files(rfs, f"{rbase}/n{g}"), unpack, lo, hi, d, params,
+                        paths = [p for f in folders[g] for p in block_files(rfs, f"{rbase}/{f}")]
+                        W, info = dcd_node(rfs, paths, unpack, lo, hi, d, params,
                                            params.seed + int(big[g]) + lo - int(node_ptr[g]), state)
                     worker_log().info(
                         "train (streamed): node %d, classifiers %d-%d of %d: dual CD passes %d-%d, %d of %d met the "
