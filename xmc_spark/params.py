@@ -379,8 +379,8 @@ class TrainParams(BaseParams):
     eps: float = 0.1
     seed: int = 0
     # a node with more training rows than this is trained apart from the grouped nodes (same
-    # problem; how: big_node_solver); "auto" derives it from executor memory, "off" never
-    # distributes, an integer sets it
+    # problem; how: big_node_solver); "auto" derives it from executor memory (at most 262,144 rows
+    # where big nodes are streamed), "off" never distributes, an integer sets it
     max_node_rows: str = "auto"
     # how a node over max_node_rows is trained: "distributed" (trust-region Newton, its rows spread
     # over the partitions, every data pass a Spark job), "streamed" (one task a node, the grouped

@@ -535,6 +535,31 @@ def test_streamed_big_nodes_reach_the_kernels_optimum(problem, index, spark, wei
     _assert_big_nodes_near_optimum(got, index, big, Xb, Yw, sw, tp, 1e-4)
 
 
+def test_auto_bound_is_capped_where_big_nodes_are_streamed(problem, index, spark, tmp_path, caplog, monkeypatch):
+    """In local mode with the scratch folder on local disk (big nodes streamed) ``auto`` is at
+    most STREAMED_NODE_ROWS (made the 60 rows of BOUND here, far below the memory's bound): the
+    stage trains the same big nodes, streamed, to the same weights bit for bit as with
+    ``max_node_rows`` = BOUND, and says why; with the distributed solver the memory's bound holds
+    and every node of these 150 samples trains grouped."""
+    samples, _, _ = problem
+    monkeypatch.setattr(node_training, "STREAMED_NODE_ROWS", BOUND)
+    tp = TrainParams(threshold=0.0)
+    caplog.set_level(logging.INFO, logger="xmc_spark.train")
+    got = _stage_weights(node_training.run(samples, index, D, tp, scratch=str(tmp_path)))
+    assert f"at most {BOUND} with big nodes streamed" in caplog.text
+    assert "dual CD over the node's rows streamed from the files" in caplog.text
+    same = _stage_weights(node_training.run(samples, index, D, dataclasses.replace(
+        tp, max_node_rows=str(BOUND), big_node_solver="streamed"), scratch=str(tmp_path)))
+    assert sorted(got) == sorted(same)
+    for k, (idx, val) in same.items():
+        np.testing.assert_array_equal(got[k][0], idx)
+        np.testing.assert_array_equal(got[k][1], val)
+    caplog.clear()
+    node_training.run(samples, index, D, dataclasses.replace(tp, big_node_solver="distributed"),
+                      scratch=str(tmp_path)).count()
+    assert "trained across tasks" not in caplog.text and "with big nodes streamed" not in caplog.text
+
+
 # ~85 s (tron_eps 1e-3: many Newton steps of several Spark jobs each); in CI
 # test_big_nodes_across_tasks_equal_local_tron checks the same weighted problem against local
 # TRON, and tests/kernels/test_tron.py local TRON against the dual kernel's optimum
@@ -604,6 +629,14 @@ def test_row_bound(spark, problem):
     assert node_training.node_row_bound(spark, TrainParams(), unreadable, by_mean + 1, d, mean) == by_mean
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="off")) == 0
     assert node_training.node_row_bound(spark, TrainParams(max_node_rows="1000")) == 1000
+    # with big nodes streamed, auto is at most STREAMED_NODE_ROWS; a bound set is kept
+    cap = node_training.STREAMED_NODE_ROWS
+    assert node_training.node_row_bound(spark, TrainParams(), samples, 10, d, streamed=True) == min(least, cap) == cap
+    assert node_training.node_row_bound(spark, TrainParams(), unreadable, by_mean + 1, d, mean,
+                                        streamed=True) == min(by_mean, cap)
+    assert node_training.node_row_bound(spark, TrainParams(), streamed=True) == min(
+        int(0.5 * ram / (2 * 16 * 1024)), cap)
+    assert node_training.node_row_bound(spark, TrainParams(max_node_rows="1000000"), streamed=True) == 1000000
 
 
 def test_row_bound_under_a_memory_cap():
@@ -688,16 +721,11 @@ def test_bibtex_with_streamed_big_nodes_is_as_accurate_as_grouped(bibtex, tmp_pa
     it visits the rows leaves it, and P@1 moves by that much with the order alone: the grouped
     model gives 63.38 / 63.18 / 63.18 with seeds 0 / 1 / 2, streamed 63.06 / 63.14 / 63.18 (README,
     thirteenth session); at 0.01 both give 63.2-63.3."""
-    import dataclasses
-
     from tests.oracles import reference_run
-    from xmc_spark.model import ModelTrainParams
     big, log_big = _cli_run(bibtex, tmp_path, "streamed", "--set", f"train.max_node_rows={4880 // 4}",
                             "--set", "train.big_node_solver=streamed", "--set", "train.eps=0.01")
     assert "3 big nodes, 161 classifiers, 10533 rows in" in log_big and "a node or a run of its classifiers" in log_big
     assert "distributed TRON" not in log_big
-    tp = ModelTrainParams()
-    grouped = reference_run(bibtex, train_params=dataclasses.replace(tp, train=dataclasses.replace(tp.train,
-                                                                                                   eps=0.01)))[3]
+    grouped = reference_run(bibtex, train=TrainParams(eps=0.01))[3]
     for k in ("p@1", "p@3", "p@5"):
         assert abs(big[k] - grouped[k]) <= 0.3, (k, big[k], grouped[k])

@@ -155,7 +155,8 @@ def node_blocks(fs, root: str, written: pa.Table, g: int, d: int) -> list:
 
 def test_the_block_files_hold_the_rows(spark, tmp_path, monkeypatch):
     """write_blocks over 3 partitions whose rows come in no order of their nodes (blocks of at most
-    7 rows): per node the rows and block counts it reports, one folder a node and write task, and
+    7 rows), its counts collected from the write tasks: per node the rows and block counts it
+    reports, one folder a node and write task, and
     read_block reads back exactly the node's rows (bias appended, cost = C x weight, positives
     with their label weights), one file a block named with its rows; a node without rows has no
     folder."""
@@ -168,8 +169,8 @@ def test_the_block_files_hold_the_rows(spark, tmp_path, monkeypatch):
     monkeypatch.setattr(streamed_nodes, "to_arrow", lambda df: tasks.append(df.rdd.getNumPartitions()) or real(df))
     with session_settings(spark, {"spark.sql.shuffle.partitions": "64",
                                   "spark.sql.adaptive.coalescePartitions.enabled": "false"}, "a test"):
-        written = streamed_nodes.write_blocks(df.localCheckpoint(), pack, uri, 6)
-    assert tasks == [2]             # a row a node and task: the default parallelism's tasks, not 64 (their metrics)
+        written = streamed_nodes.write_blocks(df.localCheckpoint(), pack, uri)
+    assert tasks == [3]             # collected from the 3 write tasks: no shuffle, not 64 reduce tasks (their metrics)
     counts = np.bincount(rows.node, minlength=2)
     nodes = written.column("node").to_numpy()
     assert sorted(set(nodes.tolist())) == [0, 1] and len(written) == len(set(written.column("folder").to_pylist()))
@@ -197,18 +198,19 @@ def test_the_block_files_hold_the_rows(spark, tmp_path, monkeypatch):
 
 
 def test_packing_holds_back_a_bounded_number_of_rows():
-    """_pack_rows over batches of rows of 12 nodes in no order (and an empty batch): every row lands
+    """_pack_rows over batches of rows of 40 nodes in no order (and an empty batch): every row lands
     in exactly one block of its node, with its features, each node's rows in input order; no
     block over max_rows; the rows read but not yet packed stay within PENDING_BLOCKS blocks and a
-    batch (so some blocks are packed short); rows sorted by node give blocks of exactly max_rows,
-    each node's last aside."""
+    batch (so some blocks are packed short). Rows sorted by node: blocks of exactly max_rows, each
+    node's last aside, and ``ordered`` packs that last block before the next node's, so the blocks
+    come in runs of one node (the distributed solver's partitions), the same blocks."""
     rng = np.random.default_rng(0)
-    n, d, size, chunk = 400, 6, 8, 37
+    n, d, size, chunk, nodes = 2000, 6, 8, 37, 40
     X = sp.random(n, d, density=0.5, random_state=1, format="csr", dtype=np.float32)
     empty = list_array(np.zeros(n + 1, np.int64), np.zeros(0, np.int32), pa.int32())
-    pack = node_training._pack_rows(d, 1, 1.0, 1.0, max_rows=size)
 
-    def blocks(node):
+    def blocks(node, ordered=False):
+        pack = node_training._pack_rows(d, 1, 1.0, 1.0, max_rows=size, ordered=ordered)
         t = pa.Table.from_pydict({
             "node": pa.array(node.astype(np.int32)),
             "feature_idx": list_array(X.indptr, X.indices.astype(np.int32), pa.int32()),
@@ -231,19 +233,27 @@ def test_packing_holds_back_a_bounded_number_of_rows():
             out.append((int(b.column("node")[0].as_py()), blk))
         return out
 
-    node = rng.integers(0, 12, n)
+    def check(node, got):
+        for g in range(nodes):
+            mine = [blk for h, blk in got if h == g]
+            ids = np.concatenate([blk.cost for blk in mine]).astype(np.int64) - 1
+            np.testing.assert_array_equal(ids, np.flatnonzero(node == g))
+            np.testing.assert_array_equal(sp.vstack([blk.X for blk in mine])[:, :d].toarray(), X[ids].toarray())
+        assert max(blk.X.shape[0] for _, blk in got) <= size
+
+    node = rng.integers(0, nodes, n)
     got = blocks(node)
-    for g in range(12):
-        mine = [blk for h, blk in got if h == g]
-        ids = np.concatenate([blk.cost for blk in mine]).astype(np.int64) - 1
-        np.testing.assert_array_equal(ids, np.flatnonzero(node == g))
-        np.testing.assert_array_equal(sp.vstack([blk.X for blk in mine])[:, :d].toarray(), X[ids].toarray())
-    lens = [blk.X.shape[0] for _, blk in got]
-    assert max(lens) <= size and sum(n < size for n in lens) > 12          # more short blocks than nodes
-    got = blocks(np.sort(node))
-    for g in range(12):
-        lens = [blk.X.shape[0] for h, blk in got if h == g]
-        assert lens[:-1] == [size] * (len(lens) - 1) and 0 < lens[-1] <= size
+    check(node, got)
+    assert sum(blk.X.shape[0] < size for _, blk in got) > 2 * nodes      # more short blocks than a node's last
+    srt = np.sort(node)
+    for ordered in (False, True):
+        got = blocks(srt, ordered)
+        check(srt, got)
+        for g in range(nodes):
+            lens = [blk.X.shape[0] for h, blk in got if h == g]
+            assert lens[:-1] == [size] * (len(lens) - 1) and 0 < lens[-1] <= size
+        runs = [h for h, _ in got]
+        assert (runs == sorted(runs)) == ordered
 
 
 @pytest.mark.parametrize("where", ["writing", "training"])
@@ -252,7 +262,7 @@ def test_a_failed_run_leaves_no_files(spark, tmp_path, where):
     reaches the caller and the run's block folder is gone."""
     rows = mixed_rows(n=30, seed=4)
     d = rows.X.shape[1] - 1
-    df = big_frame(spark, rows, d).repartition(2).sortWithinPartitions("node")
+    df = big_frame(spark, rows, d).repartition(2)
     good = node_training._pack_rows(d, 5, 0.5, 1.0, max_rows=4)
 
     def bad_pack(batches):
@@ -274,9 +284,10 @@ def test_a_failed_run_leaves_no_files(spark, tmp_path, where):
 
 
 def test_writing_the_blocks_again_changes_nothing(spark, tmp_path):
-    """A rerun of the write (a retried or speculative attempt) over the same partitions writes the
-    same blocks, byte for byte, in folders of its own, and reports the same counts; the folders a
-    result names hold its own attempts' blocks only, so a reader never sees a row twice."""
+    """A second write of the same partitions (as a retried or speculative attempt makes them) writes
+    the same blocks, byte for byte, in folders of its own (named by its task attempts), and reports
+    the same counts; the folders a result names hold its own attempts' blocks only, so a reader
+    of one result never sees a row twice."""
     rows = mixed_rows(n=50, seed=5)
     d = rows.X.shape[1] - 1
     df = big_frame(spark, rows, d).repartition(3).localCheckpoint()

@@ -43,9 +43,10 @@ for all big nodes together. Weights are pruned by
 schema as the grouped path's).
 
 **Streamed big nodes** (``train.big_node_solver``: ``streamed``, and ``auto`` in local mode:
-:func:`big_node_solver`): the same rows, packed the same way, are written as block files instead
-of persisted, and one task per big node runs the grouped path's dual coordinate descent over them,
-a few blocks at a time, with no Spark job per pass (:mod:`.streamed_nodes`).
+:func:`big_node_solver`): the same rows, packed the same way, are not shuffled but fanned out,
+packed and written as block files by the tasks that read the samples, and one task per big node
+runs the grouped path's dual coordinate descent over them, a few blocks at a time, with no Spark
+job per pass (:mod:`.streamed_nodes`).
 
 **The solver's vectors.** Up to ``train.tron_driver_mb`` (one d x K_big float64 vector) they
 live on the driver as above: each query ships W and the direction to the tasks and collects one
@@ -70,8 +71,14 @@ local copy, solver state) and :data:`ROW_BYTES` = 1 KiB (sample id, weight, labe
 variables of up to ~100 classifiers). The mean is one aggregation over the training rows, run
 only when there are more rows than the bound for rows holding every feature (no row is heavier,
 so nothing can be big below that). The synthetic sets (~20 non-zeros a row) get ~2.7 KiB a row: on this 24 GiB
-machine with local[2] about 2.3M rows, so every set up to 2M samples trains grouped; rows of ~200
-non-zeros (16 KiB) give ~380,000 rows.
+machine with local[2] about 2.3M rows; rows of ~200 non-zeros (16 KiB) give ~380,000 rows.
+
+**Where big nodes are streamed** (:func:`big_node_solver`: ``streamed``, or ``auto`` in local
+mode with the scratch folder on local disk; a scratch folder at all) ``auto`` is at most
+:data:`STREAMED_NODE_ROWS` (262,144 rows), so a Python worker's memory no longer grows with the
+samples; the streamed nodes' rows are written by the tasks that read the samples, with no
+shuffle. What that costs in time: README, thirteenth session. Every set up to 262,144 samples
+(bibtex, delicious, the 200K and 250K synthetic sets) still trains grouped.
 
 **Under a Python memory cap** (``spark.executor.pyspark.memory``) Spark limits each Python
 worker's address space (``RLIMIT_AS``) to cap / ``spark.executor.cores`` (1 unless set, also in
@@ -158,7 +165,7 @@ PARTIAL_SCHEMA = "block int, part int, vals array<double>"
 ROUTED_SCHEMA = ddl("negatives")
 BLOCK = 1 << 16                 # doubles per reduced block (512 KiB)
 PACK_ROWS = 1 << 15             # rows per packed block of one node
-PENDING_BLOCKS = 2              # blocks of rows a packing task holds back for nodes still filling theirs
+PENDING_BLOCKS = 16             # blocks of rows a packing task holds back for nodes still filling theirs
 MEMORY_FRACTION = 0.5
 WORKER_BYTES = 768 * 2**20      # address space a Python worker maps before any row (~700 MiB measured)
 SOLVER_VECTORS = 16             # features x classifiers float64 arrays a solver task may hold for a node
@@ -167,6 +174,7 @@ RANGE_FILL = 0.9                # big-node partitions hold this share of their r
 PART_BOUNDS = 4                 # a big-node partition holds up to this many bounds of rows (streamed)
 BYTES_PER_NNZ = 80
 ROW_BYTES = 1024
+STREAMED_NODE_ROWS = 1 << 18    # the auto bound's most where big nodes are streamed (module docstring)
 
 
 def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainParams,
@@ -215,7 +223,10 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     if n_samples is None and params.node_row_bound() != 0:
         n_samples = samples.count()
     spark = samples.sparkSession
-    bound = node_row_bound(spark, params, samples, n_samples, n_features, row_nnz)
+    root = scratch_root(spark, scratch)             # big nodes streamed (as train_big_nodes decides it)?
+    streamed = root is not None and big_node_solver(str(conf_value(spark, "spark.master", "") or ""), params,
+                                                    root) == "streamed"
+    bound = node_row_bound(spark, params, samples, n_samples, n_features, row_nnz, streamed)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples,
                               sum(len(t.nodes) for t in tree_list(index)))
     par = default_parallelism(spark)
@@ -649,26 +660,38 @@ def _mib_up(nbytes: int) -> str:
 
 def node_row_bound(spark, params: TrainParams, samples: Optional[DataFrame] = None,
                    n_samples: Optional[int] = None, n_features: Optional[int] = None,
-                   row_nnz: Optional[float] = None) -> int:
+                   row_nnz: Optional[float] = None, streamed: bool = False) -> int:
     """Rows above which a node is trained across tasks; 0 = never. ``auto`` sizes a row from the
     mean non-zeros of ``samples`` (``row_nnz`` when the caller knows it, else one aggregation,
     :func:`mean_row_nnz`; neither when ``n_samples`` is within the bound for rows holding all
     ``n_features`` features: no row is heavier, so nothing can be big); without ``samples``, rows
-    of 16 KiB (~200 non-zeros)."""
+    of 16 KiB (~200 non-zeros). ``streamed`` (big nodes would be streamed, :func:`big_node_solver`):
+    ``auto`` is at most :data:`STREAMED_NODE_ROWS`."""
     b = params.node_row_bound()
     if b is not None:
         return b
+    cap = STREAMED_NODE_ROWS if streamed else None
     if samples is None:
-        return auto_row_bound(spark, 16 * 1024)
+        return _capped(auto_row_bound(spark, 16 * 1024), cap)
     n = samples.count() if n_samples is None else int(n_samples)
     if n_features is not None:
         least = auto_row_bound(spark, row_bytes(n_features))
-        if n <= least:
-            return least
+        if n <= _capped(least, cap):
+            return _capped(least, cap)
+        if cap is not None and least >= cap:            # no row makes it lower: the mean changes nothing
+            log.info("train: auto node bound %d rows (at least %d by memory, at most %d with big nodes streamed)",
+                     cap, least, cap)
+            return cap
     mean = mean_row_nnz(samples) if row_nnz is None else float(row_nnz)
-    bound = auto_row_bound(spark, row_bytes(mean))
-    log.info("train: auto node bound %d rows (%.1f features a row)", bound, mean)
+    memory = auto_row_bound(spark, row_bytes(mean))
+    bound = _capped(memory, cap)
+    log.info("train: auto node bound %d rows (%.1f features a row%s)", bound, mean,
+             f"; {memory} by memory, at most {cap} with big nodes streamed" if bound < memory else "")
     return bound
+
+
+def _capped(bound: int, cap: Optional[int]) -> int:
+    return bound if cap is None else min(bound, cap)
 
 
 def mean_row_nnz(samples: DataFrame) -> float:
@@ -819,20 +842,24 @@ def _bytes(a: np.ndarray, dtype) -> bytes:
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
 
 
-def _pack_rows(n_features: int, n_cls: int, bias: float, C: float, max_rows: int = PACK_ROWS):
-    """``mapInArrow`` function: :data:`BIG_SCHEMA` rows, in any order of their nodes ->
-    :data:`PACK_SCHEMA` blocks of one node's rows (at most ``max_rows``, in their input order): the
-    rows as CSR arrays (bias column appended, cost = C x sample weight, positives as a CSR over the
-    classifiers) in binary columns. A query then reads a few large binary values per task and
-    views them as numpy arrays, instead of converting every row's lists from Spark's cache and
-    rebuilding the matrices, and calls the kernel once per block, not per Arrow batch and node:
-    what a query pays per row is the arithmetic of :func:`..kernels.tron.partial_fun_grad`.
+def _pack_rows(n_features: int, n_cls: int, bias: float, C: float, max_rows: int = PACK_ROWS,
+               ordered: bool = False):
+    """``mapInArrow`` function: :data:`BIG_SCHEMA` rows -> :data:`PACK_SCHEMA` blocks of one
+    node's rows (at most ``max_rows``, in their input order): the rows as CSR arrays (bias column
+    appended, cost = C x sample weight, positives as a CSR over the classifiers) in binary
+    columns. A query then reads a few large binary values per task and views them as numpy
+    arrays, instead of converting every row's lists from Spark's cache and rebuilding the
+    matrices, and calls the kernel once per block, not per Arrow batch and node: what a query
+    pays per row is the arithmetic of :func:`..kernels.tron.partial_fun_grad`.
 
-    Each node's rows wait until they fill a block; when all nodes' waiting rows exceed
-    :data:`PENDING_BLOCKS` blocks, those of the node whose last row came longest ago are packed
-    as a shorter block, so a task holds at most that many blocks' rows besides its input batch,
-    however many nodes its rows reach; the rest are packed at the end, by node. Rows sorted by node
-    give each node's rows cut every ``max_rows`` (a node that came longest ago has no more rows)."""
+    ``ordered`` (rows sorted by node, as the distributed solver's partitions): a node's rows are
+    cut every ``max_rows`` and its last block is packed when the next node's rows begin, so the
+    blocks come in runs of one node. Otherwise (the streamed write, rows in sample order) each
+    node's rows wait until they fill a block; when all nodes' waiting rows exceed
+    :data:`PENDING_BLOCKS` blocks, the node with the most waiting is packed as a shorter block, so
+    a task holds at most that many blocks' rows (~200 bytes a row of ~20 non-zeros, packed)
+    besides its input batch, however many nodes its rows reach; the rest are packed at the end, by
+    node."""
     def block(parts):
         X = sp.vstack([p[0] for p in parts], format="csr")
         P = sp.vstack([p[1] for p in parts], format="csr")
@@ -845,8 +872,8 @@ def _pack_rows(n_features: int, n_cls: int, bias: float, C: float, max_rows: int
             "p_val": [_bytes(P.data, np.float32)]}, schema=_PACK_ARROW)
 
     def pack(batches):
-        pending, count, last = {}, {}, {}        # per node: waiting pieces, their rows, when its last row came
-        for seq, b in enumerate(batches):
+        pending, count = {}, {}                  # per node: waiting pieces, their rows
+        for b in batches:
             t = pa.Table.from_batches([b])
             X = append_bias(csr_from_table(t, "feature_idx", "feature_val", n_features), bias)
             P = csr_from_table(t, "pos", "pos_w", n_cls)
@@ -858,7 +885,10 @@ def _pack_rows(n_features: int, n_cls: int, bias: float, C: float, max_rows: int
             bounds = np.concatenate([[0], np.flatnonzero(np.diff(node[order])) + 1, [len(node)]])
             for a, e in zip(bounds[:-1], bounds[1:]):
                 g, r = int(node[order[a]]), order[a:e]
-                last[g] = (seq, int(r[-1]))
+                if ordered:
+                    for h in [h for h in pending if h != g]:       # the nodes before g: done
+                        yield block(pending.pop(h))
+                        del count[h]
                 while len(r):
                     take = min(len(r), max_rows - count.get(g, 0))
                     q, r = r[:take], r[take:]
@@ -870,7 +900,7 @@ def _pack_rows(n_features: int, n_cls: int, bias: float, C: float, max_rows: int
                         yield block(pending.pop(g))
                         del count[g]
             while count and sum(count.values()) > PENDING_BLOCKS * max_rows:
-                g = min(count, key=last.__getitem__)
+                g = max(count, key=lambda h: (count[h], -h))
                 yield block(pending.pop(g))
                 del count[g]
         for g in sorted(pending):
@@ -1077,20 +1107,22 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
                         len(kids[widest]) if one else n_cls, STREAMED_VECTORS if streamed else SOLVER_VECTORS,
                         state_bytes(min(PACK_ROWS, int(bound)), len(kids[widest])) if streamed else 0)
     is_leaf = np.isin(big, index.leaves)
-    pack = _pack_rows(n_features, n_cls, params.bias, params.C, max(1, min(PACK_ROWS, int(bound))))
+    block = max(1, min(PACK_ROWS, int(bound)))
     if streamed:
         # written by the tasks that read the samples, fanned out and packed in the same Python
         # worker: no shuffle of the rows, and no round trip of them through Spark's rows
         tag = _tagger(bindex, big, node_ptr, "label_weight" in samples.columns)
+        pack = _pack_rows(n_features, n_cls, params.bias, params.C, block)
         return train_streamed(spark, samples, lambda batches: pack(tag(batches)),
                               lambda b: _unpack(b, d_vec, n_cls), big, kids, node_ptr, d_vec, is_leaf, params, root,
-                              _weights_table)
+                              _weights_table, block)
     # partitioned by (node, row hash) ranges: a node's rows fill consecutive partitions of about
     # rows / parts each, so a partition holds one or a few nodes and a task reads only their vectors
     h = F.xxhash64("feature_idx", "feature_val", "pos", "pos_w", "weight")
     spread = _big_rows(samples, bindex, big, node_ptr).withColumn("_h", h)
     spread = spread.withColumn("_p", row_partition(F.col("node"), F.col("_h"), big_rows, parts)).repartition(
         parts, "_p").drop("_p")
+    pack = _pack_rows(n_features, n_cls, params.bias, params.C, block, ordered=True)
     rows = (spread.drop("_h").sortWithinPartitions("node").mapInArrow(pack, PACK_SCHEMA)
             .persist(StorageLevel.MEMORY_AND_DISK))
     space = None

@@ -17,9 +17,9 @@ descent with shrinking, :func:`..kernels.squared_hinge._epoch`; its tolerance ``
    (``<scratch>/streamed-<id>/n<node>/p<partition>-t<task attempt>/<block>-<rows>.arrow``) by
    the tasks that read the samples: one Spark job with no shuffle of the rows (the fan-out and
    the packing run in the same Python worker, so the rows never pass through Spark's own rows),
-   whose driver side receives a row per big node and write task; each task leaves a node at most
-   one short block (a few more where its rows reach many nodes: :func:`.node_training._pack_rows`
-   holds back a bounded number of rows);
+   whose driver side receives a row per big node and write task; a task packs a node's rows in
+   full blocks as long as all nodes' waiting rows fit :data:`.node_training.PENDING_BLOCKS`
+   blocks, then the node with the most waiting in a short one (:func:`.node_training._pack_rows`);
 2. one task per big node (a wide node's classifiers cut into runs, one task each:
    :func:`work_units`), the most work first, runs the dual CD of its classifiers (:func:`dcd_node`),
    each pass over the node's block files :data:`MIX_BLOCKS` at a time, paired anew at every pass,
@@ -54,10 +54,9 @@ import numpy as np
 import pyarrow as pa
 import scipy.sparse as sp
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 
 from ..arrow_utils import csr_rows_to_arrays, to_arrow
-from ..compat import default_parallelism, is_connect, small_result, task_slots
+from ..compat import default_parallelism, task_slots
 from ..kernels import tron
 from ..kernels.squared_hinge import _epoch, _row_norms
 from ..params import TrainParams
@@ -69,15 +68,15 @@ log = logging.getLogger("xmc_spark.train")
 WRITTEN_SCHEMA = "node int, folder string, blocks long, rows long"
 
 
-def write_blocks(rows: DataFrame, pack: Callable, uri: str, n_rows: float = 1) -> pa.Table:
+def write_blocks(rows: DataFrame, pack: Callable, uri: str) -> pa.Table:
     """Pack ``rows`` (:data:`.node_training.BIG_SCHEMA`, nodes in any order) with ``pack`` (a
     :func:`.node_training._pack_rows` function) and write every packed block as an Arrow IPC file
     ``<seq>-<rows>.arrow`` under ``uri``/n<node>/p<partition>-t<task attempt>/, in the tasks that
     read the rows (no shuffle of the rows); returns (node, folder relative to ``uri``, blocks,
-    rows) per big node and write task, about ``n_rows`` rows (for the tasks collecting them:
-    :func:`~..compat.small_result`). Each attempt writes a folder of its own and the result names
-    the folders of the attempts whose output Spark kept, so a retried or speculative attempt,
-    whose input may come in another order, never adds its blocks to another's."""
+    rows) per big node and write task. Each attempt writes a folder of its own and the write is
+    the job's result stage, whose result holds one attempt per partition, so a retried or
+    speculative attempt, whose input may come in another order, never adds its blocks to
+    another's."""
     def run(batches):
         from pyspark import TaskContext
         fs, root = client_fs(uri)
@@ -106,10 +105,10 @@ def write_blocks(rows: DataFrame, pack: Callable, uri: str, n_rows: float = 1) -
                 "blocks": pa.array([made[g][0] for g in nodes], pa.int64()),
                 "rows": pa.array([made[g][1] for g in nodes], pa.int64())})
 
-    # the rows written where they are read; the grouping is the shuffle the few result rows need
-    # (coalescing the write's own tasks would shrink its parallelism)
-    return to_arrow(small_result(rows.mapInArrow(run, WRITTEN_SCHEMA).groupBy("node", "folder")
-                                 .agg(F.sum("blocks").alias("blocks"), F.sum("rows").alias("rows")), n_rows))
+    # collected from the write tasks themselves: a row per node they wrote (no shuffle, which could
+    # mix two attempts' rows of one task when Spark reruns a map task; no coalesce, which would
+    # shrink the write's parallelism)
+    return to_arrow(rows.mapInArrow(run, WRITTEN_SCHEMA))
 
 
 MIX_BLOCKS = 2          # block files a dual CD pass takes together (paired anew at every pass)
@@ -131,15 +130,15 @@ def block_rows(path: str) -> int:
         raise ValueError(f"{path}: not a block file name (<seq>-<rows>.arrow)") from None
 
 
-def mix_groups(order: np.ndarray, rows: np.ndarray, mix: int) -> list:
+def mix_groups(order: np.ndarray, rows: np.ndarray, mix: int, block: int = 0) -> list:
     """The blocks ``order`` (indices into ``rows``, each block's rows) cut into groups a dual CD
-    pass takes together: consecutive blocks until a group holds more rows than ``mix`` - 1 of the
-    largest blocks (so ``mix`` blocks of equal size, or more of the short blocks a write task
-    leaves per node; at most ``mix`` largest blocks' rows)."""
+    pass takes together: consecutive blocks until a group holds more rows than ``mix`` - 1 full
+    blocks (``block`` rows, the packing's most; 0: the largest of ``rows``), so ``mix`` full
+    blocks, or more of the short blocks the write tasks leave; at most ``mix`` full blocks' rows."""
     order = np.asarray(order, np.int64)
     if not len(order):
         return []
-    need = (max(1, int(mix)) - 1) * int(np.max(rows))
+    need = (max(1, int(mix)) - 1) * max(int(block), int(np.max(rows)))
     groups, start, held = [], 0, 0
     for i, b in enumerate(order):
         held += int(rows[b])
@@ -216,16 +215,17 @@ def _lcg_seed(seed: int) -> np.uint64:
 
 
 def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.RowBlock]], lo: int, hi: int,
-             d: int, params: TrainParams, seed: int, state_dir: str, mix: int = MIX_BLOCKS):
+             d: int, params: TrainParams, seed: int, state_dir: str, mix: int = MIX_BLOCKS, block: int = 0):
     """The per-node kernel's dual coordinate descent (:func:`..kernels.squared_hinge._epoch`: the
     same problem, tolerance ``train.eps``, at most ``train.max_iter`` passes, shrinking) for the
     classifiers ``lo`` .. ``hi - 1`` (global ids, all of one node) over the node's rows in the
     block files ``paths`` (named with their rows, :func:`write_blocks`), read ``mix`` at a time:
     each pass takes the blocks in a new random order, in groups of ``mix`` (more where blocks are
-    short: :func:`mix_groups`) whose rows it shuffles together. (Blocks taken one at a time
-    converge far more slowly: after 40 passes a relative objective gap of 7e-4 to 7e-3, against
-    6e-9 to 9e-9 with the rows in one piece, on bibtex and delicious root-like problems cut into 4
-    or 16 blocks; paired anew at every pass, 5e-9 to 2e-6. README, 2026-12-05, ninth session.)
+    short: :func:`mix_groups`, full blocks being ``block`` rows) whose rows it shuffles together.
+    (Blocks taken one at a time converge far more slowly: after 40 passes a relative objective
+    gap of 7e-4 to 7e-3, against 6e-9 to 9e-9 with the rows in one piece, on bibtex and delicious
+    root-like problems cut into 4 or 16 blocks; paired anew at every pass, 5e-9 to 2e-6. README,
+    2026-12-05, ninth session.)
     The dual variables and active flags of each block wait in a file under ``state_dir`` (a local
     folder) between passes. Returns (W: d x (hi - lo) float64, :class:`DcdInfo`)."""
     K, mix = int(hi - lo), max(1, int(mix))
@@ -244,7 +244,7 @@ def dcd_node(fs, paths: list, unpack: Callable[[pa.RecordBatch], Iterable[tron.R
         run = np.flatnonzero(live)
         pmax, pmin = np.full(K, -np.inf), np.full(K, np.inf)
         shrunk = np.zeros(K, np.int64)
-        for ids in mix_groups(rng.permutation(len(paths)), rows_of, mix):
+        for ids in mix_groups(rng.permutation(len(paths)), rows_of, mix, block):
             blocks = [read_block(fs, paths[i], unpack) for i in ids]
             if [b.X.shape[0] for b in blocks] != rows_of[ids].tolist():
                 raise ValueError(f"{paths[ids[0]]} ...: block files whose rows differ from their names")
@@ -319,7 +319,7 @@ def work_units(n_rows: np.ndarray, node_ptr: np.ndarray, slots: int) -> np.ndarr
 
 def train_streamed(spark, rows: DataFrame, pack: Callable, unpack: Callable, big: np.ndarray, kids: list,
                    node_ptr: np.ndarray, d: int, is_leaf: np.ndarray, params: TrainParams, root: str,
-                   emit_table: Callable) -> DataFrame:
+                   emit_table: Callable, block: int = 0) -> DataFrame:
     """The big nodes' weights rows (:data:`..schemas.WEIGHTS_SCHEMA`), checkpointed: their rows
     written as block files under ``root`` (:func:`write_blocks`), then one task per
     :func:`work_units` unit (a node, or a run of a wide node's classifiers; the most work first)
@@ -330,8 +330,7 @@ def train_streamed(spark, rows: DataFrame, pack: Callable, unpack: Callable, big
     fs, base = client_fs(uri)
     fs.create_dir(base, recursive=True)
     try:
-        tasks = 1 if is_connect(rows) else rows.rdd.getNumPartitions()      # small_result ignores it on Connect
-        written = write_blocks(rows, pack, uri, len(big) * max(1, tasks))
+        written = write_blocks(rows, pack, uri)
         at = written.column("node").to_numpy()
         n_rows = np.bincount(at, weights=written.column("rows").to_numpy(), minlength=len(big)).astype(np.int64)
         folders = [[] for _ in big]                     # a big node always has rows; none would train to w = 0
@@ -352,7 +351,7 @@ def train_streamed(spark, rows: DataFrame, pack: Callable, unpack: Callable, big
                     with tempfile.TemporaryDirectory(prefix="xmc-dual-state-") as state:    # this attempt's own
                         paths = [p for f in folders[g] for p in block_files(rfs, f"{rbase}/{f}")]
                         W, info = dcd_node(rfs, paths, unpack, lo, hi, d, params,
-                                           params.seed + int(big[g]) + lo - int(node_ptr[g]), state)
+                                           params.seed + int(big[g]) + lo - int(node_ptr[g]), state, block=block)
                     worker_log().info(
                         "train (streamed): node %d, classifiers %d-%d of %d: dual CD passes %d-%d, %d of %d met the "
                         "tolerance", int(big[g]), lo - node_ptr[g], hi - node_ptr[g] - 1, node_ptr[g + 1] - node_ptr[g],
