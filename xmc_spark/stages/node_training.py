@@ -75,8 +75,8 @@ machine with local[2] about 2.3M rows; rows of ~200 non-zeros (16 KiB) give ~380
 
 **Where big nodes are streamed** (:func:`big_node_solver`: ``streamed``, or ``auto`` in local
 mode with the scratch folder on local disk; a scratch folder at all) ``auto`` is at most
-:data:`STREAMED_NODE_ROWS` (262,144 rows), so a Python worker's memory no longer grows with the
-samples; the streamed nodes' rows are written by the tasks that read the samples, with no
+:data:`STREAMED_NODE_ROWS` (262,144 rows), so no Python worker holds more rows than that, however
+many samples; the streamed nodes' rows are written by the tasks that read the samples, with no
 shuffle. What that costs in time: README, thirteenth session. Every set up to 262,144 samples
 (bibtex, delicious, the 200K and 250K synthetic sets) still trains grouped.
 
