@@ -102,7 +102,8 @@ def test_overlapping_clusters_equal_the_reference_trainer(env, spark, monkeypatc
     d, params, _ = env
     p2 = params.set_dotted("clusters.copies", 2).set_dotted("clusters.beam_size", 2)
     given, bound = [], node_training.node_row_bound
-    monkeypatch.setattr(node_training, "node_row_bound", lambda *a: given.append(a[-1]) or bound(*a))
+    monkeypatch.setattr(node_training, "node_row_bound",
+                        lambda *a, **k: given.append(a[5]) or bound(*a, **k))      # a[5]: row_nnz
     m = pipeline.run(spark, str(d / "train.txt"), str(d / "test.txt"), str(d / "copies2"), p2)
     assert given == [m["n_train_nonzeros"] / m["n_train"]] * 2
     assert m["copies_per_label_max"] == 2
