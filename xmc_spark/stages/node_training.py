@@ -223,9 +223,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     if n_samples is None and params.node_row_bound() != 0:
         n_samples = samples.count()
     spark = samples.sparkSession
-    root = scratch_root(spark, scratch)             # big nodes streamed (as train_big_nodes decides it)?
-    streamed = root is not None and big_node_solver(str(conf_value(spark, "spark.master", "") or ""), params,
-                                                    root) == "streamed"
+    streamed = streams_big_nodes(spark, params, scratch)
     bound = node_row_bound(spark, params, samples, n_samples, n_features, row_nnz, streamed)
     big, big_rows = big_nodes(samples, bindex, bound, n_samples,
                               sum(len(t.nodes) for t in tree_list(index)))
@@ -240,7 +238,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     small = grouped.where(~F.col("group").isin([int(g) for g in big]))
     parts = big_row_partitions(spark, int(big_rows.sum()), bound)
     big_weights = train_big_nodes(samples, index, bindex, big, big_rows, n_features, params, parts, scratch,
-                                  bound)
+                                  bound, streamed)
     return _train_units(small, n_parts, train).unionByName(big_weights)
 
 
@@ -1078,14 +1076,27 @@ def big_node_solver(master: str, params: TrainParams, scratch: Optional[str] = N
     return "streamed" if master.startswith("local") and local_disk else "distributed"
 
 
+def streams_big_nodes(spark, params: TrainParams, scratch: Optional[str] = None) -> bool:
+    """Whether big nodes are trained by the streamed solver: :func:`big_node_solver` says so and
+    there is a folder every task sees for their rows (:func:`scratch_root`; without one, the
+    distributed solver, with a warning when ``streamed`` was asked for)."""
+    root = scratch_root(spark, scratch)
+    streamed = big_node_solver(str(conf_value(spark, "spark.master", "") or ""), params, root) == "streamed"
+    if streamed and root is None:
+        log.warning("train: no scratch folder the executors share was given for the streamed big nodes' rows: "
+                    "they are trained by the distributed solver")
+        return False
+    return streamed
+
+
 def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarray, big_rows: np.ndarray,
                     n_features: int, params: TrainParams, parts: int, scratch: Optional[str] = None,
-                    bound: int = PACK_ROWS) -> DataFrame:
+                    bound: int = PACK_ROWS, streamed: bool = False) -> DataFrame:
     """Weights rows of the nodes ``big`` trained by distributed TRON (all nodes in one loop),
     their rows (``big_rows`` each, as :func:`big_nodes` counts them) spread over ``parts``
     partitions (:func:`big_row_partitions`, :func:`row_partition`) in packed blocks of
     at most ``bound`` rows, read one block at a time (:class:`_solver_session`); or, with the
-    streamed solver (:func:`big_node_solver`), written as block files and trained one task per
+    streamed solver (``streamed``: :func:`streams_big_nodes`), written as block files and trained one task per
     node (:func:`.streamed_nodes.train_streamed`). The distributed solver's
     vectors (features x the nodes' classifiers, float64) stay on the driver up to
     ``train.tron_driver_mb``; above, in files under ``scratch`` (:mod:`.shared_vectors`)."""
@@ -1097,11 +1108,6 @@ def train_big_nodes(samples: DataFrame, index: TreeIndex, bindex, big: np.ndarra
     wanted = d_vec * n_cls * 8 > params.tron_driver_mb * 2 ** 20        # vectors above the driver's share
     shared = wanted and root is not None                                 # ... and a folder every task sees
     widest = int(np.argmax(np.diff(node_ptr)))
-    streamed = big_node_solver(str(conf_value(spark, "spark.master", "") or ""), params, root) == "streamed"
-    if streamed and root is None:
-        log.warning("train: no scratch folder the executors share was given for the streamed big nodes' rows: "
-                    "they are trained by the distributed solver")
-        streamed = False
     one = shared or streamed                                             # a task holds one node's vectors
     check_solver_memory(session_conf(spark), d_vec, int(big[widest]) if one else -1,
                         len(kids[widest]) if one else n_cls, STREAMED_VECTORS if streamed else SOLVER_VECTORS,
