@@ -26,6 +26,11 @@ them (such a task reads all of its node's rows, the root's n). Reported per run:
   sampled every 100 ms: the sum over the workers alive at once, ``local[2]`` runs at most two),
   overall and per pipeline stage (the peak while that stage's tasks ran; an idle worker keeps the
   memory an earlier stage left in it);
+- the peak RSS of one Python worker (the issue's measure): each Python process under the run's
+  JVM (the workers and their daemon) read from ``/proc`` every 100 ms by this script
+  (:class:`WorkerRSS`; Linux only), its largest value overall and per pipeline stage (the samples
+  from the stage's first tagged job to the next stage's; an idle worker keeps what an earlier
+  task left in it);
 - P@1/3/5;
 - and over all sizes, the growth exponent of wall time in n (least squares of log-log).
 
@@ -40,6 +45,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -57,6 +63,79 @@ RSS_POLL = "100ms"
 def shape_of(n: int, labels=None, features=None):
     L, d = SHAPES.get(n, (20000, 50000) if n < 250000 else (100000, 200000))
     return labels or L, features or d
+
+
+class WorkerRSS:
+    """The RSS of the Python processes under the JVM of the run ``pid`` (the driver's process:
+    driver -> JVM -> pyspark daemon -> its forked workers), read from ``/proc`` every ``every``
+    seconds by a thread; ``samples`` holds (epoch ms, the largest one process's RSS in bytes) a
+    read. Outside Linux (no ``/proc``) it measures nothing."""
+
+    def __init__(self, pid: int, every: float = 0.1):
+        self.pid, self.every, self.samples = pid, every, []
+        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        if os.path.isdir("/proc/self"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @staticmethod
+    def _stat(pid: str):
+        """(command name, parent pid) of a process, None if it is gone."""
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                text = f.read()
+        except OSError:
+            return None
+        name = text[text.index("(") + 1:text.rindex(")")]
+        return name, int(text[text.rindex(")") + 2:].split()[1])
+
+    def _workers(self):
+        procs = {p: st for p in os.listdir("/proc") if p.isdigit() for st in [self._stat(p)] if st is not None}
+        kids = defaultdict(list)
+        for p, (_, ppid) in procs.items():
+            kids[ppid].append(int(p))
+        out, todo = [], [k for k in kids.get(self.pid, []) if procs[str(k)][0] == "java"]
+        while todo:                         # the JVM's descendants that are Python
+            q = todo.pop()
+            for k in kids.get(q, []):
+                todo.append(k)
+                if procs[str(k)][0].startswith("python"):
+                    out.append(k)
+        return out
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            most = 0
+            for w in self._workers():
+                try:
+                    with open(f"/proc/{w}/statm") as f:
+                        most = max(most, int(f.read().split()[1]) * self.page)
+                except OSError:
+                    continue
+            if most:
+                self.samples.append((time.time() * 1000, most))
+
+    def peaks(self, starts) -> dict:
+        """The largest sample overall ("all") and per pipeline stage: ``starts`` are (epoch ms of
+        the stage's first tagged job, stage name) in time order (:func:`read_event_log`)."""
+        out = defaultdict(int)
+        times = [t for t, _ in starts]
+        import bisect
+        for t, rss in self.samples:
+            i = bisect.bisect_right(times, t) - 1
+            name = starts[i][1] if i >= 0 else "untagged"
+            out[name] = max(out[name], rss)
+            out["all"] = max(out["all"], rss)
+        return dict(out)
 
 
 def open_log(path: str):
@@ -132,7 +211,7 @@ def read_event_log(folder: Path) -> dict:
                 result_bytes[k] += nbytes
                 peak_rss[k] = max(peak_rss[k], rss)
     return {"max_task_shuffle_rows": dict(max_rows), "result_bytes": dict(result_bytes), "peak_python_rss": peak_py,
-            "peak_python_rss_by_stage": {k: v for k, v in peak_rss.items() if k != "all"}}
+            "peak_python_rss_by_stage": {k: v for k, v in peak_rss.items() if k != "all"}, "stage_starts": starts}
 
 
 def synth_set(n: int, L: int, d: int, work: Path, cores: int) -> Path:
@@ -168,12 +247,16 @@ def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str, node_fr
            "--set", "spark.conf.spark.sql.adaptive.coalescePartitions.enabled=false",
            *([] if node_fraction is None else ["--set", f"train.max_node_rows={max(1, n // node_fraction)}"]), *extra]
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    with WorkerRSS(proc.pid) as rss:
+        _, err = proc.communicate()
     wall = time.perf_counter() - t
-    if r.returncode != 0:
-        raise SystemExit(f"xmc-spark failed on n={n}:\n{r.stderr[-4000:]}")
+    if proc.returncode != 0:
+        raise SystemExit(f"xmc-spark failed on n={n}:\n{err[-4000:]}")
     m = json.loads((out / "metrics.json").read_text())
     ev = read_event_log(evlog)
+    worker = rss.peaks(ev["stage_starts"])
     weights_bytes = weights_table_bytes(out)
     return {"n": n, "labels": m["n_labels"], "features": m["n_features"], "process_seconds": round(wall, 1),
             "seconds": m["seconds"], "p@1": m["p@1"], "p@3": m["p@3"], "p@5": m["p@5"],
@@ -181,7 +264,9 @@ def run_one(n: int, data: Path, work: Path, cores: int, extra, tag: str, node_fr
             "max_task_rows_over_n": {k: round(v / n, 3) for k, v in ev["max_task_shuffle_rows"].items()},
             "result_bytes": ev["result_bytes"], "peak_python_rss_mb": round(ev["peak_python_rss"] / 2 ** 20, 1),
             "peak_python_rss_mb_by_stage": {k: round(v / 2 ** 20, 1)
-                                            for k, v in ev["peak_python_rss_by_stage"].items()}}
+                                            for k, v in ev["peak_python_rss_by_stage"].items()},
+            "peak_worker_rss_mb": round(worker.get("all", 0) / 2 ** 20, 1),
+            "peak_worker_rss_mb_by_stage": {k: round(v / 2 ** 20, 1) for k, v in worker.items() if k != "all"}}
 
 
 def weights_table_bytes(out: Path) -> int:
@@ -218,11 +303,11 @@ def growth_exponent(rows) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def _peak_stage(r) -> str:
+def _peak_stage(r, key: str = "peak_python_rss_mb_by_stage") -> str:
     """The pipeline stage whose tasks saw the highest Python RSS and that peak, as " (stage MB)";
     "" for rows without per-stage peaks or with none measured. (The overall peak before it also
     takes the samples between tasks, so it may be higher.)"""
-    by = r.get("peak_python_rss_mb_by_stage") or {}
+    by = r.get(key) or {}
     top = max(by, key=by.get) if by else None
     return f" ({top} {by[top]})" if top is not None and by[top] > 0 else ""
 
@@ -233,7 +318,7 @@ def table(rows) -> str:
     the embedding's seconds to them a second time)."""
     head = ("| n | labels x features | layout | process s | ingest | embedding+tree | train | predict | "
             "max task rows / n (train, all) | bytes to driver (all) | weights table | driver/weights | "
-            "peak Python RSS MB (stage) | P@1 | P@3 | P@5 |")
+            "peak Python RSS MB, all workers (stage) | one worker (stage) | P@1 | P@3 | P@5 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         s = r["seconds"]
@@ -244,7 +329,9 @@ def table(rows) -> str:
             f"{s.get('ingest', 0):.0f} | {s.get('tree', 0):.0f} | {s.get('train', 0):.0f} | "
             f"{s.get('predict', 0):.0f} | {mt.get('train', 0)}, {mt.get('all', 0)} | {rb / 2 ** 20:.1f} MB | "
             f"{r['weights_bytes'] / 2 ** 20:.1f} MB | {rb / max(r['weights_bytes'], 1):.1%} | "
-            f"{r['peak_python_rss_mb']}{_peak_stage(r)} | {r['p@1']:.2f} | {r['p@3']:.2f} | {r['p@5']:.2f} |")
+            f"{r['peak_python_rss_mb']}{_peak_stage(r)} | "
+            f"{r.get('peak_worker_rss_mb', '-')}{_peak_stage(r, 'peak_worker_rss_mb_by_stage')} | "
+            f"{r['p@1']:.2f} | {r['p@3']:.2f} | {r['p@5']:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,12 @@
-"""benchmarks/scale.py's event-log reading (no Spark: hand-written event logs)."""
+"""benchmarks/scale.py's event-log reading (no Spark: hand-written event logs) and its reading of
+the Python workers' memory."""
 import json
+import os
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -55,3 +60,36 @@ def test_the_table_counts_the_embedding_once():
     assert table([row]).splitlines()[2].split("|")[13].strip() == "100.0 (train 90.0)"
     row["peak_python_rss_mb_by_stage"] = {"ingest": 0.0, "train": 0.0}       # none measured
     assert table([row]).splitlines()[2].split("|")[13].strip() == "100.0"
+    row["peak_worker_rss_mb"], row["peak_worker_rss_mb_by_stage"] = 70.0, {"ingest": 30.0, "train": 70.0}
+    assert table([row]).splitlines()[2].split("|")[14].strip() == "70.0 (train 70.0)"
+
+
+def test_worker_rss_is_attributed_to_the_stage_running_then():
+    """Each sample goes to the stage whose first tagged job came last at or before it."""
+    from scale import WorkerRSS
+    rss = WorkerRSS(0)
+    rss.samples = [(50, 1), (100, 5), (150, 7), (200, 3), (260, 9), (300, 2)]
+    assert rss.peaks([(100, "ingest"), (200, "train"), (300, "predict")]) == {
+        "untagged": 1, "ingest": 7, "train": 9, "predict": 2, "all": 9}
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc (Linux)")
+def test_worker_rss_reads_the_python_processes_under_the_jvm(tmp_path):
+    """A process named ``java`` (Python under that name) starts a Python child holding 200 MB:
+    its RSS is read; the ``java`` process itself and processes outside it are not."""
+    java = tmp_path / "java"
+    java.symlink_to(sys.executable)
+    child = ("import sys, time, numpy as np; a = np.ones(200 << 17); print('up', flush=True); "
+             "sys.stdin.read()")
+    parent = f"import subprocess, sys; subprocess.run([sys.argv[1], '-c', {child!r}], stdin=sys.stdin)"
+    import subprocess
+    jvm = subprocess.Popen([str(java), "-c", parent, sys.executable], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        assert jvm.stdout.readline().strip() == "up"
+        from scale import WorkerRSS
+        with WorkerRSS(os.getpid(), every=0.05) as rss:
+            time.sleep(0.5)
+        assert rss.samples and 200 << 20 <= rss.peaks([])["all"] < 400 << 20
+    finally:
+        jvm.communicate("")
