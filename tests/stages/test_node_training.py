@@ -73,7 +73,7 @@ def test_training_stage_equals_kernel(problem, spark, monkeypatch, top):
     seen = _force_top(monkeypatch, top)
     ref_nodes, ref_slots = train_all_groups(index, append_bias(Xl, tp.bias), Yl, tp)
     _assert_weights(node_training.run(samples, index, D, tp), ref_nodes, ref_slots)
-    cut = node_training.unit_cuts(index, default_parallelism(spark), [])
+    cut = node_training.unit_cuts(index, default_parallelism(spark))
     above = node_training._above_cut(index, index.nodes, cut)
     assert above.sum() > 1 and (~above).any()
     # the root's unit alone above the cut, or each node its own; the subtrees' units below it
@@ -202,15 +202,29 @@ def test_training_units_pack_and_unpack_without_loss(monkeypatch, piece_nnz):
             np.testing.assert_array_equal(got, ref[np.argsort(sid[ref])])      # sample-id order
 
 
-def test_training_units_cut_below_the_big_nodes():
-    """Units start at the shallowest depth with 4 nodes per task slot, below every big node; a
-    group above the cut is its own unit, one below it joins its ancestor at the cut."""
+def test_training_units_start_below_the_big_nodes():
+    """Units start at the shallowest depth with 4 nodes per task slot; a group above the cut is
+    its own unit, one below it joins its ancestor at the cut, or, where that ancestor is big, the
+    shallowest node on its way down that is not (a big node is its own unit)."""
+    from xmc_spark.kernels.tree import Forest, encode_keys
     assert node_training.unit_depth(2, 2) == 3 and node_training.unit_depth(8, 2) == 1
-    assert node_training.unit_depth(2, 2, big_depth=4) == 5
     ix = TreeIndex(np.arange(16), np.arange(15, 31), 16, 2)      # a full binary tree of depth 4
-    assert node_training.unit_cuts(ix, 2, np.array([0, 1, 2, 3])) == 3
-    units = node_training.training_units(ix, np.array([0, 2, 6, 7, 15, 16, 30]), 3)
-    np.testing.assert_array_equal(units, [0, 2, 6, 7, 7, 7, 14])
+    assert node_training.unit_cuts(ix, 2) == 3
+    groups = np.array([0, 1, 2, 3, 7, 8, 15, 16, 17, 18, 30])
+    np.testing.assert_array_equal(node_training.training_units(ix, groups, 3), [0, 1, 2, 3, 7, 8, 7, 7, 8, 8, 14])
+    # big nodes above the cut change nothing; 7 (at the cut) big: its children 15 and 16 are units
+    np.testing.assert_array_equal(node_training.training_units(ix, groups, 3, big=np.array([0, 1, 2])),
+                                  [0, 1, 2, 3, 7, 8, 7, 7, 8, 8, 14])
+    np.testing.assert_array_equal(node_training.training_units(ix, groups, 3, big=np.array([0, 1, 3, 7])),
+                                  [0, 1, 2, 3, 7, 8, 15, 16, 8, 8, 14])
+    # a chain of big nodes down to a leaf's parent (the cut at 1): 1, 3 and 7 big, the leaves 15 and 16
+    np.testing.assert_array_equal(node_training.training_units(ix, groups, 1, big=np.array([0, 1, 3, 7])),
+                                  [0, 1, 2, 3, 7, 8, 15, 16, 8, 8, 2])
+    forest = Forest([ix, ix])               # tree 1's 7 big, tree 0's not
+    got = node_training.training_units(forest, np.concatenate([encode_keys(0, groups), encode_keys(1, groups)]),
+                                       [3, 3], big=encode_keys(1, np.array([0, 1, 3, 7])))
+    np.testing.assert_array_equal(got, np.concatenate([encode_keys(0, [0, 1, 2, 3, 7, 8, 7, 7, 8, 8, 14]),
+                                                       encode_keys(1, [0, 1, 2, 3, 7, 8, 15, 16, 8, 8, 14])]))
 
 
 def test_top_nodes_merge_into_one_unit_within_a_slots_share():
@@ -533,6 +547,29 @@ def test_streamed_big_nodes_reach_the_kernels_optimum(problem, index, spark, wei
     ref_nodes, ref_slots = train_all_groups(index, Xb, Yw, tp, sw)
     assert len(_assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index)) >= 5
     _assert_big_nodes_near_optimum(got, index, big, Xb, Yw, sw, tp, 1e-4)
+
+
+def test_units_below_big_nodes_at_the_cut_equal_kernel(problem, index, spark, tmp_path, monkeypatch):
+    """With the cut at depth 1 (one unit per task slot), big nodes reach below it: the grouped
+    nodes train in the subtrees right under them (units are never big, and a unit below the cut
+    has a big parent unless it is at the cut) and equal the kernel's classifiers."""
+    from xmc_spark.compat import default_parallelism
+    from xmc_spark.kernels.tree import node_depth
+    samples, Xl, Yl = problem
+    monkeypatch.setattr(node_training, "UNITS_PER_SLOT", 1)
+    cut = node_training.unit_cuts(index, default_parallelism(spark))
+    big = _split(index, Yl)
+    assert node_depth(big, index.B).max() >= cut                 # big nodes at and below the cut
+    seen = _force_top(monkeypatch, False)
+    tp = TrainParams(max_node_rows=str(BOUND), big_node_solver="streamed")
+    got = _stage_weights(node_training.run(samples, index, D, tp, scratch=str(tmp_path)))
+    units = np.setdiff1d(seen[0], big)
+    assert len(units) and not np.isin(units, big).any()
+    depth = node_depth(units, index.B)
+    below = units[depth > cut]
+    assert len(below) and np.isin((below - 1) // index.B, big).all()
+    ref_nodes, ref_slots = train_all_groups(index, append_bias(Xl, tp.bias), Yl, tp)
+    _assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index)
 
 
 def test_auto_bound_is_capped_where_big_nodes_are_streamed(problem, index, spark, tmp_path, caplog, monkeypatch):

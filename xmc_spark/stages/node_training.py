@@ -2,18 +2,20 @@
 one-vs-rest classifiers are trained either in one task (small nodes) or across the partitions
 holding its rows (big nodes).
 
-**Small nodes** (at most ``train.max_node_rows`` training rows): the dual coordinate descent
-kernel (:func:`..model.train_group`) in ``applyInArrow`` groups of *training units*: a node above
-the cut depth (:func:`unit_depth`: the shallowest with :data:`UNITS_PER_SLOT` nodes per unit of
-Spark's default parallelism in a full tree, and below every big node) is a unit of its own, or,
-where their work fits in a task slot's share, the nodes above the cut are one unit per tree
-(:func:`merged_top`); below it, a unit is the subtree of a node at the cut, whose nodes the task
-trains in turn. Each sample travels to a unit once (:func:`_pack_units`: one packed record per
-input batch and unit), not once per node it reaches, so the shuffle no longer grows with the
-tree's depth. A unit's rows are its top node's rows, within the bound since that node is not
-big, beside one (row, node) pair per node of the unit a row reaches (~44-68 bytes each while the
-unit is unpacked: a merged top unit holds every row with its ~6 pairs at 500K samples, ~0.3-0.45
-KB a row beyond the ~2.7 KB a row the bound models, inside :data:`MEMORY_FRACTION`'s margin).
+**Small nodes** (at most ``train.max_node_rows`` training rows): the dual coordinate descent kernel
+(:func:`..model.train_group`) in ``applyInArrow`` groups of *training units*: a node above the cut
+depth (:func:`unit_depth`: the shallowest with :data:`UNITS_PER_SLOT` nodes per unit of Spark's
+default parallelism in a full tree) is a unit of its own, or, where their work fits in a task slot's
+share and no node is big, the nodes above the cut are one unit per tree (:func:`merged_top`); below
+it, a unit is the subtree of a node at the cut, whose nodes the task trains in turn, or, where that
+node is big, the subtree of the shallowest node on the way down that is not (:func:`training_units`:
+a big node's unit is its own, trained apart). Each sample travels to a unit once
+(:func:`_pack_units`: one packed record per input batch and unit), not once per node it reaches, so
+the shuffle no longer grows with the tree's depth. A unit's rows are its top node's rows, within the
+bound since that node is not big, beside one (row, node) pair per node of the unit a row reaches
+(~44-68 bytes each while the unit is unpacked: a merged top unit holds every row with its ~6 pairs
+at 500K samples, ~0.3-0.45 KB a row beyond the ~2.7 KB a row the bound models, inside
+:data:`MEMORY_FRACTION`'s margin).
 
 **Big nodes** (more rows than the bound; the root has every sample): the same problem,
 min_w 0.5 ||w||^2 + sum_i C_i max(0, 1 - y_i w^T x_i)^2 per classifier, solved in the primal
@@ -199,7 +201,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
 
     def expand(batches):
         for t, off, labels, rows, groups in _fan_out(bindex, batches):
-            units = training_units(bindex.value, groups, cuts, top)
+            units = training_units(bindex.value, groups, cuts, top, big)
             for b in _pack_units(t, off, labels, rows, groups, units, weighted):
                 part = unit_parts(b.column("group").to_numpy(), unit_ids, unit_keys)
                 yield pa.RecordBatch.from_arrays([*b.columns, pa.array(part, pa.int32())], [*b.schema.names, "part"])
@@ -228,7 +230,7 @@ def run(samples: DataFrame, index: TreeIndex, n_features: int, params: TrainPara
     big, big_rows = big_nodes(samples, bindex, bound, n_samples,
                               sum(len(t.nodes) for t in tree_list(index)))
     par = default_parallelism(spark)
-    cuts = unit_cuts(index, par, big)
+    cuts = unit_cuts(index, par)
     top = merged_top(index, cuts, big, task_slots(spark, par), label_counts, n_samples)
     unit_ids, unit_keys, n_parts = unit_placement(index, cuts, big, shuffle_partitions(spark), label_counts,
                                                   n_samples, top)
@@ -319,7 +321,7 @@ def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None
     cost = np.where(is_big, 0.0, cost)
     if top:
         cost = np.where(_above_cut(index, nodes, cuts), TOP_WEIGHT * cost, cost)
-    units, inv = np.unique(training_units(index, nodes, cuts, top), return_inverse=True)
+    units, inv = np.unique(training_units(index, nodes, cuts, top, big), return_inverse=True)
     unit_cost = np.bincount(inv, weights=cost, minlength=len(units))
     n_parts = max(1, min(np.setdiff1d(units, nodes[is_big]).size, SPREAD * n_parts))
     return units, partition_keys(n_parts)[lpt_ranks(unit_cost, n_parts)].astype(np.int32), n_parts
@@ -353,21 +355,18 @@ def _fan_out(bindex, batches):
         yield t, off, labels, rows, groups
 
 
-def unit_depth(B: int, slots: int, big_depth: int = -1) -> int:
+def unit_depth(B: int, slots: int) -> int:
     """Depth from which a subtree is one training unit: the shallowest with at least
-    :data:`UNITS_PER_SLOT` x ``slots`` nodes in a full B-ary tree, and below every big node."""
+    :data:`UNITS_PER_SLOT` x ``slots`` nodes in a full B-ary tree."""
     c = 0
     while B ** c < UNITS_PER_SLOT * max(1, slots):
         c += 1
-    return max(c, int(big_depth) + 1)
+    return c
 
 
-def unit_cuts(index, slots: int, big: np.ndarray):
+def unit_cuts(index, slots: int):
     """The cut depth of each tree (one for a single tree) for :func:`training_units`."""
-    trees = tree_list(index)
-    tree, ids = decode_keys(big) if isinstance(index, Forest) else (np.zeros(len(big), np.int64), np.asarray(big))
-    cuts = [unit_depth(ix.B, slots, int(node_depth(ids[tree == t], ix.B).max(initial=-1)))
-            for t, ix in enumerate(trees)]
+    cuts = [unit_depth(ix.B, slots) for ix in tree_list(index)]
     return cuts if isinstance(index, Forest) else cuts[0]
 
 
@@ -409,25 +408,38 @@ def _above_cut(index, groups: np.ndarray, cuts) -> np.ndarray:
     return out
 
 
-def training_units(index, groups: np.ndarray, cuts, top: bool = False) -> np.ndarray:
+def training_units(index, groups: np.ndarray, cuts, top: bool = False, big=()) -> np.ndarray:
     """The training unit of each group (node id, or ensemble key): the group itself above its
     tree's cut depth (``cuts``: one depth, or one per tree of a forest), or with ``top`` the
     tree's root (:func:`merged_top`: the nodes above the cut in one unit), else its ancestor at
-    that depth, whose subtree's nodes are all trained in one task."""
-    def cut(ids, B, c):
+    that depth, whose subtree's nodes are all trained in one task. Where that ancestor is one of
+    the ``big`` nodes (ids, or ensemble keys: trained apart, :func:`train_big_nodes`), the unit is
+    the shallowest node between it and the group that is not big (a big node is its own unit):
+    the subtrees right under the big nodes, however deep those go, rather than a cut below the
+    deepest of them for the whole tree (at 1M samples a big node at depth 7 cut the tree into 511
+    units where 17 big nodes leave ~31)."""
+    def cut(ids, B, c, big_ids):
         depth = node_depth(ids, B)
         unit = ancestor_at(ids, depth, int(c), B)
+        if len(big_ids):
+            for target in range(int(c) + 1, int(depth.max(initial=0)) + 1):
+                m = (depth >= target) & np.isin(unit, big_ids)
+                if not m.any():
+                    break
+                unit[m] = ancestor_at(ids[m], depth[m], target, B)
         return np.where(depth < int(c), 0, unit) if top else unit
 
     groups = np.asarray(groups, np.int64)
+    big = np.asarray(big, np.int64)
     if not isinstance(index, Forest):
-        return cut(groups, index.B, cuts)
+        return cut(groups, index.B, cuts, big)
     tree, ids = decode_keys(groups)
+    big_tree, big_ids = decode_keys(big) if len(big) else (big, big)
     out = np.empty_like(groups)
     for t, ix in enumerate(index.trees):
         m = tree == t
         if m.any():
-            out[m] = encode_keys(t, cut(ids[m], ix.B, cuts[t]))
+            out[m] = encode_keys(t, cut(ids[m], ix.B, cuts[t], big_ids[big_tree == t]))
     return out
 
 
