@@ -79,17 +79,18 @@ def test_worker_rss_reads_the_python_processes_under_the_jvm(tmp_path):
     its RSS is read; the ``java`` process itself and processes outside it are not."""
     java = tmp_path / "java"
     java.symlink_to(sys.executable)
-    child = ("import sys, time, numpy as np; a = np.ones(200 << 17); print('up', flush=True); "
+    child = ("import os, sys, numpy as np; a = np.ones(200 << 17); print(os.getpid(), flush=True); "
              "sys.stdin.read()")
     parent = f"import subprocess, sys; subprocess.run([sys.argv[1], '-c', {child!r}], stdin=sys.stdin)"
     import subprocess
     jvm = subprocess.Popen([str(java), "-c", parent, sys.executable], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            text=True)
     try:
-        assert jvm.stdout.readline().strip() == "up"
+        pid = int(jvm.stdout.readline())
         from scale import WorkerRSS
         with WorkerRSS(os.getpid(), every=0.05) as rss:
             time.sleep(0.5)
+        assert rss._workers() == [pid]             # not the "java" process, nor this one
         assert rss.samples and 200 << 20 <= rss.peaks([])["all"] < 400 << 20
     finally:
         jvm.communicate("")

@@ -220,6 +220,11 @@ def test_training_units_start_below_the_big_nodes():
     # a chain of big nodes down to a leaf's parent (the cut at 1): 1, 3 and 7 big, the leaves 15 and 16
     np.testing.assert_array_equal(node_training.training_units(ix, groups, 1, big=np.array([0, 1, 3, 7])),
                                   [0, 1, 2, 3, 7, 8, 15, 16, 8, 8, 2])
+    # a big node is its own unit even under nodes that are not big (never so for teacher-forced rows)
+    np.testing.assert_array_equal(node_training.training_units(ix, groups, 3, big=np.array([16])),
+                                  [0, 1, 2, 3, 7, 8, 7, 16, 8, 8, 14])
+    np.testing.assert_array_equal(node_training.training_units(ix, groups, 3, top=True, big=np.array([16])),
+                                  [0, 0, 0, 0, 7, 8, 7, 16, 8, 8, 14])
     forest = Forest([ix, ix])               # tree 1's 7 big, tree 0's not
     got = node_training.training_units(forest, np.concatenate([encode_keys(0, groups), encode_keys(1, groups)]),
                                        [3, 3], big=encode_keys(1, np.array([0, 1, 3, 7])))
@@ -292,7 +297,11 @@ def test_node_costs_and_unit_placement():
     units, keys, n_parts = node_training.unit_placement(ix, 1, np.zeros(0, np.int64), 8, counts, 15)
     assert n_parts == 3
     np.testing.assert_array_equal(keys, node_training.partition_keys(3)[[2, 1, 0]])
+    # the nodes at the cut (1) big: the subtrees right under them are units (3-6), the big ones no work
     units, keys, n_parts = node_training.unit_placement(ix, 1, np.array([0, 1, 2]), 8, counts, 15)
+    np.testing.assert_array_equal(units, np.arange(7))
+    assert n_parts == 4
+    units, keys, n_parts = node_training.unit_placement(ix, 1, np.arange(7), 8, counts, 15)
     assert n_parts == 1                          # every unit big: one (empty) partition, not eight
     # a leaf of unseen labels still counts one row; counts that miss labels fall back to ones
     zero = np.array([5, 1, 1, 1, 2, 2, 0, 0])
@@ -431,8 +440,11 @@ def _split(index, Y):
 
 
 def _stage_weights(weights):
-    return {(r["is_leaf"], r["key"]): (np.asarray(r["w_idx"]), np.asarray(r["w_val"]))
-            for r in check_table(weights, "weights").collect()}
+    """The stage's classifiers by (is_leaf, key); none trained twice (by the grouped and the big nodes' path)."""
+    rows = check_table(weights, "weights").collect()
+    got = {(r["is_leaf"], r["key"]): (np.asarray(r["w_idx"]), np.asarray(r["w_val"])) for r in rows}
+    assert len(got) == len(rows)
+    return got
 
 
 def _assert_small_nodes_equal_kernel(got, ref_nodes, ref_slots, big, index):

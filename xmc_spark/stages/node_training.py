@@ -312,10 +312,10 @@ def unit_placement(index, cuts, big: np.ndarray, n_parts: int, label_counts=None
     classifier of a leaf's on the 500K synthetic set: with 8 partitions for its 31 units a partition
     the estimate put last ran 22 s, from 71 s into a 93 s job. Finer partitions leave the estimate
     less to get wrong; each costs a task (~0.1-0.3 s measured), hence the cap. Big nodes (units of
-    their own, above the cut: trained across partitions, their records dropped before the grouping)
-    weigh nothing and take no partition. ``top``: the nodes above the cut are one unit per tree
-    (:func:`merged_top`), their costs weighted by :data:`TOP_WEIGHT` as there (that unit is the
-    job's longest). O(nodes) on the driver."""
+    their own, at or above the cut or under other big nodes: trained across partitions, their
+    records dropped before the grouping) weigh nothing and take no partition. ``top``: the nodes
+    above the cut are one unit per tree (:func:`merged_top`), their costs weighted by
+    :data:`TOP_WEIGHT` as there (that unit is the job's longest). O(nodes) on the driver."""
     nodes, cost = node_costs(index, label_counts, n_samples)
     is_big = np.isin(nodes, np.asarray(big, np.int64))
     cost = np.where(is_big, 0.0, cost)
@@ -417,7 +417,7 @@ def training_units(index, groups: np.ndarray, cuts, top: bool = False, big=()) -
     the shallowest node between it and the group that is not big (a big node is its own unit):
     the subtrees right under the big nodes, however deep those go, rather than a cut below the
     deepest of them for the whole tree (at 1M samples a big node at depth 7 cut the tree into 511
-    units where 17 big nodes leave ~31)."""
+    units; under its 17 big nodes there are 28)."""
     def cut(ids, B, c, big_ids):
         depth = node_depth(ids, B)
         unit = ancestor_at(ids, depth, int(c), B)
@@ -427,6 +427,8 @@ def training_units(index, groups: np.ndarray, cuts, top: bool = False, big=()) -
                 if not m.any():
                     break
                 unit[m] = ancestor_at(ids[m], depth[m], target, B)
+            # a big node is its own unit, whatever its ancestors (its records are dropped by unit id)
+            unit = np.where(np.isin(ids, big_ids), ids, unit)
         return np.where(depth < int(c), 0, unit) if top else unit
 
     groups = np.asarray(groups, np.int64)
