@@ -39,6 +39,7 @@ The table goes to stdout (markdown) and ``WORK/scale.json``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import glob
 import json
 import math
@@ -128,14 +129,18 @@ class WorkerRSS:
         """The largest sample overall ("all") and per pipeline stage: ``starts`` are (epoch ms of
         the stage's first tagged job, stage name) in time order (:func:`read_event_log`)."""
         out = defaultdict(int)
-        times = [t for t, _ in starts]
-        import bisect
         for t, rss in self.samples:
-            i = bisect.bisect_right(times, t) - 1
-            name = starts[i][1] if i >= 0 else "untagged"
+            name = stage_at(starts, t)
             out[name] = max(out[name], rss)
             out["all"] = max(out["all"], rss)
         return dict(out)
+
+
+def stage_at(starts, t) -> str:
+    """The pipeline stage running at epoch ms ``t``: the one whose first tagged job (``starts``:
+    (epoch ms, stage name) in time order) came last at or before it; "untagged" before any."""
+    i = bisect.bisect_right([s for s, _ in starts], t) - 1
+    return starts[i][1] if i >= 0 else "untagged"
 
 
 def open_log(path: str):
@@ -200,7 +205,7 @@ def read_event_log(folder: Path) -> dict:
     max_rows, result_bytes, peak_rss, seen = defaultdict(int), defaultdict(int), defaultdict(int), set()
     for _, (name, start, stages) in sorted(jobs.items()):
         if name is None:
-            name = next((k for t, k in reversed(starts) if t <= start), "untagged")
+            name = stage_at(starts, start)
         for sid in stages:
             if sid in seen:                    # a stage a later job lists again (skipped: its tasks ran once)
                 continue
