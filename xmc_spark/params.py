@@ -292,6 +292,12 @@ class TreeParams(BaseParams):
     # the partitions, the same balanced k-means steps); "auto" derives it from executor memory,
     # "off" splits every node in one task, an integer sets it
     max_split_labels: str = "auto"
+    # how a node over max_split_labels is split: "distributed" (its labels' rows spread over the
+    # partitions, each k-means step two Spark jobs), "streamed" (one task a node, the kernel's steps
+    # over its labels' rows read a block at a time from files under the run's scratch folder) or
+    # "auto" (default): streamed in local mode with the scratch folder on local disk (where auto's
+    # bound is also at most 2^25 estimated non-zeros a split), else distributed
+    big_split_solver: str = "auto"
 
     def split_label_bound(self) -> Optional[int]:
         """The integer bound, None for "auto" (resolved against Spark's memory by the tree
@@ -336,6 +342,8 @@ class TreeParams(BaseParams):
         v = str(self.max_split_labels).strip().lower()
         _check(v in ("auto", "off") or (v.isdigit() and int(v) >= 2), prefix + "max_split_labels",
                f"must be auto, off or an integer >= 2, got {self.max_split_labels!r}")
+        _check(self.big_split_solver in ("auto", "distributed", "streamed"), prefix + "big_split_solver",
+               f"must be auto, distributed or streamed, got {self.big_split_solver!r}")
         _check(1 <= self.ensemble <= 64, prefix + "ensemble", f"must be in [1, 64], got {self.ensemble}")
         _check(not self.ensemble_splits or self.ensemble in (1, len(self.ensemble_splits)),
                prefix + "ensemble_splits", f"has {len(self.ensemble_splits)} values for tree.ensemble = "

@@ -102,7 +102,8 @@ def grow_tree(samples, tables: Tables, n_features: int, n_labels: int, params: P
                 f, ft, finfo = label_frequencies.run(samples, n_labels, params.tree, label_counts)
                 facts = {f"frequencies.{k}": v for k, v in finfo.items()}
         with timer.stage("tree"):
-            bound = split_across.split_bound(samples, params.tree, n_features, n_labels, label_counts, row_nnz)
+            bound = split_across.split_bound(samples, params.tree, n_features, n_labels, label_counts, row_nnz,
+                                             scratch=tables.scratch)
             tree = label_tree.run(emb, params.tree, n_features=n_features, n_labels=n_labels, f=f, f_tilde=ft,
                                   split_bound=bound, scratch=tables.scratch)
             index = commit_tree(tables, tree, n_labels, params)
@@ -394,7 +395,7 @@ def eagle_model_trainer(params: PipelineParams, info, scratch: Optional[str] = N
         if params.tree.effective_lambda > 0:
             f, ft, _ = label_frequencies.run(train_df, info.n_labels, params.tree, label_counts)
         bound = split_across.split_bound(train_df, params.tree, info.n_features, info.n_labels, label_counts,
-                                         row_nnz=_row_nnz(info))
+                                         row_nnz=_row_nnz(info), scratch=scratch)
         tree = to_pandas(label_tree.run(emb, params.tree, n_features=info.n_features, n_labels=info.n_labels, f=f,
                                         f_tilde=ft, split_bound=bound, scratch=scratch))
         index = tree_index(tree, info.n_labels, params)

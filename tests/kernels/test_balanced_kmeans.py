@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from xmc_spark.kernels.balanced_kmeans import balanced_split
+from xmc_spark.kernels.balanced_kmeans import balanced_split, balanced_split_streamed
 from xmc_spark.kernels.tree import build_tree, node_depth
 
 
@@ -113,3 +113,36 @@ def test_projection_equals_the_sparse_product():
     Z = sp.random(150, 70, density=0.2, format="csr", random_state=3, dtype=np.float32)
     v = np.random.default_rng(0).standard_normal(70)
     np.testing.assert_array_equal(_projection(Z.indptr, Z.indices, Z.data, v), Z @ v)
+
+
+def _blocks(Z, cuts, order=None):
+    """A blocks() callable over Z's rows cut at ``cuts`` (positions rising), the blocks in ``order``."""
+    bounds = [0, *cuts, Z.shape[0]]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    spans = [spans[i] for i in (order if order is not None else range(len(spans)))]
+    return lambda: ((np.arange(a, b), Z[a:b]) for a, b in spans)
+
+
+@pytest.mark.parametrize("k", [2, 3, 8])
+@pytest.mark.parametrize("m", [1, 2, 9, 200, 997])
+def test_a_streamed_split_is_the_kernels_to_the_bit(m, k):
+    """Rows given a block at a time, in position order (blocks of one row, empty blocks, one block):
+    the kernel's children exactly; in another block order, still a balanced split."""
+    rng = np.random.default_rng(m * 10 + k)
+    Z = sp.random(m, 300, density=0.05, random_state=rng, format="csr", dtype=np.float32)
+    Z.data = rng.random(len(Z.data)).astype(np.float32)
+    want = balanced_split(Z, k, 20, 7)
+    for cuts in ([], sorted(rng.choice(np.arange(1, m), size=min(4, m - 1), replace=False).tolist()) if m > 1 else [],
+                 list(range(1, m)), [0, 0, m] if m > 1 else []):
+        np.testing.assert_array_equal(balanced_split_streamed(_blocks(Z, cuts), m, 300, k, 20, 7), want)
+    if m > 2:
+        got = balanced_split_streamed(_blocks(Z, [m // 3, 2 * m // 3], [2, 0, 1]), m, 300, k, 20, 7)
+        assert sorted(np.bincount(got, minlength=min(k, m))) == sorted(np.bincount(want, minlength=min(k, m)))
+
+
+def test_a_streamed_split_refuses_rows_missing_or_given_twice():
+    Z = sp.random(20, 10, density=0.5, random_state=1, format="csr", dtype=np.float32)
+    with pytest.raises(RuntimeError, match="row 5 of 20 2 times"):
+        balanced_split_streamed(lambda: iter([(np.arange(20), Z), (np.array([5]), Z[5:6])]), 20, 10)
+    with pytest.raises(RuntimeError, match="row 10 of 20 0 times"):
+        balanced_split_streamed(lambda: iter([(np.arange(10), Z[:10])]), 20, 10)

@@ -56,10 +56,14 @@ def across(monkeypatch):
     return calls
 
 
+SOLVERS = ["distributed", "streamed"]
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
 @pytest.mark.parametrize("B,node", [(2, 0), (3, 0), (2, 5), (16, 1)])
-def test_a_node_split_across_tasks_is_the_kernels_split(spark, Z, B, node):
+def test_a_node_split_across_tasks_is_the_kernels_split(spark, Z, B, node, solver):
     """One node's labels split across tasks: the children of balanced_split with the node's seed."""
-    params = TreeParams(nr_splits=B, seed=7, max_leaf_size=10)
+    params = TreeParams(nr_splits=B, seed=7, max_leaf_size=10, big_split_solver=solver)
     labels = np.arange(0, M, 2)                       # the node's labels: every other one
     got = split_across.split_across(every_label(spark, Z), labels, np.zeros(len(labels)),
                                     np.full(len(labels), node), params, DIM, levels=1)
@@ -67,10 +71,12 @@ def test_a_node_split_across_tasks_is_the_kernels_split(spark, Z, B, node):
     np.testing.assert_array_equal(got, want)
 
 
-def test_nodes_of_several_trees_split_in_the_same_rounds(spark, Z, monkeypatch):
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_nodes_of_several_trees_split_in_the_same_rounds(spark, Z, monkeypatch, solver):
     """Groups of two trees (their own seeds and branchings) in one round, and in rounds of one
-    group (the centroids' budget below one node's): each the kernel's split."""
-    params = TreeParams(max_leaf_size=10, seed=1, ensemble_splits=[2, 4], max_iter=6)
+    group (the centroids' budget below one node's; streamed: one round whatever it is): each the
+    kernel's split."""
+    params = TreeParams(max_leaf_size=10, seed=1, ensemble_splits=[2, 4], max_iter=6, big_split_solver=solver)
     labels = np.concatenate([np.arange(M), np.arange(M)])
     trees = np.repeat([0, 1], M)
     nodes = np.where(np.arange(2 * M) % 2 == 0, 1, 2)      # per tree two nodes: odd and even labels
@@ -87,12 +93,14 @@ def test_nodes_of_several_trees_split_in_the_same_rounds(spark, Z, monkeypatch):
     np.testing.assert_array_equal(split_across.split_across(emb, labels, trees, nodes, params, DIM, levels=1), want)
 
 
+@pytest.mark.parametrize("solver", SOLVERS)
 @pytest.mark.parametrize("local", [0, 4096])
 @pytest.mark.parametrize("B", [2, 3])
-def test_a_tree_with_big_levels_is_the_kernels_tree(spark, Z, local, B, across):
+def test_a_tree_with_big_levels_is_the_kernels_tree(spark, Z, local, B, across, solver):
     """The balanced tree with its levels over the bound split across tasks, the rest chained:
     the kernel's tree (the labels without a row placed as empty rows)."""
-    params = TreeParams(max_leaf_size=12, nr_splits=B, seed=2, local_subtree_size=local, max_iter=6)
+    params = TreeParams(max_leaf_size=12, nr_splits=B, seed=2, local_subtree_size=local, max_iter=6,
+                        big_split_solver=solver)
     assert split_across.big_depths(M, B, 60, 12) == (3 if B == 2 else 2)
     tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, split_bound=60)
     assert across == [3 if B == 2 else 2]
@@ -122,11 +130,12 @@ def test_the_rows_of_every_label_take_the_splits_task_count_not_the_shuffle_part
     assert seen == [solver_tasks(spark)] and solver_tasks(spark) < 64
 
 
+@pytest.mark.parametrize("solver", SOLVERS)
 @pytest.mark.parametrize("ensemble", [dict(ensemble_splits=[2, 3]), dict(ensemble=2)])
-def test_ensemble_trees_split_their_big_nodes_across_tasks(spark, Z, ensemble, across):
+def test_ensemble_trees_split_their_big_nodes_across_tasks(spark, Z, ensemble, across, solver):
     """Trees of different branchings (level by level) or of one (chained): each tree's big nodes
     split across tasks, every tree the kernel's."""
-    params = TreeParams(max_leaf_size=12, seed=4, max_iter=6, **ensemble)
+    params = TreeParams(max_leaf_size=12, seed=4, max_iter=6, big_split_solver=solver, **ensemble)
     tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, split_bound=50)
     # chained: the levels of 300, 150 and 75 labels at once; level by level: one call a level over the bound
     assert across == ([3] if "ensemble" in ensemble else [1, 1, 1])
@@ -158,7 +167,8 @@ def test_interpolated_splits_stay_in_their_task_and_balanced_ones_go_across(spar
 def test_the_split_leaves_nothing_persisted_or_written(spark, Z, monkeypatch, tmp_path):
     """The rounds' rows are released and their scratch folders deleted, also when a step fails."""
     from pyspark import StorageLevel
-    emb, labels, params = every_label(spark, Z), np.arange(M), TreeParams(max_leaf_size=10, max_iter=3)
+    emb, labels = every_label(spark, Z), np.arange(M)
+    params = TreeParams(max_leaf_size=10, max_iter=3, big_split_solver="distributed")
     frames, persist = [], type(emb).persist
 
     def recorded_persist(self, *a, **k):
@@ -207,7 +217,7 @@ def test_centroid_sums_in_many_blocks_give_the_kernels_split(spark, Z, monkeypat
     node's sums starting inside a block, a short last one, blocks of features no label has: never
     written, read as zero) give the kernel's splits."""
     monkeypatch.setattr(split_across, "BLOCK", 7)
-    params = TreeParams(max_leaf_size=10, nr_splits=B)
+    params = TreeParams(max_leaf_size=10, nr_splits=B, big_split_solver="distributed")
     nodes = np.where(np.arange(M) % 2 == 0, 1, 2)
     got = split_across.split_across(every_label(spark, Z), np.arange(M), np.zeros(M), nodes, params, DIM + 31,
                                     levels=1)
@@ -238,11 +248,72 @@ def test_the_driver_receives_a_row_per_node_and_step_not_a_score_per_label(spark
         return t
 
     monkeypatch.setattr(split_across, "to_arrow", recorded)
-    params = TreeParams(max_leaf_size=10, nr_splits=B)
+    params = TreeParams(max_leaf_size=10, nr_splits=B, big_split_solver="distributed")
     got = split_across.split_across(every_label(spark, Z), np.arange(M), np.zeros(M), np.zeros(M), params, DIM,
                                     levels=1)
     np.testing.assert_array_equal(got, 1 + balanced_split(Z, B, params.max_iter, split_seed(params.seed, 0)))
     assert len(collected) >= 3 and max(collected) == 1
+
+
+def test_a_streamed_split_sends_the_driver_a_row_per_group_and_write_task_and_leaves_nothing(
+        spark, Z, monkeypatch, tmp_path):
+    """Streamed (a task a group): the driver collects one row per (write task, group) and one per
+    group, never a row per label, and the round's folder (block files, assignments) is deleted,
+    also when the round fails after the write; the rows' partitions are the split's task count."""
+    from xmc_spark.stages import streamed_nodes
+    from xmc_spark.stages.shared_vectors import solver_tasks
+    collected, real = [], split_across.to_arrow
+
+    def recorded(df):
+        t = real(df)
+        collected.append(t.num_rows)
+        return t
+
+    written, write = [], streamed_nodes.write_blocks
+
+    def recorded_write(rows, pack, uri):
+        t = write(rows, pack, uri)
+        written.append((rows.rdd.getNumPartitions(), t.num_rows, sorted(set(t.column("node").to_pylist()))))
+        return t
+
+    monkeypatch.setattr(split_across, "to_arrow", recorded)
+    monkeypatch.setattr(split_across, "write_blocks", recorded_write)
+    params = TreeParams(max_leaf_size=10, nr_splits=3, big_split_solver="streamed", max_iter=4)
+    nodes = np.where(np.arange(M) % 2 == 0, 1, 2)
+    got = split_across.split_across(every_label(spark, Z), np.arange(M), np.zeros(M), nodes, params, DIM,
+                                    levels=1, scratch=str(tmp_path))
+    for node in (1, 2):
+        mine = np.flatnonzero(nodes == node)
+        np.testing.assert_array_equal(got[mine], node * 3 + 1 + balanced_split(
+            Z[mine], 3, params.max_iter, split_seed(params.seed, node)))
+    parts = solver_tasks(spark)
+    assert written == [(parts, written[0][1], [0, 1])] and written[0][1] <= parts + 1
+    assert collected == [2]                          # the split job: a row a group
+    assert list(tmp_path.iterdir()) == []
+
+    def failing(df):
+        assert [p.name[:6] for p in tmp_path.iterdir()] == ["split-"]      # the round's folder, in use
+        assert any(p.suffix == ".arrow" for p in tmp_path.rglob("*"))
+        raise RuntimeError("split failed")
+
+    monkeypatch.setattr(split_across, "to_arrow", failing)
+    with pytest.raises(RuntimeError, match="split failed"):
+        split_across.split_across(every_label(spark, Z), np.arange(M), np.zeros(M), nodes, params, DIM,
+                                  levels=1, scratch=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_splits_are_streamed_where_big_nodes_are(spark, tmp_path):
+    """tree.big_split_solver resolves as train.big_node_solver: auto is streamed in local mode with
+    a scratch folder on local disk; the setting wins; without a scratch folder (a cluster
+    session), never streamed."""
+    from xmc_spark.params import ConfigError
+    assert split_across.streams_splits(spark, TreeParams(), str(tmp_path))
+    assert split_across.streams_splits(spark, TreeParams(big_split_solver="streamed"), str(tmp_path))
+    assert not split_across.streams_splits(spark, TreeParams(big_split_solver="distributed"), str(tmp_path))
+    assert not split_across.streams_splits(spark, TreeParams(), "s3://bucket/run/_scratch")
+    with pytest.raises(ConfigError, match="big_split_solver"):
+        TreeParams(big_split_solver="fast").validate()
 
 
 @pytest.mark.parametrize("T,connect,top", [(1, False, M + 3), (1, False, M // 2), (3, False, M + 3),
@@ -298,6 +369,13 @@ def test_the_bound_is_the_setting_or_derived_from_memory(spark):
     assert split_across.label_bound(spark, TreeParams(), 100, counts, 20.0) == row_bound_for(
         session_conf(spark), int(256 + 40 * (per_label + 1)))
     assert split_across.label_bound(spark, TreeParams(), 100) == row_bound_for(session_conf(spark), 256 + 40 * 101)
+    # streamed splits: at most 2^25 estimated non-zeros a split in a task
+    for d, c, nnz in [(10 ** 5, np.full(4, 10 ** 6), 500.0), (100, counts, 20.0)]:
+        per_label = np.minimum(d, c * nnz).mean()
+        assert split_across.label_bound(spark, TreeParams(), d, c, nnz, streamed=True) == min(
+            int(2 ** 25 // per_label), split_across.label_bound(spark, TreeParams(), d, c, nnz))
+    assert split_across.label_bound(spark, TreeParams(), 10 ** 5, np.full(4, 10 ** 6), 500.0, streamed=True) == 335
+    assert split_across.label_bound(spark, TreeParams(max_split_labels="77"), 100, streamed=True) == 77
     with pytest.raises(Exception, match="max_split_labels"):
         TreeParams(max_split_labels="1").validate()
     assert split_across.big_depths(1000, 2, 0, 10) == 0

@@ -23,11 +23,18 @@ def _cluster_sums(ptr, idx, val, assign, k, d):
     """Sum of each cluster's rows (float32, rows added in order: the same sums as the sparse
     product of the membership matrix with Z, without building it or a sparse result)."""
     C = np.zeros((k, d), np.float32)
+    _add_cluster_sums(C, ptr, idx, val, assign)
+    return C
+
+
+@njit()
+def _add_cluster_sums(C, ptr, idx, val, assign):
+    """Adds each row to its cluster's row of the float32 sums ``C``, rows in order (so sums
+    carried over consecutive blocks of rows are those of :func:`_cluster_sums` over all)."""
     for i in range(len(ptr) - 1):
         c = assign[i]
         for p in range(np.uint64(ptr[i]), np.uint64(ptr[i + 1])):
             C[c, np.uint64(idx[p])] += val[p]
-    return C
 
 
 @njit()
@@ -144,4 +151,49 @@ def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, see
             break
         assign = new
         C = _centroids(Z, assign, k)
+    return assign
+
+
+def balanced_split_streamed(blocks, m: int, d: int, nr_splits: int = 2, max_iter: int = 20,
+                            seed: int = 0) -> np.ndarray:
+    """:func:`balanced_split` of m rows that are never held together: ``blocks()`` yields them
+    anew at every call as (positions, float32 CSR rows with d columns), each position in [0, m)
+    once. Each step is two passes (the scores of every row, then the sums of each child's rows)
+    and holds O(m x k + k x d) numbers besides one block. With the blocks in position order
+    (positions rising within and across blocks) the steps are the kernel's to the last bit: the
+    float32 sums are carried from block to block (:func:`_add_cluster_sums`), each row's score
+    is its own, and the seeded rows, the assignment and the stop are the same."""
+    k = min(int(nr_splits), int(m))
+    if m <= 1 or k <= 1:
+        return np.zeros(m, dtype=np.int64)
+    caps = split_caps(m, k)
+    seeds = initial_rows(m, k, seed)
+    by_pos = np.argsort(seeds)
+    sorted_seeds = seeds[by_pos]
+    C32 = np.zeros((k, d), np.float32)
+    seen = np.zeros(m, np.int64)
+    for pos, Z in blocks():                     # the seeded rows, and a check that each row comes once
+        np.add.at(seen, pos, 1)
+        at = np.minimum(np.searchsorted(sorted_seeds, pos), k - 1)
+        hit = np.flatnonzero(sorted_seeds[at] == pos)
+        C32[by_pos[at[hit]]] = Z[hit].toarray()
+    if not np.all(seen == 1):
+        bad = int(np.flatnonzero(seen != 1)[0])
+        raise RuntimeError(f"balanced split: the blocks hold row {bad} of {m} {int(seen[bad])} times, not once")
+    C = normalized(C32)
+    assign = None
+    for _ in range(max_iter):
+        S = np.empty(m) if k == 2 else np.empty((m, k))
+        v = C[0] - C[1] if k == 2 else C
+        for pos, Z in blocks():
+            S[pos] = _projection(Z.indptr, Z.indices, Z.data, v) if k == 2 else \
+                _similarities(Z.indptr, Z.indices, Z.data, v)
+        new = assignment(S, caps)
+        if assign is not None and np.array_equal(new, assign):
+            break
+        assign = new
+        C32[:] = 0
+        for pos, Z in blocks():
+            _add_cluster_sums(C32, Z.indptr, Z.indices, Z.data, assign[pos])
+        C = normalized(C32)
     return assign

@@ -1076,14 +1076,19 @@ def _unpack_matrix(p) -> np.ndarray:
 
 def big_node_solver(master: str, params: TrainParams, scratch: Optional[str] = None) -> str:
     """``train.big_node_solver`` resolved for Spark's ``master`` and the scratch folder the block
-    files would go to: ``auto`` is ``streamed`` in local mode with the scratch folder on this
-    machine's disk (the tasks share one machine, so spreading a node's rows over them saves no
-    time, while every data pass of the distributed solver costs a Spark job: measured in README's
-    2026-12-05 entry), and ``distributed`` otherwise: on a cluster a streamed node's task spends
-    the node's whole time alone, and a scratch folder on shared storage (``s3://``, ``dbfs:``, the
-    ``/dbfs`` and ``/Volumes`` mounts of a single-node Databricks cluster) would be read whole at
-    every pass."""
-    v = params.big_node_solver
+    files would go to (:func:`solver_for`)."""
+    return solver_for(master, params.big_node_solver, scratch)
+
+
+def solver_for(master: str, v: str, scratch: Optional[str] = None) -> str:
+    """A big node's solver setting ``v`` (``train.big_node_solver``, ``tree.big_split_solver``)
+    resolved for Spark's ``master`` and the scratch folder its block files would go to: ``auto``
+    is ``streamed`` in local mode with the scratch folder on this machine's disk (the tasks share
+    one machine, so spreading a node's rows over them saves no time, while every data pass of the
+    distributed solver costs a Spark job: measured in README's 2026-12-05 entries), and
+    ``distributed`` otherwise: on a cluster a streamed node's task spends the node's whole time
+    alone, and a scratch folder on shared storage (``s3://``, ``dbfs:``, the ``/dbfs`` and
+    ``/Volumes`` mounts of a single-node Databricks cluster) would be read whole at every pass."""
     if v != "auto":
         return v
     local_disk = scratch is not None and is_local_path(scratch) and not scratch.startswith(("/dbfs", "/Volumes"))

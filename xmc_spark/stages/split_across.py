@@ -51,6 +51,18 @@ warning when it is over the bound.
 The nodes of a level are taken in rounds of at most :data:`CENTROID_MB` of centroids (k x
 features doubles per node: a task's partial sums are as large), one node a round when a node's
 own centroids are larger.
+
+**Streamed splits** (``tree.big_split_solver``: ``streamed``, and ``auto`` in local mode with the
+scratch folder on local disk, as ``train.big_node_solver``: :func:`streams_splits`): each step
+above costs two Spark jobs (~1.2-1.5 s a step in local mode, where the tasks share one machine
+and spreading a node's labels over them saves no time). Instead, the round's rows, shuffled and
+ordered as above, are written once as Arrow files by the tasks that shuffled them (a block a
+Spark batch and node), and one task per node runs the kernel's steps itself
+(:func:`~..kernels.balanced_kmeans.balanced_split_streamed`), reading the node's files a block at
+a time at each pass (two passes a step: scores, then sums): it holds one block, the node's scores
+and its centroids, never its rows, and its children are the kernel's bit for bit (:func:`_split_streamed`).
+There ``auto``'s bound is also at most :data:`STREAMED_SPLIT_NNZ` estimated non-zeros in a split
+(:func:`label_bound`): the root's split of the 2M synthetic set held 1.6 GB in one Python worker.
 """
 from __future__ import annotations
 
@@ -74,12 +86,13 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import is_connect, partition_keys, scratch_root, session_settings, share
+from ..compat import conf_value, is_connect, partition_keys, scratch_root, session_settings, share
 from ..kernels.balanced_kmeans import (
     _cluster_sums,
     _projection,
     _similarities,
     assignment,
+    balanced_split_streamed,
     initial_rows,
     normalized,
     split_caps,
@@ -96,8 +109,10 @@ from .node_training import (
     partial_blocks,
     row_bound_for,
     session_conf,
+    solver_for,
 )
 from .shared_vectors import _parallel, solver_tasks
+from .streamed_nodes import block_files, write_blocks
 
 log = logging.getLogger("xmc_spark.tree")
 
@@ -106,6 +121,8 @@ CENTROID_MB = 64            # a round's centroids (nodes x k x features doubles)
 BYTES_PER_NNZ = 40          # a split task holds a node's rows about five times (Arrow input, sorted
                             # CSR, the packed rows handed on, Spark's Arrow buffers)
 LABEL_BYTES = 256           # a label's id, node, order and scores besides its row
+STREAMED_SPLIT_NNZ = 1 << 25    # auto's bound where splits are streamed: at most this many estimated
+                                # non-zeros in a split inside a task (module docstring)
 SCORES_SCHEMA = "g int, pos long, scores binary"     # a label's k scores as float64 bytes
 # the steps' queries (over the cached rows) shuffle into partitions they set themselves (one a
 # node's scores, one a block of sums, up to the solver's task count): adaptive execution has
@@ -114,13 +131,14 @@ STEP_SETTINGS = {"spark.sql.adaptive.enabled": "false"}
 
 
 def label_bound(spark, params: TreeParams, n_features: int, label_counts=None,
-                row_nnz: Optional[float] = None) -> int:
+                row_nnz: Optional[float] = None, streamed: bool = False) -> int:
     """Labels above which a node is split across tasks; 0 = never. ``auto`` sizes a label's row
     from the training label counts and the mean non-zeros of a training row (``row_nnz``): a
     PIFA row has at most min(features, count x row_nnz) non-zeros, and the bound is the share of
     a task's memory :func:`~.node_training.row_bound_for` gives rows of :data:`BYTES_PER_NNZ`
     bytes a non-zero (the mean over labels of that estimate, + :data:`LABEL_BYTES`). Without
-    counts or ``row_nnz``, rows holding every feature."""
+    counts or ``row_nnz``, rows holding every feature. ``streamed`` (big splits would be streamed:
+    :func:`streams_splits`): at most :data:`STREAMED_SPLIT_NNZ` estimated non-zeros a split."""
     v = params.split_label_bound()
     if v is not None:
         return v
@@ -129,26 +147,39 @@ def label_bound(spark, params: TreeParams, n_features: int, label_counts=None,
         per_label = d
     else:
         per_label = float(np.minimum(d, np.asarray(label_counts, np.float64) * float(row_nnz)).mean())
-    return row_bound_for(session_conf(spark), int(LABEL_BYTES + BYTES_PER_NNZ * (per_label + 1)))
+    bound = row_bound_for(session_conf(spark), int(LABEL_BYTES + BYTES_PER_NNZ * (per_label + 1)))
+    return min(bound, max(2, int(STREAMED_SPLIT_NNZ // max(per_label, 1.0)))) if streamed else bound
+
+
+def streams_splits(spark, params: TreeParams, scratch: Optional[str] = None) -> bool:
+    """Whether nodes over the bound are split by :func:`_split_streamed` (``tree.big_split_solver``
+    resolved by :func:`~.node_training.solver_for` for the session's master and scratch folder,
+    :func:`~..compat.scratch_root`), else across tasks step by step (:func:`_split_round`)."""
+    root = scratch_root(spark, scratch)
+    master = str(conf_value(spark, "spark.master", "") or "")
+    return root is not None and solver_for(master, params.big_split_solver, root) == "streamed"
 
 
 def split_bound(samples: DataFrame, params: TreeParams, n_features: int, n_labels: int, label_counts=None,
-                row_nnz: Optional[float] = None) -> int:
+                row_nnz: Optional[float] = None, scratch: Optional[str] = None) -> int:
     """:func:`label_bound` for a tree of ``n_labels`` labels grown from the training rows
     ``samples``: without ``row_nnz`` (the ingest stage's count of non-zeros / rows, when it
     made one) their mean non-zeros come from one aggregation, run only when the bound for rows
     holding every feature is below ``n_labels`` (else no node can be over the bound) and
-    ``label_counts`` are given (without them the bound is that of rows holding every feature)."""
+    ``label_counts`` are given (without them the bound is that of rows holding every feature).
+    ``scratch``: the tree stage's scratch folder (whether its splits are streamed: :func:`streams_splits`)."""
     spark = samples.sparkSession
     if params.split_label_bound() is not None:
         return label_bound(spark, params, n_features)
-    least = label_bound(spark, params, n_features)
+    streamed = streams_splits(spark, params, scratch)
+    least = label_bound(spark, params, n_features, streamed=streamed)
     if int(n_labels) <= least or label_counts is None:
         return least
     if row_nnz is None:
         row_nnz = mean_row_nnz(samples)
-    bound = label_bound(spark, params, n_features, label_counts, row_nnz)
-    log.info("tree: auto split bound %d labels (%.1f features a training row)", bound, row_nnz)
+    bound = label_bound(spark, params, n_features, label_counts, row_nnz, streamed=streamed)
+    log.info("tree: auto split bound %d labels (%.1f features a training row%s)", bound, row_nnz,
+             ", splits streamed" if streamed else "")
     return bound
 
 
@@ -199,6 +230,7 @@ def split_across(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, nodes: n
         raise ConfigError("tree.max_split_labels: a node split across tasks keeps its steps' centroids and "
                           "assignments in files every task sees, and this cluster session has no scratch folder: "
                           "run it through the pipeline (its run folder's _scratch) or pass scratch")
+    streamed = streams_splits(emb.sparkSession, params, root)
     depth = 0
     while len(labels) and (levels is None or depth < levels):
         depth += 1
@@ -209,15 +241,18 @@ def split_across(emb: DataFrame, labels: np.ndarray, trees: np.ndarray, nodes: n
         if not big:
             break
         B = max(params.for_tree(t).nr_splits for t, _ in big)
-        per_round = max(1, int(CENTROID_MB * 2 ** 20 // (8 * d * B)))
+        # a streamed node's centroids are its own task's alone
+        per_round = len(big) if streamed else max(1, int(CENTROID_MB * 2 ** 20 // (8 * d * B)))
         for r in range(0, len(big), per_round):
             chunk = big[r:r + per_round]
             ck = np.array([t << TREE_SHIFT | n for t, n in chunk], np.int64)
             idx = np.flatnonzero(np.isin(trees << TREE_SHIFT | nodes, ck))
             lvl = _Level(labels[idx], trees[idx], nodes[idx], chunk)
-            nodes[idx[lvl.order]] = _split_round(emb, lvl, params, d, par, root)
+            split = _split_streamed if streamed else _split_round
+            nodes[idx[lvl.order]] = split(emb, lvl, params, d, par, root)
             sizes = np.diff(lvl.ptr)
-            log.info("tree: %d node(s) of %d-%d labels split across tasks", len(chunk), sizes.min(), sizes.max())
+            log.info("tree: %d node(s) of %d-%d labels split across tasks%s", len(chunk), sizes.min(), sizes.max(),
+                     " (streamed: a task a node)" if streamed else "")
     return nodes
 
 
@@ -272,25 +307,16 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
     round's persisted rows, the centroid sums and the assignments in files under ``root``
     (:class:`_RoundFiles`)."""
     spark = emb.sparkSession
-    G, n = len(lvl.keys), len(lvl.labels)
+    G = len(lvl.keys)
     tps = [params.for_tree(t) for t, _ in lvl.keys]
     m = np.diff(lvl.ptr)
     k = np.array([min(tp.nr_splits, int(mg)) for tp, mg in zip(tps, m)], np.int64)
     caps = [split_caps(int(mg), int(kg)) for mg, kg in zip(m, k)]
-    # the entries cut into consecutive runs, one a partition (a group's labels together), by
-    # partition keys computed here (no sampling job as for a range shuffle)
-    parts = max(1, min(par, n))
-    pos = np.arange(n, dtype=np.int64)
     files = _RoundFiles(root, lvl.ptr, k, d)         # the folder first: a scratch it cannot write fails here
     rows = shared = None
     try:
-        placed, shared = placed_rows(emb, lvl.labels, np.array([t for t, _ in lvl.keys], np.int64)[lvl.g],
-                                     {"pos": (pos, "long"), "g": (lvl.g, "int"),
-                                      "_p": (partition_keys(parts)[(pos * parts) // n], "int")},
-                                     "the split's labels")
-        # rows in position order within a partition: the float32 partial sums do not depend on the shuffle
-        rows = (placed.repartition(parts, "_p").sortWithinPartitions("pos").drop("_p", "tree")
-                .persist(StorageLevel.MEMORY_AND_DISK))
+        rows, shared = _round_rows(emb, lvl, par)
+        rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
         # step 0's sums: each group's k seeded rows (initial_rows of its seed for the node, over its
         # labels in order), child j the j-th: their float32 values, as the kernel's initial centroids
         seeds = np.concatenate([lvl.ptr[g] + initial_rows(int(m[g]), int(k[g]), split_seed(tps[g].seed, key[1]))
@@ -310,21 +336,125 @@ def _split_round(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: i
                     break
                 _sums(rows, files, step + 1, active, latest, par)
                 files.forget_sums(step)
-        child = np.empty(n, np.int64)
-        fs = files.filesystem()
-        for g, (_, node) in enumerate(lvl.keys):
-            child[lvl.ptr[g]:lvl.ptr[g + 1]] = node * tps[g].nr_splits + 1 + files.assignment(fs, int(latest[g]), g)
+        return _children(files, lvl, tps, latest)
+    finally:
+        _release(files, shared, rows)
+
+
+def _children(files: _RoundFiles, lvl: _Level, tps, steps) -> np.ndarray:
+    """Child node of every entry of ``lvl``: its group's assignment that step ``steps[g]`` wrote."""
+    child = np.empty(len(lvl.labels), np.int64)
+    fs = files.filesystem()
+    for g, (_, node) in enumerate(lvl.keys):
+        child[lvl.ptr[g]:lvl.ptr[g + 1]] = node * tps[g].nr_splits + 1 + files.assignment(fs, int(steps[g]), g)
+    return child
+
+
+def _release(files: _RoundFiles, shared, rows: Optional[DataFrame] = None) -> None:
+    """A round's cached rows, shared entries and folder released, each whatever the others do."""
+    try:
+        if rows is not None:
+            rows.unpersist()
     finally:
         try:
-            if rows is not None:
-                rows.unpersist()
+            if shared is not None:
+                shared.unpersist()
         finally:
-            try:
-                if shared is not None:
-                    shared.unpersist()
-            finally:
-                files.delete()
-    return child
+            files.delete()
+
+
+def _round_rows(emb: DataFrame, lvl: _Level, par: int):
+    """(rows, shared): the round's rows (g, pos, label_idx, emb_idx, emb_val; ``pos`` an entry's
+    place in ``lvl``'s order) in at most ``par`` partitions, each a run of consecutive positions
+    (a group's labels together, the partitions in position order) sorted by position, so that
+    sums taken in row order do not depend on the shuffle; ``shared`` as :func:`placed_rows`. The
+    partition keys are computed here (no sampling job as for a range shuffle)."""
+    n = len(lvl.labels)
+    parts = max(1, min(par, n))
+    pos = np.arange(n, dtype=np.int64)
+    placed, shared = placed_rows(emb, lvl.labels, np.array([t for t, _ in lvl.keys], np.int64)[lvl.g],
+                                 {"pos": (pos, "long"), "g": (lvl.g, "int"),
+                                  "_p": (partition_keys(parts)[(pos * parts) // n], "int")},
+                                 "the split's labels")
+    return placed.repartition(parts, "_p").sortWithinPartitions("pos").drop("_p", "tree"), shared
+
+
+def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par: int, root: str) -> np.ndarray:
+    """Child node of every entry of ``lvl`` (in its order), each group split in one task of its
+    own by the kernel's steps over its labels' rows streamed from files
+    (:func:`~..kernels.balanced_kmeans.balanced_split_streamed`): the round's rows
+    (:func:`_round_rows`) written as Arrow files, a block a Spark batch and group, by the tasks
+    that shuffled them (:func:`~.streamed_nodes.write_blocks`: a folder per write attempt, the
+    job's result naming those kept), then one job of a task a group (the most labels first), each
+    writing its assignment to the round's folder, which the driver reads (4 bytes a label) and
+    deletes. A task holds one block, the group's scores (m x k) and its centroids (k x d): never
+    the group's rows. With the blocks in position order the children are the kernel's, bit for
+    bit (the float32 sums carried from block to block)."""
+    spark = emb.sparkSession
+    G = len(lvl.keys)
+    tps = [params.for_tree(t) for t, _ in lvl.keys]
+    m = np.diff(lvl.ptr)
+    k = np.array([min(tp.nr_splits, int(mg)) for tp, mg in zip(tps, m)], np.int64)
+    files = _RoundFiles(root, lvl.ptr, k, d)
+    shared = None
+    try:
+        rows, shared = _round_rows(emb, lvl, par)
+        uri = f"{files.uri}/rows"
+        written = write_blocks(rows.select("g", "pos", "emb_idx", "emb_val"), _group_blocks, uri)
+        at = written.column("node").to_numpy().astype(np.int64)
+        got = np.bincount(at, weights=written.column("rows").to_numpy(), minlength=G).astype(np.int64)
+        if not np.array_equal(got, m):
+            bad = int(np.flatnonzero(got != m)[0])
+            raise RuntimeError(f"tree split: group {bad} wrote {got[bad]} rows for its {m[bad]} labels")
+        folders = [[] for _ in range(G)]
+        for g, f in sorted(zip(at.tolist(), written.column("folder").to_pylist())):    # partition order
+            folders[g].append(f)
+        order = np.argsort(-m, kind="stable")
+        seeds = [split_seed(tp.seed, node) for tp, (_, node) in zip(tps, lvl.keys)]
+        ptr = lvl.ptr
+        files.make_assign_dir(0)
+
+        def run(batches):
+            rfs, rbase = client_fs(uri)
+            fs = files.filesystem()
+            for b in batches:
+                for i in b.column("id").to_pylist():
+                    g = int(order[i])
+                    paths = [p for f in folders[g] for p in block_files(rfs, f"{rbase}/{f}")]
+
+                    def blocks(paths=paths, lo=int(ptr[g])):
+                        for p in paths:
+                            with rfs.open_input_file(p) as f:
+                                t = pa.ipc.open_file(f).read_all()
+                            yield t.column("pos").to_numpy() - lo, csr_from_binary(t, "emb_idx", "emb_val", d)
+
+                    a = balanced_split_streamed(blocks, int(m[g]), d, tps[g].nr_splits, tps[g].max_iter, seeds[g])
+                    files.write_assignment(fs, 0, g, a)
+                    worker_progress("tree (streamed split)", labels=int(m[g]))
+                    yield pa.RecordBatch.from_pydict({"g": pa.array([g], pa.int32())})
+
+        done = to_arrow(spark.range(0, G, numPartitions=G).mapInArrow(run, "g int")).column("g").to_pylist()
+        if sorted(done) != list(range(G)):
+            raise RuntimeError(f"tree split: {len(done)} of {G} groups were split")
+        return _children(files, lvl, tps, np.zeros(G, np.int64))
+    finally:
+        _release(files, shared)
+
+
+def _group_blocks(batches):
+    """The round's rows (position order) as blocks for :func:`~.streamed_nodes.write_blocks`:
+    each batch's run of a group's rows, with the group as ``node`` and its row count as ``rows``."""
+    for b in batches:
+        if not b.num_rows:
+            continue
+        g = b.column("g").to_numpy()
+        cuts = np.concatenate([[0], np.flatnonzero(np.diff(g)) + 1, [len(g)]])
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            part = b.slice(int(lo), int(hi - lo))
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(np.full(hi - lo, g[lo], np.int32)), pa.array(np.full(hi - lo, hi - lo, np.int64)),
+                 part.column("pos"), part.column("emb_idx"), part.column("emb_val")],
+                ["node", "rows", "pos", "emb_idx", "emb_val"])
 
 
 class _RoundFiles:
