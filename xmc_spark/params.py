@@ -296,7 +296,7 @@ class TreeParams(BaseParams):
     # partitions, each k-means step two Spark jobs), "streamed" (one task a node, the kernel's steps
     # over its labels' rows read a block at a time from files under the run's scratch folder) or
     # "auto" (default): streamed in local mode with the scratch folder on local disk (where auto's
-    # bound is also at most 2^25 estimated non-zeros a split), else distributed
+    # bound is also at most 2^24 estimated non-zeros a split), else distributed
     big_split_solver: str = "auto"
 
     def split_label_bound(self) -> Optional[int]:

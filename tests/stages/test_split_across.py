@@ -20,6 +20,10 @@ M, DIM = 300, 40
 
 @pytest.fixture(scope="module")
 def Z():
+    return Z_fixture()
+
+
+def Z_fixture():
     """Label embeddings (PIFA-like: non-negative, unit rows) of M labels, some without a row."""
     Z = sp.random(M, DIM, density=0.2, random_state=3, format="csr", dtype=np.float32)
     Z = sp.csr_matrix(Z.multiply(1 / np.maximum(1e-12, sp.linalg.norm(Z, axis=1))[:, None]), dtype=np.float32)
@@ -369,12 +373,13 @@ def test_the_bound_is_the_setting_or_derived_from_memory(spark):
     assert split_across.label_bound(spark, TreeParams(), 100, counts, 20.0) == row_bound_for(
         session_conf(spark), int(256 + 40 * (per_label + 1)))
     assert split_across.label_bound(spark, TreeParams(), 100) == row_bound_for(session_conf(spark), 256 + 40 * 101)
-    # streamed splits: at most 2^25 estimated non-zeros a split in a task
+    # streamed splits: at most 2^24 estimated non-zeros a split in a task
     for d, c, nnz in [(10 ** 5, np.full(4, 10 ** 6), 500.0), (100, counts, 20.0)]:
         per_label = np.minimum(d, c * nnz).mean()
         assert split_across.label_bound(spark, TreeParams(), d, c, nnz, streamed=True) == min(
-            int(2 ** 25 // per_label), split_across.label_bound(spark, TreeParams(), d, c, nnz))
-    assert split_across.label_bound(spark, TreeParams(), 10 ** 5, np.full(4, 10 ** 6), 500.0, streamed=True) == 335
+            int(split_across.STREAMED_SPLIT_NNZ // per_label), split_across.label_bound(spark, TreeParams(), d, c, nnz))
+    assert split_across.STREAMED_SPLIT_NNZ == 2 ** 24
+    assert split_across.label_bound(spark, TreeParams(), 10 ** 5, np.full(4, 10 ** 6), 500.0, streamed=True) == 167
     assert split_across.label_bound(spark, TreeParams(max_split_labels="77"), 100, streamed=True) == 77
     with pytest.raises(Exception, match="max_split_labels"):
         TreeParams(max_split_labels="1").validate()
@@ -435,3 +440,55 @@ def test_the_auto_bound_takes_ingests_count_or_one_aggregation(spark, monkeypatc
     assert split_across.split_bound(unreadable, TreeParams(), d, L) == least
     assert split_across.split_bound(unreadable, TreeParams(), d, least, counts) == least
     assert split_across.split_bound(unreadable, TreeParams(max_split_labels="77"), d, L, counts) == 77
+
+
+def test_streamed_blocks_are_one_groups_rows_within_the_block_non_zeros(monkeypatch):
+    """_group_blocks cuts each batch into runs of one group's rows of at most SPLIT_BLOCK_NNZ
+    non-zeros (a heavier row alone), the rows in order, each block's row count in ``rows``."""
+    monkeypatch.setattr(split_across, "SPLIT_BLOCK_NNZ", 10)
+    X = sp.random(9, 30, density=0.3, random_state=5, format="csr", dtype=np.float32)
+    X = sp.csr_matrix(sp.vstack([X, sp.csr_matrix(np.ones((1, 30), np.float32))]))   # a row of 30 > 10
+    g = np.array([0, 0, 0, 0, 1, 1, 2, 2, 2, 2], np.int32)
+    t = pa.Table.from_batches(csr_batches({"g": pa.array(g), "pos": pa.array(np.arange(10, dtype=np.int64))}, X,
+                                          1 << 20))
+    batches = t.to_batches(max_chunksize=6)                     # two batches, group 2 across them
+    blocks = list(split_across._group_blocks(batches))
+    rows = np.concatenate([b.column("pos").to_numpy() for b in blocks])
+    np.testing.assert_array_equal(rows, np.arange(10))
+    for b in blocks:
+        p = b.column("pos").to_numpy()
+        assert len(set(g[p])) == 1 and set(b.column("node").to_pylist()) == {int(g[p[0]])}
+        assert set(b.column("rows").to_pylist()) == {len(p)}
+        nnz = np.diff(X.indptr)[p].sum()
+        assert nnz <= 10 or len(p) == 1, (p, nnz)
+    assert len(blocks) > 4                                      # groups and batches alone would give 4
+
+
+def test_mapped_blocks_read_the_files_once_then_map_their_arrays(tmp_path):
+    """The first pass reads the block files; later passes map the task's own copies: the same
+    positions and rows, and the streamed split of them is the kernel's."""
+    import pyarrow.fs as pafs
+
+    from xmc_spark.kernels.balanced_kmeans import balanced_split_streamed
+    paths = []
+    for i, (a, b) in enumerate([(0, 100), (100, 101), (101, M)]):
+        t = pa.Table.from_batches(csr_batches({"pos": pa.array(np.arange(a, b) + 1000)}, Z_fixture()[a:b], 1 << 20))
+        paths.append(str(tmp_path / f"{i:06d}.arrow"))
+        with pa.OSFile(paths[-1], "wb") as f, pa.ipc.new_file(f, t.schema) as w:
+            w.write_table(t)
+    local = tmp_path / "local"
+    local.mkdir()
+    blocks = split_across._MappedBlocks(pafs.LocalFileSystem(), paths, 1000, DIM, str(local))
+    first = [(p.copy(), Z.toarray()) for p, Z in blocks()]
+    assert blocks.kept and len(list(local.iterdir())) == 4 * len(paths)
+    for p in paths:                                             # the later passes never read them
+        (tmp_path / p).unlink()
+    again = list(blocks())
+    for (p0, z0), (p1, z1) in zip(first, again):
+        np.testing.assert_array_equal(p0, p1)
+        np.testing.assert_array_equal(z0, z1.toarray())
+    assert isinstance(again[0][1].data.base, np.memmap) or isinstance(again[0][1].data.base.base, np.memmap)
+    blocks = split_across._MappedBlocks(pafs.LocalFileSystem(), [], 1000, DIM, str(local))
+    blocks.kept, blocks.paths = True, paths                     # the kept copies alone
+    np.testing.assert_array_equal(balanced_split_streamed(blocks, M, DIM, 3, 20, 9),
+                                  balanced_split(Z_fixture(), 3, 20, 9))

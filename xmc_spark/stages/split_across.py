@@ -61,23 +61,32 @@ Spark batch and node), and one task per node runs the kernel's steps itself
 (:func:`~..kernels.balanced_kmeans.balanced_split_streamed`), reading the node's files a block at
 a time at each pass (two passes a step: scores, then sums): it holds one block, the node's scores
 and its centroids, never its rows, and its children are the kernel's bit for bit (:func:`_split_streamed`).
-There ``auto``'s bound is also at most :data:`STREAMED_SPLIT_NNZ` estimated non-zeros in a split
-(:func:`label_bound`): the root's split of the 2M synthetic set held 1.6 GB in one Python worker.
+There ``auto``'s bound is also at most :data:`STREAMED_SPLIT_NNZ` (2^24) estimated non-zeros in a
+split in one task (:func:`label_bound`), 640 MiB at :data:`BYTES_PER_NNZ`: about what a training
+unit holds at the streamed row bound (:data:`~.node_training.STREAMED_NODE_ROWS`), so that the
+tree's workers hold no more than the train stage's (the root's split of the 2M synthetic set
+held 1.6 GB in one Python worker; 2^25 left 827 MB at 1M). A streamed split's block files hold at
+most :data:`SPLIT_BLOCK_NNZ` non-zeros each; its task reads them once, keeps their CSR arrays in
+a temporary folder of its own and maps them at every later pass (:class:`_MappedBlocks`).
 """
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import uuid
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import scipy.sparse as sp
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ..arrow_utils import (
+    binary_lengths,
     binary_segments,
     binary_values,
     csr_from_binary,
@@ -121,8 +130,9 @@ CENTROID_MB = 64            # a round's centroids (nodes x k x features doubles)
 BYTES_PER_NNZ = 40          # a split task holds a node's rows about five times (Arrow input, sorted
                             # CSR, the packed rows handed on, Spark's Arrow buffers)
 LABEL_BYTES = 256           # a label's id, node, order and scores besides its row
-STREAMED_SPLIT_NNZ = 1 << 25    # auto's bound where splits are streamed: at most this many estimated
+STREAMED_SPLIT_NNZ = 1 << 24    # auto's bound where splits are streamed: at most this many estimated
                                 # non-zeros in a split inside a task (module docstring)
+SPLIT_BLOCK_NNZ = 1 << 21       # a streamed split's block file: at most this many non-zeros (or one row)
 SCORES_SCHEMA = "g int, pos long, scores binary"     # a label's k scores as float64 bytes
 # the steps' queries (over the cached rows) shuffle into partitions they set themselves (one a
 # node's scores, one a block of sums, up to the solver's task count): adaptive execution has
@@ -421,14 +431,10 @@ def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par
                 for i in b.column("id").to_pylist():
                     g = int(order[i])
                     paths = [p for f in folders[g] for p in block_files(rfs, f"{rbase}/{f}")]
-
-                    def blocks(paths=paths, lo=int(ptr[g])):
-                        for p in paths:
-                            with rfs.open_input_file(p) as f:
-                                t = pa.ipc.open_file(f).read_all()
-                            yield t.column("pos").to_numpy() - lo, csr_from_binary(t, "emb_idx", "emb_val", d)
-
-                    a = balanced_split_streamed(blocks, int(m[g]), d, tps[g].nr_splits, tps[g].max_iter, seeds[g])
+                    with tempfile.TemporaryDirectory(prefix="xmc-split-blocks-") as local:     # this attempt's own
+                        blocks = _MappedBlocks(rfs, paths, int(ptr[g]), d, local)
+                        a = balanced_split_streamed(blocks, int(m[g]), d, tps[g].nr_splits, tps[g].max_iter,
+                                                    seeds[g])
                     files.write_assignment(fs, 0, g, a)
                     worker_progress("tree (streamed split)", labels=int(m[g]))
                     yield pa.RecordBatch.from_pydict({"g": pa.array([g], pa.int32())})
@@ -441,14 +447,63 @@ def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par
         _release(files, shared)
 
 
+class _MappedBlocks:
+    """``blocks()`` of a streamed split (:func:`~..kernels.balanced_kmeans.balanced_split_streamed`):
+    the first call reads the block files ``paths`` (positions made relative to ``lo``) and keeps
+    each block's CSR arrays as ``.npy`` files in the task's own temporary folder ``local``; the
+    later calls map those files (``np.load`` with ``mmap_mode``), so a pass copies and converts
+    nothing, and holds the pages of the block it is at (a block's arrays are unmapped when the
+    next one is taken)."""
+
+    def __init__(self, fs, paths, lo: int, d: int, local: str):
+        self.fs, self.paths, self.lo, self.d, self.local = fs, list(paths), int(lo), int(d), local
+        self.kept = False
+
+    def _name(self, i: int, part: str) -> str:
+        return os.path.join(self.local, f"{i}.{part}.npy")
+
+    def __call__(self):
+        if not self.kept:
+            return self._first()
+        return self._mapped()
+
+    def _first(self):
+        for i, p in enumerate(self.paths):
+            with self.fs.open_input_file(p) as f:
+                t = pa.ipc.open_file(f).read_all()
+            pos = t.column("pos").to_numpy() - self.lo
+            Z = csr_from_binary(t, "emb_idx", "emb_val", self.d)
+            del t
+            ptr = Z.indptr.astype(np.int32 if Z.nnz < 2 ** 31 else np.int64)
+            for part, a in (("pos", pos), ("ptr", ptr), ("idx", Z.indices.astype(ptr.dtype)), ("val", Z.data)):
+                np.save(self._name(i, part), a)
+            yield pos, Z
+        self.kept = True
+
+    def _mapped(self):
+        for i in range(len(self.paths)):
+            pos, ptr, idx, val = (np.asarray(np.load(self._name(i, part), mmap_mode="r"))
+                                  for part in ("pos", "ptr", "idx", "val"))
+            yield pos, sp.csr_matrix((val, idx, ptr), shape=(len(ptr) - 1, self.d))
+
+
 def _group_blocks(batches):
     """The round's rows (position order) as blocks for :func:`~.streamed_nodes.write_blocks`:
-    each batch's run of a group's rows, with the group as ``node`` and its row count as ``rows``."""
+    each batch's runs of a group's rows of at most :data:`SPLIT_BLOCK_NNZ` non-zeros (or one
+    row), with the group as ``node`` and the block's row count as ``rows``."""
     for b in batches:
         if not b.num_rows:
             continue
         g = b.column("g").to_numpy()
-        cuts = np.concatenate([[0], np.flatnonzero(np.diff(g)) + 1, [len(g)]])
+        ends = np.cumsum(binary_lengths(b.column("emb_idx"), 4))
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(g)) + 1])
+        cuts = [0]
+        for a, z in zip(starts, np.append(starts[1:], len(g))):
+            base = ends[a - 1] if a else 0
+            while a < z:                        # a greedy cut: as many rows as fit the block's non-zeros
+                a = max(a + 1, min(int(z), int(np.searchsorted(ends, base + SPLIT_BLOCK_NNZ, "right"))))
+                cuts.append(a)
+                base = ends[a - 1]
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             part = b.slice(int(lo), int(hi - lo))
             yield pa.RecordBatch.from_arrays(
