@@ -56,8 +56,8 @@ own centroids are larger.
 scratch folder on local disk, as ``train.big_node_solver``: :func:`streams_splits`): each step
 above costs two Spark jobs (~1.2-1.5 s a step in local mode, where the tasks share one machine
 and spreading a node's labels over them saves no time). Instead, the round's rows, shuffled and
-ordered as above, are written once as Arrow files by the tasks that shuffled them (a block a
-Spark batch and node), and one task per node runs the kernel's steps itself
+ordered as above, are written once as Arrow files by the tasks that shuffled them (blocks of one
+node's rows within a Spark batch), and one task per node runs the kernel's steps itself
 (:func:`~..kernels.balanced_kmeans.balanced_split_streamed`), reading the node's files a block at
 a time at each pass (two passes a step: scores, then sums): it holds one block, the node's scores
 and its centroids, never its rows, and its children are the kernel's bit for bit (:func:`_split_streamed`).
@@ -393,7 +393,7 @@ def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par
     """Child node of every entry of ``lvl`` (in its order), each group split in one task of its
     own by the kernel's steps over its labels' rows streamed from files
     (:func:`~..kernels.balanced_kmeans.balanced_split_streamed`): the round's rows
-    (:func:`_round_rows`) written as Arrow files, a block a Spark batch and group, by the tasks
+    (:func:`_round_rows`) written as Arrow files (:func:`_group_blocks`) by the tasks
     that shuffled them (:func:`~.streamed_nodes.write_blocks`: a folder per write attempt, the
     job's result naming those kept), then one job of a task a group (the most labels first), each
     writing its assignment to the round's folder, which the driver reads (4 bytes a label) and
