@@ -294,7 +294,7 @@ class TreeParams(BaseParams):
     max_split_labels: str = "auto"
     # how a node over max_split_labels is split: "distributed" (its labels' rows spread over the
     # partitions, each k-means step two Spark jobs), "streamed" (one task a node, the kernel's steps
-    # over its labels' rows read a block at a time from files under the run's scratch folder) or
+    # over its labels' rows written once as files under the run's scratch folder, a block at a time) or
     # "auto" (default): streamed in local mode with the scratch folder on local disk (where auto's
     # bound is also at most 2^24 estimated non-zeros a split), else distributed
     big_split_solver: str = "auto"

@@ -150,14 +150,16 @@ def test_ensemble_trees_split_their_big_nodes_across_tasks(spark, Z, ensemble, a
         assert [got[k] for k in range(M)] == want.tolist(), t
 
 
-def test_interpolated_splits_stay_in_their_task_and_balanced_ones_go_across(spark, Z, caplog, across):
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_interpolated_splits_stay_in_their_task_and_balanced_ones_go_across(spark, Z, caplog, across, solver):
     """lambda > 0: the interpolated splits (above balanced_below_depth) run in one task each,
     with a warning when over the bound; the balanced ones below go across tasks; the tree is the
     kernel's."""
     from xmc_spark.kernels import frequencies as FQ
     Y = sp.random(500, M, density=0.02, random_state=1, format="csr")
     f, ft = FQ.label_frequencies(Y.indptr, Y.indices, M, "marginal")
-    params = TreeParams(max_leaf_size=12, seed=3, lam=0.5, balanced_below_depth=1, max_iter=6)
+    params = TreeParams(max_leaf_size=12, seed=3, lam=0.5, balanced_below_depth=1, max_iter=6,
+                        big_split_solver=solver)
     with caplog.at_level("WARNING", logger="xmc_spark.tree"):
         tree = label_tree.run(packed_frame(spark, Z), params, n_features=DIM, n_labels=M, f=f, f_tilde=ft,
                               split_bound=60)
@@ -275,15 +277,27 @@ def test_a_streamed_split_sends_the_driver_a_row_per_group_and_write_task_and_le
 
     written, write = [], streamed_nodes.write_blocks
 
-    def recorded_write(rows, pack, uri):
-        t = write(rows, pack, uri)
+    def recorded_write(rows, pack, uri, kind):
+        t = write(rows, pack, uri, kind)
         written.append((rows.rdd.getNumPartitions(), t.num_rows, sorted(set(t.column("node").to_pylist()))))
+        # what each group's task will read: its folders in partition order, each folder's files in
+        # name order, the positions rising throughout (the float32 sums' order: the kernel's)
+        import pyarrow.fs as pafs
+        fs, base = streamed_nodes.client_fs(uri)
+        for g in (0, 1):
+            folders = sorted(f for n, f in zip(t.column("node").to_pylist(), t.column("folder").to_pylist()) if n == g)
+            paths = [p for f in folders for p in streamed_nodes.block_files(fs, f"{base}/{f}")]
+            pos = np.concatenate([pa.ipc.open_file(fs.open_input_file(p)).read_all().column("pos").to_numpy()
+                                  for p in paths])
+            assert len(paths) > 10 and np.all(np.diff(pos) == 1), (g, len(paths))
+        assert isinstance(fs, pafs.LocalFileSystem)
         return t
 
     monkeypatch.setattr(split_across, "to_arrow", recorded)
     monkeypatch.setattr(split_across, "write_blocks", recorded_write)
     params = TreeParams(max_leaf_size=10, nr_splits=3, big_split_solver="streamed", max_iter=4)
     nodes = np.where(np.arange(M) % 2 == 0, 1, 2)
+    monkeypatch.setattr(split_across, "SPLIT_BLOCK_NNZ", 20)     # blocks of 2-3 rows: many files a folder
     got = split_across.split_across(every_label(spark, Z), np.arange(M), np.zeros(M), nodes, params, DIM,
                                     levels=1, scratch=str(tmp_path))
     for node in (1, 2):
@@ -298,6 +312,7 @@ def test_a_streamed_split_sends_the_driver_a_row_per_group_and_write_task_and_le
     def failing(df):
         assert [p.name[:6] for p in tmp_path.iterdir()] == ["split-"]      # the round's folder, in use
         assert any(p.suffix == ".arrow" for p in tmp_path.rglob("*"))
+        assert [p.name for p in tmp_path.glob("split-*/local")] == ["local"]   # the tasks' copies go there
         raise RuntimeError("split failed")
 
     monkeypatch.setattr(split_across, "to_arrow", failing)
@@ -381,6 +396,9 @@ def test_the_bound_is_the_setting_or_derived_from_memory(spark):
     assert split_across.STREAMED_SPLIT_NNZ == 2 ** 24
     assert split_across.label_bound(spark, TreeParams(), 10 ** 5, np.full(4, 10 ** 6), 500.0, streamed=True) == 167
     assert split_across.label_bound(spark, TreeParams(max_split_labels="77"), 100, streamed=True) == 77
+    # without counts no cap: rows holding every feature would put nearly every node over it
+    assert split_across.label_bound(spark, TreeParams(), 10 ** 5, streamed=True) == \
+        split_across.label_bound(spark, TreeParams(), 10 ** 5)
     with pytest.raises(Exception, match="max_split_labels"):
         TreeParams(max_split_labels="1").validate()
     assert split_across.big_depths(1000, 2, 0, 10) == 0
@@ -442,17 +460,16 @@ def test_the_auto_bound_takes_ingests_count_or_one_aggregation(spark, monkeypatc
     assert split_across.split_bound(unreadable, TreeParams(max_split_labels="77"), d, L, counts) == 77
 
 
-def test_streamed_blocks_are_one_groups_rows_within_the_block_non_zeros(monkeypatch):
-    """_group_blocks cuts each batch into runs of one group's rows of at most SPLIT_BLOCK_NNZ
-    non-zeros (a heavier row alone), the rows in order, each block's row count in ``rows``."""
-    monkeypatch.setattr(split_across, "SPLIT_BLOCK_NNZ", 10)
+def test_streamed_blocks_are_one_groups_rows_within_the_block_non_zeros():
+    """_group_blocks cuts each batch into runs of one group's rows of at most ``cap`` non-zeros
+    (a heavier row alone), the rows in order, each block's row count in ``rows``."""
     X = sp.random(9, 30, density=0.3, random_state=5, format="csr", dtype=np.float32)
     X = sp.csr_matrix(sp.vstack([X, sp.csr_matrix(np.ones((1, 30), np.float32))]))   # a row of 30 > 10
     g = np.array([0, 0, 0, 0, 1, 1, 2, 2, 2, 2], np.int32)
     t = pa.Table.from_batches(csr_batches({"g": pa.array(g), "pos": pa.array(np.arange(10, dtype=np.int64))}, X,
                                           1 << 20))
     batches = t.to_batches(max_chunksize=6)                     # two batches, group 2 across them
-    blocks = list(split_across._group_blocks(batches))
+    blocks = list(split_across._group_blocks([batches[0], batches[0].slice(0, 0), batches[1]], cap=10))
     rows = np.concatenate([b.column("pos").to_numpy() for b in blocks])
     np.testing.assert_array_equal(rows, np.arange(10))
     for b in blocks:
@@ -461,6 +478,9 @@ def test_streamed_blocks_are_one_groups_rows_within_the_block_non_zeros(monkeypa
         assert set(b.column("rows").to_pylist()) == {len(p)}
         nnz = np.diff(X.indptr)[p].sum()
         assert nnz <= 10 or len(p) == 1, (p, nnz)
+        nxt = p[-1] + 1                                         # the cut is greedy: the next row of the
+        if nxt < 10 and g[nxt] == g[p[0]] and nxt != 6:         # group in the batch would not fit
+            assert nnz + np.diff(X.indptr)[nxt] > 10, (p, nnz)
     assert len(blocks) > 4                                      # groups and batches alone would give 4
 
 
@@ -492,3 +512,25 @@ def test_mapped_blocks_read_the_files_once_then_map_their_arrays(tmp_path):
     blocks.kept, blocks.paths = True, paths                     # the kept copies alone
     np.testing.assert_array_equal(balanced_split_streamed(blocks, M, DIM, 3, 20, 9),
                                   balanced_split(Z_fixture(), 3, 20, 9))
+
+
+def test_the_auto_bound_is_capped_where_splits_are_streamed(spark, monkeypatch, tmp_path):
+    """split_bound with the tree stage's scratch folder: streamed splits (local mode, local disk)
+    cap the bound at STREAMED_SPLIT_NNZ estimated non-zeros a split; distributed ones, or no label
+    counts, do not; the count is taken when n_labels rows of every feature would pass the cap,
+    although they fit the memory."""
+    monkeypatch.setattr(split_across, "row_bound_for", lambda conf, nbytes: 10 ** 7 // nbytes)
+    monkeypatch.setattr(split_across, "STREAMED_SPLIT_NNZ", 300)
+    d, L, counts = 1000, 1000, np.ones(1000)
+    unreadable = spark.range(1).selectExpr("raise_error('the rows were read') AS feature_idx")
+    memory = 10 ** 7 // (256 + 40 * (3 + 1))                     # 24,038 labels of 3 non-zeros
+    scratch = str(tmp_path)
+    assert split_across.split_bound(unreadable, TreeParams(), d, L, counts, row_nnz=3.0, scratch=scratch) == 100
+    assert split_across.split_bound(unreadable, TreeParams(big_split_solver="distributed"), d, L, counts,
+                                    row_nnz=3.0, scratch=scratch) == memory
+    least = 10 ** 7 // (256 + 40 * (d + 1))
+    assert split_across.split_bound(unreadable, TreeParams(), d, L, scratch=scratch) == least     # no counts
+    # 200 labels fit the memory as rows of every feature (least = 243), but 200 x 1000 > 300: counted
+    assert split_across.split_bound(unreadable, TreeParams(), d, 200, counts, row_nnz=3.0, scratch=scratch) == 100
+    assert split_across.split_bound(unreadable, TreeParams(big_split_solver="distributed"), d, 200, counts,
+                                    row_nnz=3.0, scratch=scratch) == least

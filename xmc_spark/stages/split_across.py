@@ -60,7 +60,8 @@ ordered as above, are written once as Arrow files by the tasks that shuffled the
 node's rows within a Spark batch), and one task per node runs the kernel's steps itself
 (:func:`~..kernels.balanced_kmeans.balanced_split_streamed`), reading the node's files a block at
 a time at each pass (two passes a step: scores, then sums): it holds one block, the node's scores
-and its centroids, never its rows, and its children are the kernel's bit for bit (:func:`_split_streamed`).
+and its centroids in memory, never its rows (a copy of them stays on disk while it runs), and its
+children are the kernel's bit for bit (:func:`_split_streamed`).
 There ``auto``'s bound is also at most :data:`STREAMED_SPLIT_NNZ` (2^24) estimated non-zeros in a
 split in one task (:func:`label_bound`), 640 MiB at :data:`BYTES_PER_NNZ`: about what a training
 unit holds at the streamed row bound (:data:`~.node_training.STREAMED_NODE_ROWS`), so that the
@@ -71,6 +72,7 @@ a temporary folder of its own and maps them at every later pass (:class:`_Mapped
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -109,7 +111,7 @@ from ..kernels.balanced_kmeans import (
 from ..kernels.tree import TREE_SHIFT, find_keys, split_seed
 from ..params import ConfigError, TreeParams
 from ..progress import worker_progress
-from ..storage import client_fs, write_whole
+from ..storage import client_fs, is_local_path, write_whole
 from .node_training import (
     BLOCK,
     PARTIAL_SCHEMA,
@@ -148,17 +150,20 @@ def label_bound(spark, params: TreeParams, n_features: int, label_counts=None,
     a task's memory :func:`~.node_training.row_bound_for` gives rows of :data:`BYTES_PER_NNZ`
     bytes a non-zero (the mean over labels of that estimate, + :data:`LABEL_BYTES`). Without
     counts or ``row_nnz``, rows holding every feature. ``streamed`` (big splits would be streamed:
-    :func:`streams_splits`): at most :data:`STREAMED_SPLIT_NNZ` estimated non-zeros a split."""
+    :func:`streams_splits`) with counts and ``row_nnz``: also at most :data:`STREAMED_SPLIT_NNZ`
+    estimated non-zeros a split (without them that cap would take rows holding every feature and
+    put nearly every node over it: left out)."""
     v = params.split_label_bound()
     if v is not None:
         return v
     d = max(1, int(n_features))
-    if label_counts is None or row_nnz is None or len(label_counts) == 0:
+    counted = label_counts is not None and row_nnz is not None and len(label_counts) > 0
+    if not counted:
         per_label = d
     else:
         per_label = float(np.minimum(d, np.asarray(label_counts, np.float64) * float(row_nnz)).mean())
     bound = row_bound_for(session_conf(spark), int(LABEL_BYTES + BYTES_PER_NNZ * (per_label + 1)))
-    return min(bound, max(2, int(STREAMED_SPLIT_NNZ // max(per_label, 1.0)))) if streamed else bound
+    return min(bound, max(2, int(STREAMED_SPLIT_NNZ // max(per_label, 1.0)))) if streamed and counted else bound
 
 
 def streams_splits(spark, params: TreeParams, scratch: Optional[str] = None) -> bool:
@@ -177,13 +182,16 @@ def split_bound(samples: DataFrame, params: TreeParams, n_features: int, n_label
     made one) their mean non-zeros come from one aggregation, run only when the bound for rows
     holding every feature is below ``n_labels`` (else no node can be over the bound) and
     ``label_counts`` are given (without them the bound is that of rows holding every feature).
-    ``scratch``: the tree stage's scratch folder (whether its splits are streamed: :func:`streams_splits`)."""
+    ``scratch``: the tree stage's scratch folder (whether its splits are streamed:
+    :func:`streams_splits`; then the count is also taken when ``n_labels`` rows of every feature
+    would hold more than :data:`STREAMED_SPLIT_NNZ` non-zeros, the cap's own bound)."""
     spark = samples.sparkSession
     if params.split_label_bound() is not None:
         return label_bound(spark, params, n_features)
     streamed = streams_splits(spark, params, scratch)
-    least = label_bound(spark, params, n_features, streamed=streamed)
-    if int(n_labels) <= least or label_counts is None:
+    least = label_bound(spark, params, n_features)
+    capped = streamed and int(n_labels) * max(1, int(n_features)) > STREAMED_SPLIT_NNZ
+    if (int(n_labels) <= least and not capped) or label_counts is None:
         return least
     if row_nnz is None:
         row_nnz = mean_row_nnz(samples)
@@ -397,9 +405,10 @@ def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par
     that shuffled them (:func:`~.streamed_nodes.write_blocks`: a folder per write attempt, the
     job's result naming those kept), then one job of a task a group (the most labels first), each
     writing its assignment to the round's folder, which the driver reads (4 bytes a label) and
-    deletes. A task holds one block, the group's scores (m x k) and its centroids (k x d): never
-    the group's rows. With the blocks in position order the children are the kernel's, bit for
-    bit (the float32 sums carried from block to block)."""
+    deletes. A task holds one block, the group's scores (m x k) and its centroids (k x d) in
+    memory, never the group's rows (its copy of them is on disk: :class:`_MappedBlocks`). With
+    the blocks in position order the children are the kernel's, bit for bit (the float32 sums
+    carried from block to block)."""
     spark = emb.sparkSession
     G = len(lvl.keys)
     tps = [params.for_tree(t) for t, _ in lvl.keys]
@@ -410,7 +419,9 @@ def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par
     try:
         rows, shared = _round_rows(emb, lvl, par)
         uri = f"{files.uri}/rows"
-        written = write_blocks(rows.select("g", "pos", "emb_idx", "emb_val"), _group_blocks, uri)
+        written = write_blocks(rows.select("g", "pos", "emb_idx", "emb_val"),
+                               functools.partial(_group_blocks, cap=SPLIT_BLOCK_NNZ), uri,
+                               "tree (streamed split: writing the labels' rows)")
         at = written.column("node").to_numpy().astype(np.int64)
         got = np.bincount(at, weights=written.column("rows").to_numpy(), minlength=G).astype(np.int64)
         if not np.array_equal(got, m):
@@ -423,6 +434,7 @@ def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par
         seeds = [split_seed(tp.seed, node) for tp, (_, node) in zip(tps, lvl.keys)]
         ptr = lvl.ptr
         files.make_assign_dir(0)
+        local_dir = files.make_local_dir()
 
         def run(batches):
             rfs, rbase = client_fs(uri)
@@ -431,7 +443,9 @@ def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par
                 for i in b.column("id").to_pylist():
                     g = int(order[i])
                     paths = [p for f in folders[g] for p in block_files(rfs, f"{rbase}/{f}")]
-                    with tempfile.TemporaryDirectory(prefix="xmc-split-blocks-") as local:     # this attempt's own
+                    # this attempt's own copies, in the round's folder when the scratch is on this disk
+                    # (the driver's delete removes them whatever becomes of the task), else the temp folder
+                    with tempfile.TemporaryDirectory(prefix="t-", dir=local_dir) as local:
                         blocks = _MappedBlocks(rfs, paths, int(ptr[g]), d, local)
                         a = balanced_split_streamed(blocks, int(m[g]), d, tps[g].nr_splits, tps[g].max_iter,
                                                     seeds[g])
@@ -450,7 +464,7 @@ def _split_streamed(emb: DataFrame, lvl: _Level, params: TreeParams, d: int, par
 class _MappedBlocks:
     """``blocks()`` of a streamed split (:func:`~..kernels.balanced_kmeans.balanced_split_streamed`):
     the first call reads the block files ``paths`` (positions made relative to ``lo``) and keeps
-    each block's CSR arrays as ``.npy`` files in the task's own temporary folder ``local``; the
+    each block's CSR arrays as ``.npy`` files in the task's own folder ``local``; the
     later calls map those files (``np.load`` with ``mmap_mode``), so a pass copies and converts
     nothing, and holds the pages of the block it is at (a block's arrays are unmapped when the
     next one is taken)."""
@@ -487,10 +501,11 @@ class _MappedBlocks:
             yield pos, sp.csr_matrix((val, idx, ptr), shape=(len(ptr) - 1, self.d))
 
 
-def _group_blocks(batches):
+def _group_blocks(batches, cap: int):
     """The round's rows (position order) as blocks for :func:`~.streamed_nodes.write_blocks`:
-    each batch's runs of a group's rows of at most :data:`SPLIT_BLOCK_NNZ` non-zeros (or one
-    row), with the group as ``node`` and the block's row count as ``rows``."""
+    each batch's runs of a group's rows of at most ``cap`` non-zeros (or one row; the driver
+    passes :data:`SPLIT_BLOCK_NNZ`), with the group as ``node`` and the block's row count as
+    ``rows``."""
     for b in batches:
         if not b.num_rows:
             continue
@@ -501,7 +516,7 @@ def _group_blocks(batches):
         for a, z in zip(starts, np.append(starts[1:], len(g))):
             base = ends[a - 1] if a else 0
             while a < z:                        # a greedy cut: as many rows as fit the block's non-zeros
-                a = max(a + 1, min(int(z), int(np.searchsorted(ends, base + SPLIT_BLOCK_NNZ, "right"))))
+                a = max(a + 1, min(int(z), int(np.searchsorted(ends, base + cap, "right"))))
                 cuts.append(a)
                 base = ends[a - 1]
         for lo, hi in zip(cuts[:-1], cuts[1:]):
@@ -519,7 +534,9 @@ class _RoundFiles:
     and zero; ``present`` names those written) and the assignment a step made (``a<s>/<group>``: a
     child a label, int32, in the group's label order). The driver makes a job's folder before the
     job (a task never makes one: a stray attempt after the folder's delete fails instead of
-    leaving it behind), and every read checks its length. Pickled into the closures."""
+    leaving it behind; the streamed split's write tasks are the exception, making their attempt's
+    folders under ``rows`` as :func:`~.streamed_nodes.write_blocks` does for the train stage), and
+    every read checks its length. Pickled into the closures."""
 
     def __init__(self, root: str, ptr: np.ndarray, k: np.ndarray, d: int):
         self.uri = f"{root.rstrip('/')}/split-{uuid.uuid4().hex}"
@@ -538,6 +555,16 @@ class _RoundFiles:
 
     def make_assign_dir(self, step: int) -> None:
         self.filesystem().create_dir(f"{self.base}/a{step}", recursive=True)
+
+    def make_local_dir(self) -> Optional[str]:
+        """The folder for the streamed split tasks' own copies of their blocks
+        (:class:`_MappedBlocks`): ``local`` in the round's folder when the scratch root is a path
+        of this machine's file system (each task makes a folder of its own inside), else None
+        (the task's temp folder)."""
+        if not is_local_path(self.uri):
+            return None
+        self.filesystem().create_dir(f"{self.base}/local", recursive=True)
+        return f"{self.base}/local"
 
     def block_size(self, b: int) -> int:
         return min(self.block, int(self.off[-1]) - b * self.block)

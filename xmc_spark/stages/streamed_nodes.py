@@ -68,9 +68,12 @@ log = logging.getLogger("xmc_spark.train")
 WRITTEN_SCHEMA = "node int, folder string, blocks long, rows long"
 
 
-def write_blocks(rows: DataFrame, pack: Callable, uri: str) -> pa.Table:
+def write_blocks(rows: DataFrame, pack: Callable, uri: str,
+                 kind: str = "train (streamed: writing the big nodes' rows)") -> pa.Table:
     """Pack ``rows`` (:data:`.node_training.BIG_SCHEMA`, nodes in any order) with ``pack`` (a
-    :func:`.node_training._pack_rows` function) and write every packed block as an Arrow IPC file
+    :func:`.node_training._pack_rows` function; the tree's streamed splits pass their own rows and
+    packer, :func:`.split_across._group_blocks`, and their progress ``kind``: any packer whose
+    blocks carry ``node`` and ``rows`` columns) and write every packed block as an Arrow IPC file
     ``<seq>-<rows>.arrow`` under ``uri``/n<node>/p<partition>-t<task attempt>/, in the tasks that
     read the rows (no shuffle of the rows); returns (node, folder relative to ``uri``, blocks,
     rows) per big node and write task. Each attempt writes a folder of its own and the write is
@@ -97,7 +100,7 @@ def write_blocks(rows: DataFrame, pack: Callable, uri: str) -> pa.Table:
             write_whole(fs, f"{folder}/{seq:06d}-{n}.arrow", write)
             made[g][0] += 1
             made[g][1] += n
-            worker_progress("train (streamed: writing the big nodes' rows)", rows=n)
+            worker_progress(kind, rows=n)
         if made:
             nodes = sorted(made)
             yield pa.RecordBatch.from_pydict({
