@@ -136,33 +136,19 @@ def balanced_split(Z: sp.csr_matrix, nr_splits: int = 2, max_iter: int = 20, see
     """
     Z = sp.csr_matrix(Z, dtype=np.float32)
     m = Z.shape[0]
-    k = min(nr_splits, m)
-    if m <= 1 or k <= 1:
-        return np.zeros(m, dtype=np.int64)
-    caps = split_caps(m, k)
-    C = normalized(Z[initial_rows(m, k, seed)].toarray())
-    assign = None
-    for _ in range(max_iter):
-        if k == 2:                              # z^T (c0 - c1) = z^T c0 - z^T c1 up to rounding
-            new = assignment(_projection(Z.indptr, Z.indices, Z.data, C[0] - C[1]), caps)
-        else:
-            new = assignment(_similarities(Z.indptr, Z.indices, Z.data, C), caps)   # m x k
-        if assign is not None and np.array_equal(new, assign):
-            break
-        assign = new
-        C = _centroids(Z, assign, k)
-    return assign
+    return balanced_split_streamed(lambda: iter([(np.arange(m), Z)]), m, Z.shape[1], nr_splits, max_iter, seed)
 
 
 def balanced_split_streamed(blocks, m: int, d: int, nr_splits: int = 2, max_iter: int = 20,
                             seed: int = 0) -> np.ndarray:
-    """:func:`balanced_split` of m rows that are never held together: ``blocks()`` yields them
-    anew at every call as (positions, float32 CSR rows with d columns), each position in [0, m)
-    once. Each step is two passes (the scores of every row, then the sums of each child's rows)
-    and holds O(m x k + k x d) numbers besides one block. With the blocks in position order
-    (positions rising within and across blocks) the steps are the kernel's to the last bit: the
-    float32 sums are carried from block to block (:func:`_add_cluster_sums`), each row's score
-    is its own, and the seeded rows, the assignment and the stop are the same."""
+    """:func:`balanced_split` (which is this over one block) of m rows that need not be held
+    together: ``blocks()`` yields them anew at every call as (positions, float32 CSR rows with d
+    columns), each position in [0, m) once. Each step is two passes (the scores of every row,
+    then the sums of each child's rows) and holds O(m x k + k x d) numbers besides one block.
+    With the blocks in position order (positions rising within and across blocks) the steps are
+    the kernel's to the last bit: the float32 sums are carried from block to block
+    (:func:`_add_cluster_sums`), each row's score is its own, and the seeded rows, the
+    assignment and the stop are the same."""
     k = min(int(nr_splits), int(m))
     if m <= 1 or k <= 1:
         return np.zeros(m, dtype=np.int64)
@@ -184,7 +170,7 @@ def balanced_split_streamed(blocks, m: int, d: int, nr_splits: int = 2, max_iter
     assign = None
     for _ in range(max_iter):
         S = np.empty(m) if k == 2 else np.empty((m, k))
-        v = C[0] - C[1] if k == 2 else C
+        v = C[0] - C[1] if k == 2 else C      # z^T (c0 - c1) = z^T c0 - z^T c1 up to rounding
         for pos, Z in blocks():
             S[pos] = _projection(Z.indptr, Z.indices, Z.data, v) if k == 2 else \
                 _similarities(Z.indptr, Z.indices, Z.data, v)

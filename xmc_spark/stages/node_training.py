@@ -1095,12 +1095,18 @@ def solver_for(master: str, v: str, scratch: Optional[str] = None) -> str:
     return "streamed" if master.startswith("local") and local_disk else "distributed"
 
 
+def streams(spark, v: str, scratch: Optional[str] = None):
+    """(streamed, root): whether the solver setting ``v`` resolves to ``streamed`` for the session
+    (:func:`solver_for`) and the folder every task sees (:func:`scratch_root`, None without one)."""
+    root = scratch_root(spark, scratch)
+    return solver_for(str(conf_value(spark, "spark.master", "") or ""), v, root) == "streamed", root
+
+
 def streams_big_nodes(spark, params: TrainParams, scratch: Optional[str] = None) -> bool:
     """Whether big nodes are trained by the streamed solver: :func:`big_node_solver` says so and
     there is a folder every task sees for their rows (:func:`scratch_root`; without one, the
     distributed solver, with a warning when ``streamed`` was asked for)."""
-    root = scratch_root(spark, scratch)
-    streamed = big_node_solver(str(conf_value(spark, "spark.master", "") or ""), params, root) == "streamed"
+    streamed, root = streams(spark, params.big_node_solver, scratch)
     if streamed and root is None:
         log.warning("train: no scratch folder the executors share was given for the streamed big nodes' rows: "
                     "they are trained by the distributed solver")

@@ -97,7 +97,7 @@ from ..arrow_utils import (
     local_frame,
     to_arrow,
 )
-from ..compat import conf_value, is_connect, partition_keys, scratch_root, session_settings, share
+from ..compat import is_connect, partition_keys, scratch_root, session_settings, share
 from ..kernels.balanced_kmeans import (
     _cluster_sums,
     _projection,
@@ -120,7 +120,7 @@ from .node_training import (
     partial_blocks,
     row_bound_for,
     session_conf,
-    solver_for,
+    streams,
 )
 from .shared_vectors import _parallel, solver_tasks
 from .streamed_nodes import block_files, write_blocks
@@ -168,11 +168,10 @@ def label_bound(spark, params: TreeParams, n_features: int, label_counts=None,
 
 def streams_splits(spark, params: TreeParams, scratch: Optional[str] = None) -> bool:
     """Whether nodes over the bound are split by :func:`_split_streamed` (``tree.big_split_solver``
-    resolved by :func:`~.node_training.solver_for` for the session's master and scratch folder,
-    :func:`~..compat.scratch_root`), else across tasks step by step (:func:`_split_round`)."""
-    root = scratch_root(spark, scratch)
-    master = str(conf_value(spark, "spark.master", "") or "")
-    return root is not None and solver_for(master, params.big_split_solver, root) == "streamed"
+    resolved for the session's master and scratch folder by :func:`~.node_training.streams`),
+    else across tasks step by step (:func:`_split_round`)."""
+    streamed, root = streams(spark, params.big_split_solver, scratch)
+    return streamed and root is not None
 
 
 def split_bound(samples: DataFrame, params: TreeParams, n_features: int, n_labels: int, label_counts=None,
